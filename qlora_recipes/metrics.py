@@ -1,0 +1,59 @@
+"""What a run reports: the task metric (exact match of greedy generations), memory, throughput."""
+
+import json
+import resource
+from pathlib import Path
+
+import torch
+
+
+def peak_memory_gib() -> float:
+    """GPU: torch.cuda.max_memory_allocated. CPU: this process's peak RSS (ru_maxrss is KiB on Linux)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _prompt_text(tokenizer, prompt) -> str:
+    if isinstance(prompt, list):  # conversational: render with the model's chat template
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return prompt
+
+
+@torch.no_grad()
+def exact_match(model, tokenizer, pairs: list, max_new_tokens: int, batch_size: int = 32) -> float | None:
+    """Fraction of (prompt, reference) pairs whose greedy continuation equals the reference
+    (surrounding whitespace ignored). None when there is nothing to score."""
+    if not pairs:
+        return None
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generation continues on the right
+    hits = 0
+    try:
+        for start in range(0, len(pairs), batch_size):
+            chunk = pairs[start : start + batch_size]
+            texts = [_prompt_text(tokenizer, prompt) for prompt, _ in chunk]
+            batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not isinstance(chunk[0][0], list))
+            batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+            out = model.generate(
+                **batch, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            )
+            new = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+            hits += sum(g.strip() == ref.strip() for g, (_, ref) in zip(new, chunk))
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return hits / len(pairs)
+
+
+def losses(log_history: list[dict]) -> list[float]:
+    return [entry["loss"] for entry in log_history if "loss" in entry]
+
+
+def write_metrics(run_dir: Path, metrics: dict) -> None:
+    tmp = run_dir / "metrics.json.tmp"
+    tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    tmp.replace(run_dir / "metrics.json")  # never a half-written file

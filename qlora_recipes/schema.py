@@ -1,0 +1,149 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+`conf/train.yaml` puts `train_schema` first in its defaults list, so every option file, recipe and
+command-line override is merged onto these dataclasses in struct mode: a misspelled key fails with
+a message that names it, and a value of the wrong type fails with the key and the expected type.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+
+@dataclass
+class ModelConfig:
+    # Where the weights are: a hub id or a local dir in the HF layout. Figures below describe the
+    # architecture so the planner can reason offline; a local config.json overrides them.
+    name_or_path: str = MISSING
+    hub_id: Optional[str] = None
+    architecture: str = "llama"
+    hidden_size: int = MISSING
+    num_layers: int = MISSING
+    num_heads: int = MISSING
+    num_kv_heads: int = MISSING
+    intermediate_size: int = MISSING
+    vocab_size: int = MISSING
+    tie_embeddings: bool = False
+    head_dim: Optional[int] = None
+    max_position_embeddings: int = 4096
+    trust_remote_code: bool = False
+    revision: Optional[str] = None
+    attn_implementation: str = "sdpa"
+    lora_lr: float = 2e-4  # learning rate this model size wants (QLoRA paper, Table 9)
+
+
+@dataclass
+class DataConfig:
+    path: str = MISSING  # .jsonl/.json/.csv/.parquet file, a dataset dir, or a hub dataset name
+    format: str = "auto"  # auto | alpaca | messages | prompt_completion | text
+    split: str = "train"  # for hub datasets and dataset dirs
+    eval_path: Optional[str] = None  # a separate eval file; otherwise eval_fraction of path
+    eval_fraction: float = 0.1
+    packing: bool = False
+    completion_only_loss: bool = True  # loss on completions / assistant turns only
+    metric: Optional[str] = None  # exact_match: greedy generations vs references on eval
+    metric_examples: int = 64  # eval rows used for the generation metric
+    max_new_tokens: int = 32
+
+
+@dataclass
+class QuantConfig:
+    method: str = "nf4"  # nf4 | fp4 | int8 | none
+    double_quant: bool = True
+    compute_dtype: str = "${precision.dtype}"
+    storage_dtype: str = "uint8"  # bnb_4bit_quant_storage; set to the FSDP dtype under FSDP
+    int8_threshold: float = 6.0
+    skip_modules: List[str] = field(default_factory=list)
+
+
+@dataclass
+class PeftConfig:
+    method: str = "lora"  # lora | dora | rslora
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: Any = "all-linear"  # "all-linear" or a list of module names
+    modules_to_save: Optional[List[str]] = None
+
+
+@dataclass
+class OptimConfig:
+    name: str = "paged_adamw_8bit"  # the transformers `optim` string
+    lr: float = "${model.lora_lr}"  # type: ignore[assignment]  # per model size unless set
+    scheduler: str = "cosine"
+    warmup_ratio: float = 0.03
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.3
+    beta1: float = 0.9
+    beta2: float = 0.999
+
+
+@dataclass
+class OffloadConfig:
+    # device_map null: everything on one device (this rank's GPU, or the CPU without one).
+    device_map: Optional[str] = None
+    # Budgets passed to from_pretrained as max_memory. Key "gpu" means every visible GPU;
+    # "0", "1", ... name one GPU; "cpu" the host.
+    max_memory: Dict[str, str] = field(default_factory=dict)
+    disk: bool = False  # let what overflows CPU RAM go to `folder` on disk
+    folder: Optional[str] = None  # offload folder for layers placed on disk (relative: in the run dir)
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "bf16"
+    dtype: str = "bfloat16"  # compute dtype and the dtype non-quantized weights load in
+
+
+@dataclass
+class TrainerConfig:
+    micro_batch_size: int = 4
+    grad_accum: int = 4
+    eval_batch_size: int = 16
+    seq_len: int = 2048
+    max_steps: int = -1  # -1: run `epochs` epochs
+    epochs: float = 1.0
+    gradient_checkpointing: bool = True
+    checkpointing_mode: str = "non_reentrant"  # non_reentrant | reentrant
+    logging_steps: int = 10
+    eval_steps: int = 0  # 0: evaluate at the end only
+    save_steps: int = 0  # 0: save the adapter at the end only
+    save_total_limit: int = 2  # the newest K checkpoints, plus the best by eval loss
+    memory_log_steps: int = 10  # memory.jsonl / TensorBoard memory scalars every N steps
+    progress_bar: bool = True
+
+
+@dataclass
+class ResumeConfig:
+    auto: bool = False  # continue from the newest complete checkpoint of this run dir
+    checkpoint: Optional[str] = None  # or from this checkpoint dir
+    allow_changes: bool = False  # resume even when stack-changing keys differ from the saved run
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
+    seed: int = 0
+    force: bool = False  # start even when the memory plan says the stack does not fit
+    cache_dir: str = "${oc.env:QLORA_RECIPES_CACHE,${oc.env:HOME}/.cache/qlora-recipes}"
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def register_schemas() -> None:
+    """Register the schema and the `${repo:rel/path}` resolver (paths that work from any cwd)."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    if not OmegaConf.has_resolver("repo"):
+        OmegaConf.register_new_resolver("repo", lambda rel="": str(REPO_ROOT / rel))

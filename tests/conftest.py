@@ -1,0 +1,41 @@
+"""Shared test helpers: compose the real config, find every config file on disk, a GPU skip."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from qlora_recipes.schema import register_schemas  # noqa: E402
+
+register_schemas()
+GROUPS = ("model", "data", "quant", "peft", "optim", "offload", "precision", "trainer", "resume")
+
+
+def compose_cfg(*overrides: str):
+    """The config train.py would compose for these command-line overrides."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def options(group: str) -> list[str]:
+    folder = REPO / ("recipes" if group == "recipe" else f"conf/{group}")
+    return sorted(p.stem for p in folder.rglob("*.yaml"))
+
+
+def requires_gpu(reason: str = "needs a CUDA GPU"):
+    return pytest.mark.skipif(not torch.cuda.is_available(), reason=reason)
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"

@@ -3,6 +3,11 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
+# Every recipes/NAME.yaml is a target `make NAME` (train it: scripts/launch.py checks the GPUs it is
+# sized for first) and `make plan-NAME` (its memory plan for that hardware, no GPU needed).
+RECIPE_FILES := $(sort $(wildcard recipes/*.yaml))
+RECIPES := $(basename $(notdir $(RECIPE_FILES)))
+SWEEP ?= rank_lr
 
 .DEFAULT_GOAL := help
 
@@ -16,6 +21,10 @@ $(VENV)/.installed: requirements.txt
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z0-9_.-]+:.*?## ' $(MAKEFILE_LIST) | sort | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-24s\033[0m %s\n", $$1, $$2}'
+	@echo "recipes: make NAME trains on the hardware it is sized for; make plan-NAME shows its memory plan"
+	@for f in $(RECIPE_FILES); do \
+		awk -v n="$$(basename $$f .yaml)" 'FNR > 1 && /^# / { sub(/^# /, ""); printf "  \033[36m%-24s\033[0m %s\n", n, $$0; exit }' $$f; \
+	done
 
 setup: $(VENV)/.installed ## create .venv and install the pinned requirements (CPU torch)
 
@@ -41,3 +50,17 @@ smoke: $(VENV)/.installed ## 3 steps of the default stack: checks an install wor
 
 plan: $(VENV)/.installed ## memory plan of a stack without loading it: make plan ARGS='model=llama3.1-8b'
 	$(PY) scripts/plan.py $(ARGS)
+
+sweep: $(VENV)/.installed ## a ready sweep from conf/sweep, one job per combination: make sweep SWEEP=rank_lr ARGS='trainer=smoke'
+	$(PY) train.py -m +sweep=$(SWEEP) $(ARGS)
+
+summarize: $(VENV)/.installed ## summary.csv/.md/.png of a sweep dir (Pareto front marked): make summarize ARGS=runs/multirun/DATE/TIME
+	$(PY) scripts/summarize_sweep.py $(ARGS)
+
+.PHONY: sweep summarize $(RECIPES) $(addprefix plan-,$(RECIPES))
+
+$(RECIPES): $(VENV)/.installed
+	$(PY) scripts/launch.py $@ $(ARGS)
+
+$(addprefix plan-,$(RECIPES)): plan-%: $(VENV)/.installed
+	$(PY) scripts/launch.py --plan $* $(ARGS)

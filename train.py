@@ -12,6 +12,7 @@ preemption) -> eval -> save adapter + metrics.json.
 """
 
 import logging
+import os
 import shutil
 import sys
 import time
@@ -38,7 +39,7 @@ def train(cfg: DictConfig, run_dir: Path, choices: dict | None = None) -> dict:
     from transformers import set_seed
     from transformers.integrations import TensorBoardCallback
 
-    from qlora_recipes import data, lifecycle, memory, metrics, modeling, stack
+    from qlora_recipes import data, dist, lifecycle, memory, metrics, modeling, stack
     from qlora_recipes.callbacks import MemoryLogger
     from qlora_recipes.validate import validate
 
@@ -47,17 +48,18 @@ def train(cfg: DictConfig, run_dir: Path, choices: dict | None = None) -> dict:
     gpu = modeling.on_gpu()
     validate(cfg, gpu_available=gpu)
     resume_from = lifecycle.resume_checkpoint(cfg, run_dir)  # checks the saved config first
-    print_stack(cfg, choices)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-
-    plan = memory.plan_stack(cfg)
-    memory.write_plan(plan, run_dir)
+    main_rank = int(os.environ.get("RANK", 0)) == 0  # under torchrun only rank 0 writes the run dir
+    plan = dist.plan_stack(cfg)  # one rank's share under FSDP/ZeRO-3, the whole stack otherwise
+    if main_rank:
+        print_stack(cfg, choices)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        memory.write_plan(plan, run_dir)
     memory.refuse_unless_fits(plan, force=cfg.force)
 
     set_seed(cfg.seed)
     tokenizer = modeling.load_tokenizer(cfg)
     train_ds, eval_ds, data_stats = data.load_splits(cfg.data, tokenizer, cfg.trainer.seq_len, cfg.seed)
-    model = modeling.make_trainable(cfg, modeling.load_model(cfg, run_dir))
+    model = modeling.make_trainable(cfg, modeling.load_model(cfg, run_dir, memory.loader_max_memory(plan)))
     trainable, total = model.get_nb_trainable_parameters()
     log.info("trainable params: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
 
@@ -65,16 +67,19 @@ def train(cfg: DictConfig, run_dir: Path, choices: dict | None = None) -> dict:
     pairs = data.generation_pairs(eval_ds, data_stats["format"], cfg.data.metric_examples) if want_em else []
     em_before = metrics.exact_match(model, tokenizer, pairs, cfg.data.max_new_tokens)
 
-    tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+    tb = SummaryWriter(log_dir=str(run_dir / "tb")) if main_rank else None
     preemption = lifecycle.PreemptionCallback()
-    data_kwargs = data.sft_kwargs(cfg.data, data_stats["format"])
+    data_kwargs = {**data.sft_kwargs(cfg.data, data_stats["format"]), **dist.sft_kwargs(cfg)}
 
     def make_trainer(c: DictConfig):
         tb_callback = TensorBoardCallback(tb_writer=tb)
         tb_callback.logging_dir = str(run_dir / "tb")  # where it reopens after train() closes it
         return lifecycle.GuardedTrainer(
-            model=model, args=stack.sft_config(c, run_dir, data_kwargs, gpu, eval_ds is not None),
-            train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
+            model=model,
+            args=stack.sft_config(c, run_dir, data_kwargs, gpu, eval_ds is not None),
+            train_dataset=train_ds,
+            eval_dataset=eval_ds,
+            processing_class=tokenizer,
             callbacks=[MemoryLogger(run_dir, c.trainer.memory_log_steps, tb), tb_callback, preemption],
         )
 
@@ -82,23 +87,39 @@ def train(cfg: DictConfig, run_dir: Path, choices: dict | None = None) -> dict:
     preemption.install()
     try:
         trainer, result, fit_cfg = lifecycle.train_with_oom_ladder(
-            cfg, model, make_trainer, run_dir, resume_from, [rung["overrides"] for rung in plan.get("ladder", [])])
+            cfg, model, make_trainer, run_dir, resume_from, [rung["overrides"] for rung in plan.get("ladder", [])]
+        )
     finally:
         preemption.uninstall()
     train_s = time.time() - train_started
     if preemption.received:
         checkpoint = lifecycle.find_checkpoint(run_dir / "checkpoints")
-        metrics.write_metrics(run_dir, {"status": "preempted", "signal": preemption.received,
-                                        "steps": trainer.state.global_step, "checkpoint": checkpoint})
+        metrics.write_metrics(
+            run_dir,
+            {
+                "status": "preempted",
+                "signal": preemption.received,
+                "steps": trainer.state.global_step,
+                "checkpoint": checkpoint,
+            },
+        )
         raise lifecycle.Preempted(preemption.received, trainer.state.global_step, checkpoint)
 
     eval_loss = trainer.evaluate()["eval_loss"] if eval_ds is not None else None
     em_after = metrics.exact_match(model, tokenizer, pairs, cfg.data.max_new_tokens)
+    lm_eval = (
+        metrics.lm_eval_scores(
+            model, tokenizer, cfg.trainer.lm_eval_tasks, cfg.trainer.lm_eval_limit, cfg.trainer.eval_batch_size
+        )
+        if cfg.trainer.lm_eval_tasks
+        else None
+    )
     staging = run_dir / "adapter.partial"  # the adapter dir appears complete or not at all
-    model.save_pretrained(staging, safe_serialization=True)
-    tokenizer.save_pretrained(staging)
-    shutil.rmtree(run_dir / "adapter", ignore_errors=True)
-    staging.rename(run_dir / "adapter")
+    trainer.save_model(str(staging))  # gathers a full state dict under FSDP; rank 0 writes
+    if main_rank:
+        tokenizer.save_pretrained(staging)
+        shutil.rmtree(run_dir / "adapter", ignore_errors=True)
+        staging.rename(run_dir / "adapter")
 
     loss_curve = metrics.losses(trainer.state.log_history)
     tokens = max((float(e.get("num_tokens", 0)) for e in trainer.state.log_history), default=0.0)
@@ -108,8 +129,10 @@ def train(cfg: DictConfig, run_dir: Path, choices: dict | None = None) -> dict:
         "train_loss_last": loss_curve[-1] if loss_curve else None,
         "train_loss_mean": result.training_loss,
         "eval_loss": eval_loss,
+        "eval_perplexity": metrics.perplexity(eval_loss),
         "eval_exact_match_before": em_before,
         "eval_exact_match": em_after,
+        "lm_eval": lm_eval,
         "tokens_per_s": tokens / train_s if train_s > 0 else None,
         "peak_mem_gib": metrics.peak_memory_gib(),
         "planned_peak_gib": plan["peak_gib"],
@@ -123,8 +146,11 @@ def train(cfg: DictConfig, run_dir: Path, choices: dict | None = None) -> dict:
         "data": data_stats,
         "torch": torch.__version__,
     }
-    metrics.write_metrics(run_dir, out)
-    tb.close()
+    out["adapter_sha256"] = metrics.trainable_digest(model)  # equal on every DDP rank
+    rank = int(os.environ.get("RANK", 0))
+    metrics.write_metrics(run_dir, out, name="metrics.json" if main_rank else f"metrics.rank{rank}.json")
+    if tb is not None:
+        tb.close()
     log.info("metrics: %s", {k: v for k, v in out.items() if k != "data"})
     return out
 
@@ -132,6 +158,7 @@ def train(cfg: DictConfig, run_dir: Path, choices: dict | None = None) -> dict:
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     from qlora_recipes.lifecycle import Preempted
+    from qlora_recipes.memory import DoesNotFit
     from qlora_recipes.metrics import write_metrics
 
     hydra_cfg = HydraConfig.get()
@@ -141,13 +168,18 @@ def main(cfg: DictConfig) -> float | None:
     except UserError as err:
         if hydra_cfg.mode != RunMode.MULTIRUN:
             raise
-        write_metrics(run_dir, {"status": "error", "error": str(err)})  # one bad job must not end a sweep
-        log.error("error: %s", err)
+        # One bad job must not end a sweep; a stack the planner rejects is skipped before loading.
+        status = "skipped" if isinstance(err, DoesNotFit) else "error"
+        write_metrics(run_dir, {"status": status, "error": str(err)})
+        log.error("%s: %s", status, err)
         return None
     except Preempted as stop:
         keep = [o for o in hydra_cfg.overrides.task if not o.startswith(("resume", "hydra.run.dir"))]
-        print(f"stopped by {stop.signame} at step {stop.step}; checkpoint {stop.checkpoint}; resume with: "
-              f"{' '.join(['python train.py', *keep])} resume=auto hydra.run.dir={run_dir}", file=sys.stderr)
+        print(
+            f"stopped by {stop.signame} at step {stop.step}; checkpoint {stop.checkpoint}; resume with: "
+            f"{' '.join(['python train.py', *keep])} resume=auto hydra.run.dir={run_dir}",
+            file=sys.stderr,
+        )
         sys.exit(143 if stop.signame == "SIGTERM" else 130)
     return result.get("eval_loss")  # the objective an Optuna sweep minimises
 

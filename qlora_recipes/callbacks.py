@@ -15,11 +15,15 @@ GiB = 2**30
 def memory_sample() -> dict:
     """GPU: allocated / reserved / peak allocated. CPU: current and peak RSS of this process."""
     if torch.cuda.is_available():
-        return {"allocated_gib": torch.cuda.memory_allocated() / GiB,
-                "reserved_gib": torch.cuda.memory_reserved() / GiB,
-                "peak_gib": torch.cuda.max_memory_allocated() / GiB}
-    return {"rss_gib": psutil.Process().memory_info().rss / GiB,
-            "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        return {
+            "allocated_gib": torch.cuda.memory_allocated() / GiB,
+            "reserved_gib": torch.cuda.memory_reserved() / GiB,
+            "peak_gib": torch.cuda.max_memory_allocated() / GiB,
+        }
+    return {
+        "rss_gib": psutil.Process().memory_info().rss / GiB,
+        "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
 
 
 class MemoryLogger(TrainerCallback):
@@ -38,10 +42,12 @@ class MemoryLogger(TrainerCallback):
                     self.tb.add_scalar(f"memory/{key}", value, step)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % self.every == 0:
+        if state.is_world_process_zero and state.global_step % self.every == 0:
             self._record(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
         self._record(state.global_step)
         plot_timeline(self.path, self.png)
 

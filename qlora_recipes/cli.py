@@ -25,7 +25,12 @@ def one_line(err: Exception) -> str:
         text = f"{text}\n{cause}"
     lines = [ln.strip().rstrip(".") for ln in text.splitlines()]
     # Drop Hydra's hints that do not apply (append with +, search path, object types).
-    keep = [ln for ln in lines if ln and not re.match(r"(To append|Config search path|provider=|reference_type|object_type|Set the environment)", ln)]
+    keep = [
+        ln
+        for ln in lines
+        if ln
+        and not re.match(r"(To append|Config search path|provider=|reference_type|object_type|Set the environment)", ln)
+    ]
     message = "; ".join(dict.fromkeys(keep))  # unique, in order
     if "not in '" in message or "Could not override" in message:
         message += " (check the spelling; `python train.py --cfg job` prints every key)"

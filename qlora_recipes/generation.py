@@ -50,8 +50,6 @@ def unescape(text: str) -> str:
 
 
 def _row_prompt(row: Any, where: str) -> Prompt:
-    from .data import alpaca_prompt
-
     if isinstance(row, str):
         return Prompt("text", row)
     if isinstance(row, dict):
@@ -68,6 +66,8 @@ def _row_prompt(row: Any, where: str) -> Prompt:
         if isinstance(row.get("prompt"), str):
             return Prompt("formatted", row["prompt"])
         if isinstance(row.get("instruction"), str):
+            from .data import alpaca_prompt  # (imports datasets: only when needed)
+
             return Prompt("formatted", alpaca_prompt(row["instruction"], row.get("input") or None))
         if isinstance(row.get("text"), str):
             return Prompt("formatted", row["text"])
@@ -109,12 +109,12 @@ def read_prompts(path: str | Path) -> list[Prompt]:
 
 def render(tokenizer, prompt: Prompt, style: str) -> tuple[str, bool]:
     """(the text to tokenize, whether the tokenizer should add its special tokens)."""
-    from .data import alpaca_prompt
-
     if prompt.kind == "text":
         if style == "chat":
             prompt = Prompt("messages", [{"role": "user", "content": prompt.value}])
         elif style == "alpaca":
+            from .data import alpaca_prompt  # (imports datasets: only when needed)
+
             prompt = Prompt("formatted", alpaca_prompt(prompt.value))
         else:
             prompt = Prompt("formatted", prompt.value)

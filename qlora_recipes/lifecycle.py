@@ -33,9 +33,20 @@ STAGING = ".partial"
 
 # Keys that may differ between a run and its resumption without changing what is trained.
 RESUME_SAFE_PREFIXES = (
-    "resume.", "force", "cache_dir", "trainer.max_steps", "trainer.epochs", "trainer.logging_steps",
-    "trainer.eval_steps", "trainer.save_steps", "trainer.save_total_limit", "trainer.memory_log_steps",
-    "trainer.progress_bar", "trainer.eval_batch_size", "data.metric_examples", "data.max_new_tokens",
+    "resume.",
+    "force",
+    "cache_dir",
+    "trainer.max_steps",
+    "trainer.epochs",
+    "trainer.logging_steps",
+    "trainer.eval_steps",
+    "trainer.save_steps",
+    "trainer.save_total_limit",
+    "trainer.memory_log_steps",
+    "trainer.progress_bar",
+    "trainer.eval_batch_size",
+    "data.metric_examples",
+    "data.max_new_tokens",
     "offload.",
 )
 
@@ -131,7 +142,8 @@ def stack_changes(saved: DictConfig, current: DictConfig) -> list[str]:
     changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not k.startswith(RESUME_SAFE_PREFIXES)]
     batch_keys = {"trainer.micro_batch_size", "trainer.grad_accum"}
     same_effective = a.get("trainer.micro_batch_size", 0) * a.get("trainer.grad_accum", 0) == b.get(
-        "trainer.micro_batch_size", 0) * b.get("trainer.grad_accum", 0)
+        "trainer.micro_batch_size", 0
+    ) * b.get("trainer.grad_accum", 0)
     return [k for k in changed if not (k in batch_keys and same_effective)]
 
 
@@ -143,7 +155,9 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
     if r.checkpoint:
         checkpoint = Path(r.checkpoint)
         if not CHECKPOINT.match(checkpoint.name) or not (checkpoint / "trainer_state.json").is_file():
-            raise UserError(f"resume.checkpoint={checkpoint}: not a complete checkpoint dir (checkpoint-N with trainer_state.json)")
+            raise UserError(
+                f"resume.checkpoint={checkpoint}: not a complete checkpoint dir (checkpoint-N with trainer_state.json)"
+            )
         owner = checkpoint.parent.parent
     else:
         found = find_checkpoint(run_dir / "checkpoints")
@@ -200,8 +214,11 @@ class OomRecord:
 
     def write(self, run_dir: Path, cfg: DictConfig) -> None:
         t = cfg.trainer
-        fit = {"trainer.micro_batch_size": t.micro_batch_size, "trainer.grad_accum": t.grad_accum,
-               "trainer.gradient_checkpointing": t.gradient_checkpointing}
+        fit = {
+            "trainer.micro_batch_size": t.micro_batch_size,
+            "trainer.grad_accum": t.grad_accum,
+            "trainer.gradient_checkpointing": t.gradient_checkpointing,
+        }
         (run_dir / "oom.json").write_text(json.dumps({"attempts": self.attempts, "fit": fit}, indent=2) + "\n")
 
 
@@ -219,8 +236,9 @@ def next_in_process_rung(cfg: DictConfig) -> tuple[DictConfig, str] | None:
     return None
 
 
-def train_with_oom_ladder(cfg: DictConfig, model, make_trainer, run_dir: Path, resume_from: str | None,
-                          relaunch_rungs: list[str]):
+def train_with_oom_ladder(
+    cfg: DictConfig, model, make_trainer, run_dir: Path, resume_from: str | None, relaunch_rungs: list[str]
+):
     """Run make_trainer(cfg).train(); on out-of-memory apply the next in-process rung and go on
     from the newest checkpoint. Returns (trainer, result, cfg that fit)."""
     record = OomRecord()
@@ -239,8 +257,14 @@ def train_with_oom_ladder(cfg: DictConfig, model, make_trainer, run_dir: Path, r
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             rung = next_in_process_rung(cfg)
-            record.attempts.append({"step": step, "micro_batch_size": cfg.trainer.micro_batch_size,
-                                    "grad_accum": cfg.trainer.grad_accum, "next": rung[1] if rung else None})
+            record.attempts.append(
+                {
+                    "step": step,
+                    "micro_batch_size": cfg.trainer.micro_batch_size,
+                    "grad_accum": cfg.trainer.grad_accum,
+                    "next": rung[1] if rung else None,
+                }
+            )
             record.write(run_dir, cfg)
             if rung is None:
                 hint = "; ".join(relaunch_rungs) or "offload=cpu"
@@ -255,5 +279,6 @@ def train_with_oom_ladder(cfg: DictConfig, model, make_trainer, run_dir: Path, r
                 model.load_state_dict(initial, strict=False)
             if cfg.trainer.gradient_checkpointing and not model.is_gradient_checkpointing:
                 model.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": cfg.trainer.checkpointing_mode == "reentrant"})
+                    gradient_checkpointing_kwargs={"use_reentrant": cfg.trainer.checkpointing_mode == "reentrant"}
+                )
                 model.enable_input_require_grads()

@@ -26,20 +26,23 @@ What each component counts (bytes; DESIGN.md section 3 has the facts and sources
   8-bit AdamW (adamw_bnb_8bit, paged_adamw_8bit): uint8 state1/state2 + fp32 absmax per 256 for
   tensors of >= 4096 elements (`min_8bit_size`), fp32 states below that, + 2 shared 256-entry qmaps.
   bnb 32-bit: 8 bytes/element. transformers Adafactor (beta1=None): factored second moment, rows +
-  columns for matrices, full for vectors, + a 4-byte RMS per tensor. Paged optimizers allocate tensors of >= 1e5 elements in
-  CUDA managed memory that can spill to host RAM; they are counted on the GPU.
+  columns for matrices, full for vectors, + a 4-byte RMS per tensor. Paged optimizers allocate
+  tensors of >= 1e5 elements in CUDA managed memory that can spill to host RAM; counted on the GPU.
 - activations (kept for backward), by micro-batch b, sequence s, tokens T = b*s, compute bytes c:
-    with gradient checkpointing (HF, reentrant or not): every decoder layer keeps its input, T*h*c
-    (DESIGN.md section 3);
+    with gradient checkpointing (HF, reentrant or not): every decoder layer keeps its input, T*h
+    elements (DESIGN.md section 3) - fp32 in a quantized model, because
+    prepare_model_for_kbit_training leaves the embeddings in fp32 and bitsandbytes linears return
+    their input's dtype, so the residual stream is fp32 (4*T*h bytes, not 2*T*h);
     without: each layer keeps what autograd saves, `layer_saved_bytes` - Korthikanti et al. 2022
     ("Reducing Activation Recomputation in Large Transformer Models", Eq. 1: s*b*h*(34 + 5*a*s/h)
-    for GPT) taken term by term for a Llama-family layer: fp32 RMSNorm inputs, GQA K/V, a gated MLP
-    (gate, up, act(gate), act*up), no dropout masks, the 5*a*s/h attention-score term only with eager
-    attention (SDPA/flash keep no s*s tensor), plus peft's LoRA dropout copies and DoRA products.
+    for a 16-bit GPT) taken term by term for a Llama-family QLoRA layer; the 5*a*s/h attention-score
+    term only with eager attention (SDPA/flash keep no s*s tensor). Checked against the tensors
+    autograd saves on CPU (tests/test_memory.py).
 - layer_working: one layer at a time in backward: its recomputed saved tensors (checkpointing) plus
-  gradient buffers T*c*(2h + 2f).
+  gradient buffers T*(2h + 2f) in the residual dtype.
 - logits_loss: T*V*(c + 8): the logits, their fp32 upcast in the loss and the fp32 log-softmax kept
-  for backward (transformers ForCausalLMLoss; no fused/chunked loss in this stack).
+  for backward (transformers ForCausalLMLoss; no fused/chunked loss in this stack), + the c-byte
+  copy of the fp32 lm_head weight that autocast makes.
 - dequant_scratch: the largest quantized weight dequantized to c bytes per element (forward and
   backward of a 4-bit/8-bit linear); DoRA adds its weight-norm temporaries.
 - optimizer_scratch: foreach torch AdamW's sqrt(exp_avg_sq) temporary, 4 bytes/trainable element.
@@ -60,10 +63,11 @@ import logging
 import math
 import os
 import re
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from . import devices as _dev
 from .errors import UserError
@@ -238,8 +242,17 @@ def _figures_from_config_json(path: Path, trust: bool) -> Figures:
     heads = cj.get("num_attention_heads", cj.get("n_head"))
     inter = cj.get("intermediate_size", cj.get("n_inner"))
     vocab = cj.get("vocab_size")
-    missing = [k for k, v in [("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads),
-                              ("intermediate_size", inter), ("vocab_size", vocab)] if v is None]
+    missing = [
+        k
+        for k, v in [
+            ("hidden_size", hidden),
+            ("num_hidden_layers", layers),
+            ("num_attention_heads", heads),
+            ("intermediate_size", inter),
+            ("vocab_size", vocab),
+        ]
+        if v is None
+    ]
     if missing or not arch:
         raise UserError(
             f"{path / 'config.json'}: lacks {', '.join(missing) or 'model_type'}; the planner needs them "
@@ -350,7 +363,10 @@ def _analytic_inventory(fig: Figures) -> tuple[Block, ...]:
     blocks.append(Block("model.norm", params=(("model.norm.weight", h),)))
     half = d // 2
     blocks.append(
-        Block("model.rotary_emb", buffers=(("model.rotary_emb.inv_freq", half, 4), ("model.rotary_emb.original_inv_freq", half, 4)))
+        Block(
+            "model.rotary_emb",
+            buffers=(("model.rotary_emb.inv_freq", half, 4), ("model.rotary_emb.original_inv_freq", half, 4)),
+        )
     )
     if fig.tie_embeddings:
         blocks.append(Block("lm_head", tied_to="model.embed_tokens"))
@@ -505,7 +521,12 @@ class Stack:
 def stack_from_cfg(cfg: Any, world_size: int | None = None) -> Stack:
     """Read the memory-relevant choices from a composed config; UserError on values it cannot plan."""
     model, quant, peft, optim = _get(cfg, "model"), _get(cfg, "quant"), _get(cfg, "peft"), _get(cfg, "optim")
-    offload, precision, trainer, data = _get(cfg, "offload"), _get(cfg, "precision"), _get(cfg, "trainer"), _get(cfg, "data")
+    offload, precision, trainer, data = (
+        _get(cfg, "offload"),
+        _get(cfg, "precision"),
+        _get(cfg, "trainer"),
+        _get(cfg, "data"),
+    )
     if model is None:
         raise UserError("config has no model group; compose conf/train.yaml (config_name train)")
     fig = model_figures(model)
@@ -526,9 +547,13 @@ def stack_from_cfg(cfg: Any, world_size: int | None = None) -> Stack:
     if storage_bytes is None:
         raise UserError(f"quant.storage_dtype={storage!r} is not one of uint8, bfloat16, float16, float32")
     ints = {}
-    for key, node, name, lo in [("micro_batch", trainer, "micro_batch_size", 1), ("grad_accum", trainer, "grad_accum", 1),
-                                ("eval_batch", trainer, "eval_batch_size", 1), ("seq_len", trainer, "seq_len", 1),
-                                ("r", peft, "r", 1)]:
+    for key, node, name, lo in [
+        ("micro_batch", trainer, "micro_batch_size", 1),
+        ("grad_accum", trainer, "grad_accum", 1),
+        ("eval_batch", trainer, "eval_batch_size", 1),
+        ("seq_len", trainer, "seq_len", 1),
+        ("r", peft, "r", 1),
+    ]:
         group = "peft" if node is peft else "trainer"
         value = _get(node, name)
         if value is None or int(value) < lo:
@@ -608,7 +633,9 @@ def _skip_patterns(st: Stack, blocks: tuple[Block, ...]) -> list[str]:
     return skip
 
 
-def quantized_linear_bytes(numel: int, out_features: int, method: str, double_quant: bool, storage_bytes: int = 1) -> tuple[int, int]:
+def quantized_linear_bytes(
+    numel: int, out_features: int, method: str, double_quant: bool, storage_bytes: int = 1
+) -> tuple[int, int]:
     """(bytes of the weight tensor, bytes of its quantization state) for one bitsandbytes linear."""
     if method in ("nf4", "fp4"):
         mod = storage_bytes * 2
@@ -628,7 +655,7 @@ def quantized_linear_bytes(numel: int, out_features: int, method: str, double_qu
 
 def _lora_targets(st: Stack, blocks: tuple[Block, ...]) -> tuple[set[str], set[str]]:
     """(targeted linear names, targeted embedding names), following peft's matching rules."""
-    linear_names = [l.name for b in blocks for l in b.linears]
+    linear_names = [lin.name for b in blocks for lin in b.linears]
     embed_names = [e[0] for b in blocks for e in b.embeddings]
     tm = st.target_modules
     if isinstance(tm, str) and tm == "all-linear":
@@ -664,6 +691,8 @@ class BlockBytes:
     max_dora: int = 0  # bytes of DoRA's weight-norm temporaries for the largest adapted linear
     lora_in: int = 0  # sum of in_features of adapted linears (dropout copies)
     dora_out: int = 0  # sum of out_features of DoRA-adapted linears
+    dora_in: int = 0  # sum of in_features of DoRA-adapted linears
+    dora_weight: int = 0  # sum of out*in of DoRA-adapted linears
     placed_bytes: int = 0  # what the loader counts when placing (quantized at 0.5/1 byte/elem)
 
     @property
@@ -686,7 +715,9 @@ def block_bytes(st: Stack) -> list[tuple[Block, BlockBytes]]:
             n = lin.numel
             bb.params_total += n + (lin.out_features if lin.bias else 0)
             if st.quantized and _should_convert(lin.name, patterns):
-                data, state = quantized_linear_bytes(n, lin.out_features, st.quant, st.double_quant, st.quant_storage_bytes)
+                data, state = quantized_linear_bytes(
+                    n, lin.out_features, st.quant, st.double_quant, st.quant_storage_bytes
+                )
                 bb.quant_data += data
                 bb.quant_state += state
                 bb.params_quantized += n
@@ -707,9 +738,11 @@ def block_bytes(st: Stack) -> list[tuple[Block, BlockBytes]]:
                 if st.peft == "dora":
                     bb.lora_tensors.append((lin.out_features,))
                     bb.dora_out += lin.out_features
+                    bb.dora_in += lin.in_features
+                    bb.dora_weight += lin.numel
                     # eye(in) fp32, lora weight in x out fp32, dequantized weight (c), W + s*BA and s*BA fp32
                     bb.max_dora = max(bb.max_dora, 4 * lin.in_features**2 + lin.numel * (load + 12))
-        bias_names = {f"{l.name}.bias" for l in blk.linears}
+        bias_names = {f"{lin.name}.bias" for lin in blk.linears}
         for pname, numel in blk.params:
             if pname in bias_names:
                 continue
@@ -726,7 +759,7 @@ def block_bytes(st: Stack) -> list[tuple[Block, BlockBytes]]:
                 if st.peft == "dora":
                     bb.lora_tensors.append((dim,))
         if mts and any(blk.name == m or blk.name.endswith("." + m) for m in mts):
-            for pname, numel in blk.params:
+            for _, numel in blk.params:
                 bb.lora_tensors.append((numel,))
             for lin in blk.linears:
                 bb.lora_tensors.append((lin.out_features, lin.in_features))
@@ -780,49 +813,86 @@ def _eager(st: Stack) -> bool:
     return st.attn == "eager" or st.fig.architecture == "gemma2"
 
 
-def layer_saved_bytes(st: Stack, bb: BlockBytes, b: int) -> int:
-    """Bytes one decoder layer keeps for backward without checkpointing (micro-batch b).
+def _dtypes(st: Stack, on_cpu: bool) -> tuple[int, int, int]:
+    """(c, r, mask): compute dtype bytes; bytes of the residual stream and of the quantized
+    linears' outputs; bytes per element of a LoRA dropout mask.
 
-    Korthikanti et al. 2022, Eq. 1 (per layer, 16-bit GPT: s*b*h*(34 + 5*a*s/h)), term by term for
-    a Llama-family QLoRA layer with compute dtype of c bytes, T = b*s tokens:
-      RMSNorms: each keeps its fp32 upcast input            4h per norm (2, or 4 for Gemma 2)
-      attention: normed input, Q after RoPE, K and V (repeated to all heads when a padding mask
-        stops SDPA's native GQA), SDPA output and its contiguous copy (o_proj input)
-                                                             c*(h + 3*a*d + 2*kv*d)
-      gated MLP: normed input, gate, up, act(gate), act*up  c*(h + 4f)
-      LoRA (peft, dropout > 0): dropout output + bool mask  (c+1) * sum(in) of adapted linears
-      DoRA: base and LoRA results kept for the magnitude    2c * sum(out)
-      eager attention only (Korthikanti's 5*a*s/h term, no dropout): softmax fp32 output and its
-        c-byte cast, + the tanh output with Gemma 2 soft-capping      b*a*s^2*(4 + c [+ c])
+    prepare_model_for_kbit_training leaves embeddings and norm weights in fp32, so in a quantized
+    model the hidden states are fp32 end to end (bitsandbytes linears return their input's dtype);
+    without quantization they stay in the precision dtype. On CUDA dropout keeps a bool mask; on
+    CPU peft upcasts the LoRA input to fp32 (CUDA autocast is off) and dropout keeps an fp32 noise.
     """
-    fig, c, s = st.fig, st.act_bytes, st.seq_len
+    c = st.act_bytes
+    r = 4 if st.quantized else c
+    return c, r, (4 if on_cpu else 1)
+
+
+def layer_saved_bytes(st: Stack, bb: BlockBytes, b: int, on_cpu: bool = False) -> int:
+    """Bytes one decoder layer keeps for backward (no checkpointing), micro-batch b, T = b*s tokens.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
+    Eq. 1: a 16-bit GPT layer keeps s*b*h*(34 + 5*a*s/h) bytes. The same accounting, term by term,
+    for a Llama-family QLoRA layer as autograd runs it (c compute, r residual bytes, see _dtypes):
+      RMSNorms: fp32 input + rsqrt                          (4h + 4) per norm (2; Gemma 2: 4)
+      attention, SDPA: Q, K, V as cast for the kernel (K/V repeated to all heads when a padding
+        mask stops SDPA's native GQA), the output, the fp32 log-sum-exp
+                                                            c*(2*a*d + 2*kv*d) + 4a
+        eager instead: Q and the repeated K, V; and Korthikanti's 5*a*s/h term without dropout:
+        the fp32 softmax and its c-byte cast (+ the tanh output of Gemma 2's soft-capping)
+                                                            3c*a*d + b*a*s^2*(4 + c [+ c]) / T
+      gated MLP: gate and up outputs, act(gate)             3*r*f
+        (bitsandbytes linears save no input: bnb 0.50 MatMul4Bit keeps only the packed weight)
+      LoRA, per adapted linear: the c-byte input of lora_A (autocast cast) + dropout mask
+                                                            (c + mask) * in  (mask 0 without dropout)
+      LoRA weights cast to c for autocast, kept by each matmul      c * adapter elements (c < 4)
+      DoRA: base and LoRA results kept for the magnitude    2c*out
+        and with dropout, F.linear(dropout(x), dequantized W) keeps its input and W
+                                                            c*in + c*out*in / T
+    Frozen 4-bit linears keep no inputs (Korthikanti's 2sbh terms), but the fp32 residual stream and
+    MLP outputs and the LoRA input copies make a QLoRA layer keep about twice 34*s*b*h (Llama-2-7B,
+    s=2048: 74*s*b*h). tests/test_memory.py checks the tally against what autograd keeps on CPU.
+    """
+    fig, s = st.fig, st.seq_len
+    c, r, mask = _dtypes(st, on_cpu)
     h, f, a, d = fig.hidden_size, fig.intermediate_size, fig.num_heads, fig.head_dim
     qd, kvd = a * d, fig.num_kv_heads * d
-    gqa_repeated = fig.num_kv_heads < a and (b > 1 or _eager(st))
-    kv_saved = 2 * qd if gqa_repeated else 2 * kvd
     norms = 4 if fig.architecture == "gemma2" else 2
-    per_token = norms * 4 * h + c * (h + 2 * qd + kv_saved + qd) + c * (h + 4 * f)
-    if st.lora_dropout > 0:
-        per_token += (c + 1) * bb.lora_in
+    per_token = norms * (4 * h + 4) + 3 * r * f
+    if _eager(st):
+        per_token += 3 * c * qd
+    else:
+        kv_saved = 2 * qd if fig.num_kv_heads < a and b > 1 else 2 * kvd
+        per_token += c * (2 * qd + kv_saved) + 4 * a
+    per_token += (c + (mask if st.lora_dropout > 0 else 0)) * bb.lora_in
     per_token += 2 * c * bb.dora_out
     total = b * s * per_token
+    if c < 4:
+        total += c * sum(math.prod(t) for t in bb.lora_tensors)
+    if bb.dora_out and st.lora_dropout > 0:
+        # DoRA with dropout recomputes the base output as F.linear(dropout(x), dequantized W):
+        # that matmul keeps the c-byte input and the whole dequantized weight of each linear
+        total += b * s * c * bb.dora_in + c * bb.dora_weight
     if _eager(st):
         total += b * a * s * s * (4 + c + (c if fig.architecture == "gemma2" else 0))
     return total
 
 
-def _backward_working(st: Stack, b: int) -> int:
-    fig, c, s = st.fig, st.act_bytes, st.seq_len
-    w = b * s * c * (2 * fig.hidden_size + 2 * fig.intermediate_size)
+def _backward_working(st: Stack, b: int, on_cpu: bool = False) -> int:
+    """Gradient buffers alive while one layer runs backward: hidden-state and MLP gradients."""
+    fig, s = st.fig, st.seq_len
+    _, r, _ = _dtypes(st, on_cpu)
+    w = b * s * r * (2 * fig.hidden_size + 2 * fig.intermediate_size)
     if _eager(st):
         w += b * fig.num_heads * s * s * 4  # fp32 gradient of the softmax
     return w
 
 
-def _shared_per_device(st: Stack, b: int) -> int:
-    """RoPE cos/sin (c bytes) and the attention mask every layer reads (none for SDPA at b=1)."""
-    fig, c, s = st.fig, st.act_bytes, st.seq_len
-    rope = 2 * b * s * fig.head_dim * c
+def _shared_per_device(st: Stack, b: int, on_cpu: bool = False) -> int:
+    """RoPE cos/sin (shared by the batch, in the residual dtype) and the attention mask every layer
+    reads (none for SDPA without padding at b=1)."""
+    fig, s = st.fig, st.seq_len
+    c, r, _ = _dtypes(st, on_cpu)
+    rope = 2 * s * fig.head_dim * r
     if _eager(st):
         mask = b * s * s * c
     else:
@@ -830,16 +900,25 @@ def _shared_per_device(st: Stack, b: int) -> int:
     return rope + mask
 
 
-def _logits_bytes(st: Stack, b: int) -> int:
-    fig, c = st.fig, st.act_bytes
+def _logits_bytes(st: Stack, b: int, on_cpu: bool = False) -> int:
+    """Around the loss: c-byte logits (kept in the model output), their fp32 upcast and fp32
+    log-softmax (transformers ForCausalLMLoss, no fused loss), the final norm's fp32 input, the
+    lm_head input cast and, for an fp32 lm_head under autocast, its c-byte weight copy."""
+    fig = st.fig
+    c, r, _ = _dtypes(st, on_cpu)
     per = c + 8 + (2 * c if fig.architecture == "gemma2" else 0)  # Gemma 2 final-logit soft-capping
-    return b * st.seq_len * (fig.vocab_size * per + 4 * fig.hidden_size)  # + fp32 final-norm input
+    total = b * st.seq_len * (fig.vocab_size * per + (4 + 4) * fig.hidden_size + (c if r != c else 0) * fig.hidden_size)
+    if st.quantized and c < 4:
+        total += c * fig.vocab_size * fig.hidden_size  # prepare_model_for_kbit_training made lm_head fp32
+    return total
 
 
-def _eval_layer_bytes(st: Stack, b: int) -> int:
-    fig, c, s = st.fig, st.act_bytes, st.seq_len
+def _eval_layer_bytes(st: Stack, b: int, on_cpu: bool = False) -> int:
+    """One layer's forward without grad: residual, normed input, Q/K/V/out, gate/up/act."""
+    fig, s = st.fig, st.seq_len
+    c, r, _ = _dtypes(st, on_cpu)
     h, f, a, d = fig.hidden_size, fig.intermediate_size, fig.num_heads, fig.head_dim
-    w = b * s * (4 * h + c * (h + 2 * a * d + 2 * a * d + 3 * f))
+    w = b * s * (2 * r * h + 4 * h + c * (4 * a * d) + 3 * r * f)
     if _eager(st):
         w += b * a * s * s * (4 + c)
     return w
@@ -868,7 +947,9 @@ class _PlannedQuantizer:
         return None
 
 
-def infer_device_map(st: Stack, max_memory: dict, blocks_bytes: list[tuple[Block, BlockBytes]]) -> "OrderedDict[str, Any]":
+def infer_device_map(
+    st: Stack, max_memory: dict, blocks_bytes: list[tuple[Block, BlockBytes]], shortcut: bool = True
+) -> OrderedDict[str, Any]:
     """The device map from_pretrained(device_map=st.device_map, max_memory=...) builds for this model.
 
     transformers 5 computes it with its port of accelerate's infer_auto_device_map
@@ -876,6 +957,9 @@ def infer_device_map(st: Stack, max_memory: dict, blocks_bytes: list[tuple[Block
     max_memory cut, infer_auto_device_map with quantized element sizes); we call that very function
     on a meta-device model from AutoModelForCausalLM.from_config under accelerate.init_empty_weights.
     """
+    trivial = _whole_model_fits_one_device(st, max_memory, blocks_bytes) if shortcut else None
+    if trivial is not None:
+        return OrderedDict([("", trivial)])
     from transformers.integrations.accelerate import _get_device_map
 
     model = meta_model(st.fig, st.dtype)
@@ -883,7 +967,10 @@ def infer_device_map(st: Stack, max_memory: dict, blocks_bytes: list[tuple[Block
     if st.quantized:
         patterns = _skip_patterns(st, inventory(st.fig))
         names = frozenset(
-            f"{lin.name}.weight" for blk, _ in blocks_bytes for lin in blk.linears if _should_convert(lin.name, patterns)
+            f"{lin.name}.weight"
+            for blk, _ in blocks_bytes
+            for lin in blk.linears
+            if _should_convert(lin.name, patterns)
         )
         hf_quantizer = _PlannedQuantizer(0.5 if st.quant in ("nf4", "fp4") else 1.0, names)
     quiet = [logging.getLogger(n) for n in ("accelerate.utils.modeling", "transformers.integrations.accelerate")]
@@ -893,9 +980,32 @@ def infer_device_map(st: Stack, max_memory: dict, blocks_bytes: list[tuple[Block
     try:
         dmap = _get_device_map(model, st.device_map, dict(max_memory), hf_quantizer)
     finally:
-        for lg, lv in zip(quiet, levels):
+        for lg, lv in zip(quiet, levels, strict=True):
             lg.setLevel(lv)
     return OrderedDict(dmap)
+
+
+def _whole_model_fits_one_device(st: Stack, max_memory: dict, blocks_bytes: list[tuple[Block, BlockBytes]]):
+    """The map {"": device} without building a meta model, when that is provably what the loader
+    builds: one accelerator (or none), and the whole model fits its budget with the room the
+    loader keeps for the largest layer. In _get_device_map a single device keeps the user's budget
+    (get_balanced_memory changes only all but the last GPU), the bnb quantizer takes 10 % off, and
+    infer_auto_device_map puts a module on the main device while used + size <= budget - largest
+    layer; the root's children ("model", "lm_head") then all land there. The sizes are the loader's
+    (quantized weights at 0.5 / 1 byte per element, everything else as loaded, buffers included).
+    tests/test_memory.py checks this against _get_device_map on both sides of the boundary.
+    Saves importing torch + transformers (~5 s) for the common single-GPU recipe."""
+    gpus = [k for k, v in max_memory.items() if isinstance(k, int) and v > 0]
+    if len(gpus) > 1 or any(isinstance(k, int) and v <= 0 for k, v in max_memory.items()):
+        return None
+    device = gpus[0] if gpus else "cpu"
+    if device not in max_memory:
+        return None
+    budget = max_memory[device] * (BNB_MAX_MEMORY_FACTOR if st.quantized else 1.0)
+    sizes = [bb.placed_bytes for _, bb in blocks_bytes]
+    if sum(sizes) + max(sizes) <= 0.999 * budget:
+        return device
+    return None
 
 
 def _place(name: str, dmap: Mapping[str, Any]) -> Any:
@@ -923,16 +1033,34 @@ def _dev_name(dev: Any) -> str:
 # The plan
 # ---------------------------------------------------------------------------------------------
 COMPONENTS = (
-    "quantized_weights", "other_params", "buffers", "lora_weights", "gradients", "optimizer_state",
-    "activations", "layer_working", "logits_loss", "dequant_scratch", "optimizer_scratch", "eval_transient",
-    "offload_staging", "cuda_context", "process_baseline", "allocator_overhead",
+    "quantized_weights",
+    "other_params",
+    "buffers",
+    "lora_weights",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "layer_working",
+    "logits_loss",
+    "dequant_scratch",
+    "optimizer_scratch",
+    "eval_transient",
+    "offload_staging",
+    "cuda_context",
+    "process_baseline",
+    "allocator_overhead",
 )
 STATIC = ("quantized_weights", "other_params", "buffers", "lora_weights", "gradients", "optimizer_state")
 FIXED = ("cuda_context", "process_baseline", "offload_staging")
 
 
-def plan_stack(cfg: Any, gpus: list[int] | None = None, host_ram: int | None = None, world_size: int | None = None,
-               ladder: bool = True) -> dict:
+def plan_stack(
+    cfg: Any,
+    gpus: list[int] | None = None,
+    host_ram: int | None = None,
+    world_size: int | None = None,
+    ladder: bool = True,
+) -> dict:
     """Plan a composed config for the devices it will run on (`gpus`: total bytes of each GPU to
     plan for; default: this machine's GPUs, or its CPU when it has none). Returns the plan.json dict."""
     st = stack_from_cfg(cfg, world_size)
@@ -996,13 +1124,11 @@ def _plan(st: Stack, hw: _dev.Hardware) -> dict:
         if where == "disk" and not hw.has_gpu:
             compute = "cpu"
         holder = "cpu" if where == "disk" else where  # trainable tensors cannot live on disk
+        comp["quantized_weights"][where] += bb.quant_data + bb.quant_state
+        comp["other_params"][where] += bb.other_at_load if where == "disk" else bb.other  # stored as loaded
+        comp["buffers"][where] += bb.buffers
         if where == "disk":
-            comp["offload_staging"]["disk"] += bb.other_at_load + bb.quant_data + bb.quant_state + bb.buffers
             disk_max = max(disk_max, bb.placed_bytes)
-        else:
-            comp["quantized_weights"][where] += bb.quant_data + bb.quant_state
-            comp["other_params"][where] += bb.other
-            comp["buffers"][where] += bb.buffers
         if where in ("cpu", "disk") and compute != where:
             offloaded_max = max(offloaded_max, bb.placed_bytes)
         if bb.lora_numel:
@@ -1020,10 +1146,7 @@ def _plan(st: Stack, hw: _dev.Hardware) -> dict:
         counts["lora_params"] += bb.lora_numel
         counts["footprint_at_load"] += bb.quant_data + bb.other_at_load + bb.buffers
         counts["quant_state_bytes"] += bb.quant_state
-    if "disk" in comp["offload_staging"]:
-        disk_bytes = comp["offload_staging"].pop("disk")
-    else:
-        disk_bytes = 0
+    disk_bytes = sum(comp[k].get("disk", 0) for k in ("quantized_weights", "other_params", "buffers"))
     # optimizer state lives with its parameters
     paged_total = 0
     for holder, shapes in trainable_shapes.items():
@@ -1039,23 +1162,27 @@ def _plan(st: Stack, hw: _dev.Hardware) -> dict:
     for dev, layer_bbs in layers_on.items():
         if not layer_bbs:
             continue
-        worst = max(layer_bbs, key=lambda x: layer_saved_bytes(st, x, b))
+        cpu = dev == "cpu"
+        worst = max(layer_bbs, key=lambda x: layer_saved_bytes(st, x, b, cpu))
         if st.checkpointing:
-            stored = len(layer_bbs) * b * s * st.fig.hidden_size * st.act_bytes
-            working = layer_saved_bytes(st, worst, b) + _backward_working(st, b)
+            _, r, _ = _dtypes(st, cpu)
+            stored = len(layer_bbs) * b * s * st.fig.hidden_size * r  # each layer's input
+            working = layer_saved_bytes(st, worst, b, cpu) + _backward_working(st, b, cpu)
         else:
-            stored = sum(layer_saved_bytes(st, x, b) for x in layer_bbs)
-            working = _backward_working(st, b)
-        comp["activations"][dev] += stored + _shared_per_device(st, b)
+            stored = sum(layer_saved_bytes(st, x, b, cpu) for x in layer_bbs)
+            working = _backward_working(st, b, cpu)
+        comp["activations"][dev] += stored + _shared_per_device(st, b, cpu)
         comp["layer_working"][dev] += working
         comp["dequant_scratch"][dev] += dequant_on[dev] + dora_on[dev]
         if st.evaluates:
             comp["eval_transient"][dev] = max(
-                comp["eval_transient"][dev], _eval_layer_bytes(st, st.eval_batch) + dequant_on[dev]
+                comp["eval_transient"][dev], _eval_layer_bytes(st, st.eval_batch, cpu) + dequant_on[dev]
             )
-    comp["logits_loss"][lm_dev] += _logits_bytes(st, b)
+    comp["logits_loss"][lm_dev] += _logits_bytes(st, b, lm_dev == "cpu")
     if st.evaluates:
-        comp["eval_transient"][lm_dev] = max(comp["eval_transient"][lm_dev], _logits_bytes(st, st.eval_batch))
+        comp["eval_transient"][lm_dev] = max(
+            comp["eval_transient"][lm_dev], _logits_bytes(st, st.eval_batch, lm_dev == "cpu")
+        )
     if offloaded_max and hw.has_gpu:
         comp["offload_staging"][exec_dev] += offloaded_max
     if disk_max:
@@ -1096,8 +1223,12 @@ def _plan(st: Stack, hw: _dev.Hardware) -> dict:
                 for k, v in phases.items()
             }
             phase = max(by_phase, key=lambda k: by_phase[k])
-            comp["allocator_overhead"][d] = int(ALLOCATOR_STATIC_FRACTION * static + ALLOCATOR_DYNAMIC_FRACTION * phases[phase])
+            comp["allocator_overhead"][d] = int(
+                ALLOCATOR_STATIC_FRACTION * static + ALLOCATOR_DYNAMIC_FRACTION * phases[phase]
+            )
             peak = by_phase[phase]
+            if not any(phases.values()):
+                phase = "static"  # nothing computes here: weights and adapters only
             if d.startswith("cuda"):
                 budget = hw.gpus[int(d.split(":")[1])]
             else:
@@ -1117,16 +1248,19 @@ def _plan(st: Stack, hw: _dev.Hardware) -> dict:
             entry["max_memory"] = int(max_memory_resolved.get(key, 0))
         devices.append(entry)
 
+    if OPTIMIZERS[st.optim].endswith("_paged") and not hw.has_gpu:
+        notes.append("paged optimizers fall back to unpaged on CPU (bitsandbytes): same bytes, no spill")
     if paged_total:
         notes.append(
             f"{paged_total / 2**20:,.0f} MiB of optimizer state is paged (CUDA managed memory): under pressure it "
-            "spills to host RAM instead of failing" if hw.has_gpu else "paged optimizer falls back to unpaged on CPU"
+            "spills to host RAM instead of failing"
         )
     if st.device_map is None and hw.has_gpu and len(hw.gpus) > 1:
         notes.append("offload.device_map null: every data-parallel rank holds a full copy; planned for one rank's GPU")
     if st.quantized and any(v in ("cpu", "disk") for v in placed.values()) and hw.has_gpu:
         notes.append(
-            "layers on cpu/disk with a bitsandbytes model need BitsAndBytesConfig(llm_int8_enable_fp32_cpu_offload=True); "
+            "layers on cpu/disk with a bitsandbytes model need "
+            "BitsAndBytesConfig(llm_int8_enable_fp32_cpu_offload=True); "
             "their LoRA adapters, gradients and optimizer state are planned on cpu"
         )
     if not st.quantized:
@@ -1174,9 +1308,9 @@ def _plan(st: Stack, hw: _dev.Hardware) -> dict:
         "counts": {
             **counts,
             "trainable_params": trainable,
-            "quantized_bytes_per_param": round(
-                sum(comp["quantized_weights"].values()) / counts["params_quantized"], 6
-            ) if counts["params_quantized"] and not disk_bytes else None,
+            "quantized_bytes_per_param": round(sum(comp["quantized_weights"].values()) / counts["params_quantized"], 6)
+            if counts["params_quantized"]
+            else None,
             "paged_optimizer_bytes": paged_total,
         },
         "components": components,
@@ -1237,8 +1371,12 @@ def _candidates(kind: str, st: Stack, hw: _dev.Hardware, plan: dict) -> list[tup
         total = st.micro_batch * st.grad_accum
         for m in range(st.micro_batch - 1, 0, -1):
             if total % m == 0:
-                out.append((replace(st, micro_batch=m, grad_accum=total // m),
-                            {"trainer.micro_batch_size": m, "trainer.grad_accum": total // m}))
+                out.append(
+                    (
+                        replace(st, micro_batch=m, grad_accum=total // m),
+                        {"trainer.micro_batch_size": m, "trainer.grad_accum": total // m},
+                    )
+                )
     elif kind == "checkpointing":
         if not st.checkpointing:
             out.append((replace(st, checkpointing=True), {"trainer.gradient_checkpointing": "true"}))
@@ -1285,8 +1423,13 @@ def _offload_stack(st: Stack, option: str, gpu: str | None, cpu: str) -> tuple[S
     folder = st.offload_folder or ("offload" if option == "disk" else None)
     if option == "disk" and not st.offload_folder and "offload" not in ov:
         ov["offload.folder"] = folder
-    new = replace(st, device_map="auto", max_memory=tuple(mm.items()), offload_folder=folder,
-                  offload_option="disk" if folder else "cpu")
+    new = replace(
+        st,
+        device_map="auto",
+        max_memory=tuple(mm.items()),
+        offload_folder=folder,
+        offload_option="disk" if folder else "cpu",
+    )
     return new, ov
 
 
@@ -1316,8 +1459,11 @@ def _offload_rung(st: Stack, hw: _dev.Hardware, option: str):
         return cache[key]
 
     def gpus_ok(p) -> bool:
-        return p is not None and all(_device_peak(d, False) <= d["budget"] * (1 - HEADROOM_TARGET)
-                                     for d in p["devices"] if d["device"].startswith("cuda"))
+        return p is not None and all(
+            _device_peak(d, False) <= d["budget"] * (1 - HEADROOM_TARGET)
+            for d in p["devices"]
+            if d["device"].startswith("cuda")
+        )
 
     gpu = None
     if hw.has_gpu:
@@ -1354,18 +1500,20 @@ def _ladder(st: Stack, hw: _dev.Hardware, plan: dict) -> list[dict]:
         cum.update(ov)
         cost, why = COSTS[kind]
         worst = _worst_device(p)
-        rungs.append({
-            "change": kind,
-            "adds": " ".join(f"{k}={v}" for k, v in ov.items()),
-            "overrides": " ".join(f"{k}={v}" for k, v in cum.items()),
-            "peak_gib": p["peak_gib"],
-            "worst_device": worst["device"],
-            "worst_peak_gib": round(worst["peak"] / GiB, 3),
-            "headroom_pct": worst["headroom_pct"],
-            "fits": p["fits"],
-            "cost": cost,
-            "cost_note": why,
-        })
+        rungs.append(
+            {
+                "change": kind,
+                "adds": " ".join(f"{k}={v}" for k, v in ov.items()),
+                "overrides": " ".join(f"{k}={v}" for k, v in cum.items()),
+                "peak_gib": p["peak_gib"],
+                "worst_device": worst["device"],
+                "worst_peak_gib": round(worst["peak"] / GiB, 3),
+                "headroom_pct": worst["headroom_pct"],
+                "fits": p["fits"],
+                "cost": cost,
+                "cost_note": why,
+            }
+        )
         state["st"], state["plan"] = new_st, p
 
     def eval_rung() -> None:
@@ -1434,6 +1582,10 @@ _LABELS = {
 }
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
 def _g(n: float) -> str:
     return f"{n / GiB:.2f}"
 
@@ -1445,9 +1597,23 @@ def render_table(plan: dict) -> str:
     width = max(12, *(len(d) + 2 for d in devs))
     lines = []
     lines.append(
-        f"memory plan: {m['name_or_path']} ({m['architecture']}, {plan['counts']['params_total'] / 1e9:.2f}B params, "
+        f"memory plan: {m['name_or_path']} ({m['architecture']}, {_count(plan['counts']['params_total'])} params, "
         f"figures from {m['figures_from']})"
     )
+    hw = st.get("hardware") or {}
+    gpus = hw.get("gpus") or []
+    where = (
+        ", ".join(f"{n} x {g / GiB:.1f} GiB" for g, n in Counter(gpus).items())
+        + " GPU"
+        + ("s" if len(gpus) > 1 else "")
+        if gpus
+        else "no GPU"
+    )
+    if hw:
+        lines.append(
+            f"hardware: {where}, host RAM {hw['host_ram'] / GiB:.1f} GiB"
+            f" ({'declared' if hw.get('declared') else 'this machine'})"
+        )
     target = st["target_modules"] if isinstance(st["target_modules"], str) else ",".join(st["target_modules"])
     lines.append(
         f"stack: {st['quant']} | {st['peft']} r={st['r']} on {target} ({plan['counts']['lora_params']:,} params) | "
@@ -1467,18 +1633,31 @@ def render_table(plan: dict) -> str:
         row = plan["components"].get(key)
         if not row:
             continue
-        lines.append(f"{_LABELS[key]:<26}" + "".join(f"{_g(row.get(d, 0)) if row.get(d) else '-':>{width}}" for d in devs))
+        lines.append(
+            f"{_LABELS[key]:<26}" + "".join(f"{_g(row.get(d, 0)) if row.get(d) else '-':>{width}}" for d in devs)
+        )
     lines.append("-" * len(head))
     by = {d["device"]: d for d in plan["devices"]}
     lines.append(f"{'peak':<26}" + "".join(f"{_g(by[d]['peak']):>{width}}" for d in devs))
     lines.append(f"{'budget':<26}" + "".join(f"{_g(by[d]['budget']):>{width}}" for d in devs))
     if any("max_memory" in by[d] for d in devs):
-        lines.append(f"{'max_memory (weights)':<26}" + "".join(
-            f"{_g(by[d]['max_memory']) if 'max_memory' in by[d] else '-':>{width}}" for d in devs))
+        lines.append(
+            f"{'max_memory (weights)':<26}"
+            + "".join(f"{_g(by[d]['max_memory']) if 'max_memory' in by[d] else '-':>{width}}" for d in devs)
+        )
     lines.append(f"{'headroom %':<26}" + "".join(f"{by[d]['headroom_pct']:>{width}.1f}" for d in devs))
-    short = {"train: loss": "loss", "train: layer backward": "backward", "optimizer step": "optim step",
-             "eval": "eval", "offloaded weights": "weights"}
-    lines.append(f"{'peak phase':<26}" + "".join(f"{short.get(by[d]['peak_phase'], '?'):>{width}}" for d in devs))
+    short = {
+        "train: loss": "loss",
+        "train: layer backward": "backward",
+        "optimizer step": "optim step",
+        "eval": "eval",
+        "offloaded weights": "weights",
+        "static": "weights",
+    }
+    lines.append(
+        f"{'peak phase':<26}"
+        + "".join(f"{short.get(by[d]['peak_phase'], by[d]['peak_phase'])[: width - 1]:>{width}}" for d in devs)
+    )
     lines.append("* transient: only the largest phase (train / optimizer step / eval) counts toward the peak")
     dm = plan["device_map"]
     if len(dm) > 1:
@@ -1504,6 +1683,10 @@ def render_table(plan: dict) -> str:
     return "\n".join(lines)
 
 
+class DoesNotFit(UserError):
+    """The plan says the stack does not fit its devices (a sweep records the job as skipped)."""
+
+
 def refuse_unless_fits(plan: dict, force: bool) -> None:
     """Raise UserError (one line, with the first fitting rung) unless the plan fits or force is set."""
     if plan["fits"] or force:
@@ -1518,7 +1701,7 @@ def refuse_unless_fits(plan: dict, force: bool) -> None:
         hint = f"even {ladder[-1]['overrides']} does not fit (see plan.json ladder); use a larger device"
     else:
         hint = "no override makes it fit; use a larger device"
-    raise UserError(
+    raise DoesNotFit(
         f"stack does not fit: peak {worst['peak'] / GiB:.1f} GiB > budget {worst['budget'] / GiB:.1f} GiB on "
         f"{worst['device']}; {hint}; force=true to start anyway"
     )

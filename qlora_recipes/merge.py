@@ -250,7 +250,9 @@ def load_stack(cfg, run_dir: Path, adapter_cfg: dict | None = None):
 
 
 def _bnb_kind(module) -> str | None:
-    weight = getattr(module, "weight", None)
+    """Which bitsandbytes layer this module itself is: "4bit", "8bit" or None (a peft wrapper's `weight`
+    is its base layer's, so only the module's own parameters count)."""
+    weight = module._parameters.get("weight")
     name = type(weight).__name__ if weight is not None else ""
     return "4bit" if name == "Params4bit" else "8bit" if name == "Int8Params" else None
 
@@ -469,10 +471,10 @@ def original_merged_tensors(model, cfg) -> Iterator[tuple[str, torch.Tensor]]:
                         if module.lora_bias.get(adapter, False):
                             bias = bias + module.lora_B[adapter].bias.detach().float().cpu()
                     yield key, bias
-                elif module_name in saved_modules:
-                    wrapper = saved_modules[module_name]
+                elif saved := next((n for n in saved_modules if key.startswith(n + ".")), None):
+                    wrapper = saved_modules[saved]  # modules_to_save: the trained copy replaces the original
                     trained = wrapper.modules_to_save[wrapper.active_adapters[0]]
-                    yield key, getattr(trained, attr).detach()
+                    yield key, trained.get_parameter(key[len(saved) + 1 :]).detach()
                 else:
                     yield key, f.get_tensor(key)
     missing = sorted(lora_modules - merged)
@@ -522,10 +524,12 @@ class ShardWriter:
         self.files: list[tuple[str, list[str]]] = []
         self.total = 0
         self.params = 0
+        self.names: set[str] = set()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self.buffer or any(name in keys for _, keys in self.files[-1:]):
+        if name in self.names:
             raise RuntimeError(f"tensor {name} written twice")
+        self.names.add(name)
         out = tensor.to("cpu", dtype=self.dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
         nbytes = out.numel() * out.element_size()
         if self.buffer and self.size + nbytes > self.max_bytes:
@@ -561,12 +565,15 @@ class ShardWriter:
         return names
 
 
-def _write_config(model, folder: Path, dtype: torch.dtype) -> None:
-    """The base's config.json without quantization, with the merged dtype; its generation config."""
+def _write_config(model, folder: Path, dtype: torch.dtype, names: set[str]) -> None:
+    """The base's config.json without quantization, with the merged dtype; its generation config.
+    An adapted lm_head of a tied model is written separately, so the merged model is untied."""
     config = copy.deepcopy(model.get_base_model().config)
     for attr in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, attr):
             delattr(config, attr)
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in names:
+        config.tie_word_embeddings = False
     config.dtype = dtype
     config.use_cache = True
     config.save_pretrained(str(folder))
@@ -636,17 +643,32 @@ def to_fp32_reference(model) -> None:
                 module._buffers[name] = buf.float()
 
 
-def prompt_logits(model, batches: list[dict]) -> list[torch.Tensor]:
-    """fp32 CPU logits of each (unpadded) prompt."""
+def _reload_saved_modules(model, run_dir: Path) -> None:
+    """modules_to_save copies were trained (and saved) in fp32 but load into the base's dtype; once
+    upcast, load their saved values again so they are exactly the trained ones."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    _, _, ModulesToSaveWrapper, _ = _peft_types()
+    if any(isinstance(m, ModulesToSaveWrapper) for m in model.modules()):
+        set_peft_model_state_dict(model, load_file(str(run_dir / "adapter" / ADAPTER_WEIGHTS)))
+
+
+def prompt_logits(model, batches: list[dict], pad_id: int = 0) -> list[torch.Tensor]:
+    """fp32 CPU logits of each prompt, all prompts in one right-padded forward (causal attention: the
+    padding after a prompt cannot change its positions); the padded positions are dropped."""
     import torch
 
     device = next(p.device for p in model.parameters() if p.device.type != "meta")
-    out = []
+    lengths = [b["input_ids"].shape[1] for b in batches]
+    ids = torch.full((len(batches), max(lengths)), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, b in enumerate(batches):
+        ids[i, : lengths[i]] = b["input_ids"][0]
+        mask[i, : lengths[i]] = 1
     with torch.no_grad():
-        for ids in batches:
-            logits = model(input_ids=ids["input_ids"].to(device), use_cache=False).logits
-            out.append(logits[0].float().cpu())
-    return out
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+    return [logits[i, :n].float().cpu() for i, n in enumerate(lengths)]
 
 
 def logit_diff(merged: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
@@ -826,9 +848,10 @@ def _merge_into(
     # 1. The stack the run trained, in fp32: reference logits (and the base alone, for scale).
     model = load_stack(cfg, run_dir, adapter_cfg)
     to_fp32_reference(model)
-    ref = prompt_logits(model, batches)
+    _reload_saved_modules(model, run_dir)
+    ref = prompt_logits(model, batches, tokenizer.pad_token_id)
     with model.disable_adapter():
-        base_only = prompt_logits(model, batches)
+        base_only = prompt_logits(model, batches, tokenizer.pad_token_id)
 
     # 2. Stream the merged tensors into shards, module by module (decoder layer by decoder layer).
     merge_started = time.time()
@@ -839,7 +862,7 @@ def _merge_into(
             raise UserError(f"the merged {name} has NaN/inf values; the adapter is broken (check the run's loss)")
         writer.add(name, tensor)
     files = writer.close()
-    _write_config(model, partial, out_dtype)
+    _write_config(model, partial, out_dtype, writer.names)
     tokenizer.save_pretrained(str(partial))
     merge_s = time.time() - merge_started
     base_name = model.get_base_model().config._name_or_path
@@ -857,15 +880,14 @@ def _merge_into(
             kwargs["device_map"] = "auto"
         original = AutoModelForCausalLM.from_pretrained(**modeling._source(cfg), **kwargs)
         original = PeftModel.from_pretrained(original, str(run_dir / "adapter"), is_trainable=False).eval()
-        orig_ref = prompt_logits(original, batches)
+        orig_ref = prompt_logits(original, batches, tokenizer.pad_token_id)
         original = None
         _free()
 
     # 4. The merged model as anyone would load it: plain transformers, no quantization config.
     merged_model = _load_plain(partial, compare_dtype)
-    got = prompt_logits(merged_model, batches)
+    got = prompt_logits(merged_model, batches, tokenizer.pad_token_id)
     merged_model = None
-    _free()
 
     bits = {"nf4": "4-bit nf4", "fp4": "4-bit fp4", "int8": "int8"}.get(cfg.quant.method)
     compare = {

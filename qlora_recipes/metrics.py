@@ -1,6 +1,9 @@
 """What a run reports: the task metric (exact match of greedy generations), memory, throughput."""
 
+import hashlib
+import importlib.util
 import json
+import math
 import resource
 from pathlib import Path
 
@@ -35,25 +38,60 @@ def exact_match(model, tokenizer, pairs: list, max_new_tokens: int, batch_size: 
         for start in range(0, len(pairs), batch_size):
             chunk = pairs[start : start + batch_size]
             texts = [_prompt_text(tokenizer, prompt) for prompt, _ in chunk]
-            batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not isinstance(chunk[0][0], list))
+            batch = tokenizer(
+                texts, return_tensors="pt", padding=True, add_special_tokens=not isinstance(chunk[0][0], list)
+            )
             batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
             out = model.generate(
-                **batch, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
-                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                **batch,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
             )
             new = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-            hits += sum(g.strip() == ref.strip() for g, (_, ref) in zip(new, chunk))
+            hits += sum(g.strip() == ref.strip() for g, (_, ref) in zip(new, chunk, strict=True))
     finally:
         tokenizer.padding_side = side
         model.train(was_training)
     return hits / len(pairs)
 
 
+def perplexity(loss: float | None) -> float | None:
+    return math.exp(min(loss, 50.0)) if loss is not None else None
+
+
+def lm_eval_available() -> bool:
+    return importlib.util.find_spec("lm_eval") is not None
+
+
+def lm_eval_scores(model, tokenizer, tasks: list[str], limit: int | None, batch_size: int) -> dict:
+    """Optional lm-eval-harness run on the trained model (base + adapter), for users who have it."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    result = simple_evaluate(
+        model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size), tasks=list(tasks), limit=limit
+    )
+    return {task: scores for task, scores in result["results"].items()}
+
+
 def losses(log_history: list[dict]) -> list[float]:
     return [entry["loss"] for entry in log_history if "loss" in entry]
 
 
-def write_metrics(run_dir: Path, metrics: dict) -> None:
-    tmp = run_dir / "metrics.json.tmp"
+def trainable_digest(model) -> str:
+    """sha256 over the trainable weights: identical across DDP ranks when gradients were averaged."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters()):
+        if param.requires_grad:
+            digest.update(name.encode())
+            digest.update(param.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def write_metrics(run_dir: Path, metrics: dict, name: str = "metrics.json") -> None:
+    tmp = run_dir / f"{name}.tmp"
     tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    tmp.replace(run_dir / "metrics.json")  # never a half-written file
+    tmp.replace(run_dir / name)  # never a half-written file

@@ -26,7 +26,9 @@ def _source(cfg: DictConfig) -> dict:
     path = cfg.model.name_or_path
     local = Path(path).expanduser()
     if not local.is_dir() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
-        raise UserError(f"model.name_or_path={path}: no such directory; give a local model dir in the HF layout or a hub id")
+        raise UserError(
+            f"model.name_or_path={path}: no such directory; give a local model dir in the HF layout or a hub id"
+        )
     return {
         "pretrained_model_name_or_path": str(local) if local.is_dir() else path,
         "trust_remote_code": cfg.model.trust_remote_code,
@@ -54,63 +56,35 @@ def load_tokenizer(cfg: DictConfig):
     return tokenizer
 
 
-def parse_bytes(text: str, key: str) -> int:
-    """'75GiB' / '80GB' / '512MiB' -> bytes; a clear error otherwise."""
-    units = {"gib": 2**30, "mib": 2**20, "kib": 2**10, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
-    s = str(text).strip().lower().replace(" ", "")
-    for unit, scale in units.items():
-        if s.endswith(unit):
-            try:
-                value = float(s[: -len(unit)])
-            except ValueError:
-                break
-            if value <= 0:
-                raise UserError(f"offload.max_memory.{key}={text}: a budget must be positive")
-            return int(value * scale)
-    raise UserError(f"offload.max_memory.{key}={text}: not a size; write e.g. 75GiB, 80GB or auto")
-
-
-def max_memory_map(cfg: DictConfig) -> dict | None:
-    """The `max_memory` dict for from_pretrained: "gpu" expands to every visible GPU, "auto" is
-    90 % of a GPU's memory and 80 % of host RAM."""
-    import psutil
-
-    spec = dict(cfg.offload.max_memory or {})
-    if not spec:
-        return None
-    n_gpus = torch.cuda.device_count()
-    result: dict = {}
-    for key, value in spec.items():
-        if key == "cpu":
-            ram = psutil.virtual_memory().total
-            result["cpu"] = int(0.8 * ram) if value == "auto" else parse_bytes(value, key)
-            continue
-        indices = range(n_gpus) if key == "gpu" else [int(key)] if str(key).isdigit() else None
-        if indices is None:
-            raise UserError(f"offload.max_memory has key {key!r}; use gpu, cpu or a GPU index like 0")
-        for i in indices:
-            if i >= n_gpus:
-                raise UserError(f"offload.max_memory.{key}: GPU {i} does not exist here ({n_gpus} visible)")
-            total = torch.cuda.get_device_properties(i).total_memory
-            result[i] = int(0.9 * total) if value == "auto" else parse_bytes(value, key)
-    return result
-
-
 def device_map(cfg: DictConfig):
+    if cfg.dist.strategy in ("fsdp", "zero3"):
+        # Sharded strategies place the weights themselves (accelerate's cpu_ram_efficient_loading:
+        # rank 0 reads, the others start on meta); a device map would pin a full copy per rank.
+        return None
     if cfg.offload.device_map is None:
         # One device: this rank's GPU under torchrun, else GPU 0, else the CPU.
         return {"": int(os.environ.get("LOCAL_RANK", 0))} if on_gpu() else {"": "cpu"}
     return cfg.offload.device_map
 
 
-def load_model(cfg: DictConfig, run_dir: Path):
+def _planned_budgets(cfg: DictConfig) -> dict | None:
+    if cfg.offload.device_map is None:
+        return None
+    from .memory import loader_max_memory, plan_stack
+
+    return loader_max_memory(plan_stack(cfg, ladder=False))
+
+
+def load_model(cfg: DictConfig, run_dir: Path, max_memory: dict | None = None):
+    """The base as the run trains it. `max_memory` is the planner's resolved budget map
+    (memory.loader_max_memory); without one, offloading stacks plan it here."""
     from transformers import AutoModelForCausalLM
 
     kwargs = dict(
         quantization_config=bnb_config(cfg),
         dtype=torch_dtype(cfg.precision.dtype),
         device_map=device_map(cfg),
-        max_memory=max_memory_map(cfg),
+        max_memory=max_memory if max_memory is not None else _planned_budgets(cfg),
         use_safetensors=True,
         attn_implementation=cfg.model.attn_implementation,
     )

@@ -7,7 +7,7 @@ a message that names it, and a value of the wrong type fails with the key and th
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -18,7 +18,7 @@ class ModelConfig:
     # Where the weights are: a hub id or a local dir in the HF layout. Figures below describe the
     # architecture so the planner can reason offline; a local config.json overrides them.
     name_or_path: str = MISSING
-    hub_id: Optional[str] = None
+    hub_id: str | None = None
     architecture: str = "llama"
     hidden_size: int = MISSING
     num_layers: int = MISSING
@@ -27,10 +27,10 @@ class ModelConfig:
     intermediate_size: int = MISSING
     vocab_size: int = MISSING
     tie_embeddings: bool = False
-    head_dim: Optional[int] = None
+    head_dim: int | None = None
     max_position_embeddings: int = 4096
     trust_remote_code: bool = False
-    revision: Optional[str] = None
+    revision: str | None = None
     attn_implementation: str = "sdpa"
     lora_lr: float = 2e-4  # learning rate this model size wants (QLoRA paper, Table 9)
 
@@ -40,11 +40,11 @@ class DataConfig:
     path: str = MISSING  # .jsonl/.json/.csv/.parquet file, a dataset dir, or a hub dataset name
     format: str = "auto"  # auto | alpaca | messages | prompt_completion | text
     split: str = "train"  # for hub datasets and dataset dirs
-    eval_path: Optional[str] = None  # a separate eval file; otherwise eval_fraction of path
+    eval_path: str | None = None  # a separate eval file; otherwise eval_fraction of path
     eval_fraction: float = 0.1
     packing: bool = False
     completion_only_loss: bool = True  # loss on completions / assistant turns only
-    metric: Optional[str] = None  # exact_match: greedy generations vs references on eval
+    metric: str | None = None  # exact_match: greedy generations vs references on eval
     metric_examples: int = 64  # eval rows used for the generation metric
     max_new_tokens: int = 32
 
@@ -56,7 +56,7 @@ class QuantConfig:
     compute_dtype: str = "${precision.dtype}"
     storage_dtype: str = "uint8"  # bnb_4bit_quant_storage; set to the FSDP dtype under FSDP
     int8_threshold: float = 6.0
-    skip_modules: List[str] = field(default_factory=list)
+    skip_modules: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -66,7 +66,7 @@ class PeftConfig:
     alpha: int = 32
     dropout: float = 0.05
     target_modules: Any = "all-linear"  # "all-linear" or a list of module names
-    modules_to_save: Optional[List[str]] = None
+    modules_to_save: list[str] | None = None
 
 
 @dataclass
@@ -84,12 +84,12 @@ class OptimConfig:
 @dataclass
 class OffloadConfig:
     # device_map null: everything on one device (this rank's GPU, or the CPU without one).
-    device_map: Optional[str] = None
+    device_map: str | None = None
     # Budgets passed to from_pretrained as max_memory. Key "gpu" means every visible GPU;
     # "0", "1", ... name one GPU; "cpu" the host.
-    max_memory: Dict[str, str] = field(default_factory=dict)
+    max_memory: dict[str, str] = field(default_factory=dict)
     disk: bool = False  # let what overflows CPU RAM go to `folder` on disk
-    folder: Optional[str] = None  # offload folder for layers placed on disk (relative: in the run dir)
+    folder: str | None = None  # offload folder for layers placed on disk (relative: in the run dir)
 
 
 @dataclass
@@ -112,6 +112,8 @@ class TrainerConfig:
     eval_steps: int = 0  # 0: evaluate at the end only
     save_steps: int = 0  # 0: save the adapter at the end only
     save_total_limit: int = 2  # the newest K checkpoints, plus the best by eval loss
+    lm_eval_tasks: list[str] = field(default_factory=list)  # lm-eval-harness tasks run at the end, if installed
+    lm_eval_limit: int | None = None  # examples per lm-eval task (None: all)
     memory_log_steps: int = 10  # memory.jsonl / TensorBoard memory scalars every N steps
     progress_bar: bool = True
 
@@ -119,8 +121,36 @@ class TrainerConfig:
 @dataclass
 class ResumeConfig:
     auto: bool = False  # continue from the newest complete checkpoint of this run dir
-    checkpoint: Optional[str] = None  # or from this checkpoint dir
+    checkpoint: str | None = None  # or from this checkpoint dir
     allow_changes: bool = False  # resume even when stack-changing keys differ from the saved run
+
+
+@dataclass
+class HardwareConfig:
+    # What a recipe is sized for, machine-readable: scripts/launch.py checks it before starting,
+    # `make plan-<recipe>` and tests/test_recipes.py plan for it. gpus=0: any machine (CPU is fine).
+    name: str = "any machine"
+    gpus: int = 0  # GPUs per node
+    gpu_memory_gib: float | None = None  # usable memory of each GPU (torch's total_memory), GiB
+    nodes: int = 1
+    host_ram_gib: int | None = None  # host RAM the plan assumes (offload, FSDP loading); SLURM mem
+    bf16: bool = True  # False for pre-Ampere GPUs (T4, V100): precision must be fp16
+    timeout_min: int = 1440  # wall time a scheduler grants the job (hydra/launcher=slurm)
+
+
+@dataclass
+class DistConfig:
+    # How ranks share the work (conf/dist): none = one process (or plain DDP under torchrun);
+    # ddp = a full replica per GPU; fsdp = FSDP + QLoRA (sharded 4-bit storage);
+    # zero2 / zero3 = DeepSpeed (needs `pip install deepspeed`, not in requirements.txt).
+    strategy: str = "none"
+    launcher: str = "accelerate"  # accelerate | torchrun: how scripts/launch.py starts the ranks
+    accelerate_config: str | None = None  # launch/accelerate/*.yaml for `accelerate launch`
+    deepspeed_config: str | None = None  # launch/deepspeed/*.json (zero2 / zero3)
+    offload_params: bool = False  # FSDP: parameter shards live in host RAM (fsdp_offload_params)
+    load_on_cpu: bool = False  # each rank loads + quantizes the base in host RAM, then shards to its GPU
+    cpu_ram_efficient_loading: bool = True  # fsdp_cpu_ram_efficient_loading
+    state_dict_type: str = "SHARDED_STATE_DICT"  # FSDP checkpoints (the adapter is gathered to save)
 
 
 @dataclass
@@ -134,6 +164,8 @@ class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     seed: int = 0
     force: bool = False  # start even when the memory plan says the stack does not fit
     cache_dir: str = "${oc.env:QLORA_RECIPES_CACHE,${oc.env:HOME}/.cache/qlora-recipes}"

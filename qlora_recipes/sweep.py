@@ -1,11 +1,17 @@
 """Sweep summary: one row per multirun job, written into the sweep dir when the sweep ends.
 
-Attached as a Hydra callback in conf/train.yaml; also run by scripts/summarize_sweep.py.
+Attached as a Hydra callback in conf/train.yaml (SweepSummary); also run by
+scripts/summarize_sweep.py. Writes summary.csv, summary.md (one table row per job) and
+summary.png: final loss (eval loss, else the last training loss) against planned and measured
+peak memory and against tokens/s, with the Pareto front marked - the jobs no other job beats on
+lower loss, lower peak memory and higher tokens/s at once. Jobs the planner skipped or that failed
+are listed with their reason and planned peak, never dropped.
 """
 
 import csv
 import json
 import logging
+import math
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -13,37 +19,173 @@ from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 
-COLUMNS = ("job", "overrides", "status", "train_loss_last", "eval_loss", "eval_exact_match",
-           "peak_mem_gib", "planned_peak_gib", "tokens_per_s", "wall_s", "error")
+COLUMNS = (
+    "job",
+    "overrides",
+    "status",
+    "train_loss_last",
+    "eval_loss",
+    "eval_exact_match",
+    "peak_mem_gib",
+    "planned_peak_gib",
+    "tokens_per_s",
+    "wall_s",
+    "pareto",
+    "error",
+)
+
+
+def _planned_peak(job_dir: Path) -> float | None:
+    """plan.json is written before training starts, so skipped and failed jobs have one too."""
+    plan = job_dir / "plan.json"
+    try:
+        return json.loads(plan.read_text()).get("peak_gib") if plan.is_file() else None
+    except (OSError, ValueError):
+        return None
 
 
 def collect(sweep_dir: Path) -> list[dict]:
     """Rows for every job dir (one holding .hydra/overrides.yaml) below sweep_dir, by job number."""
     rows = []
-    for overrides_file in sorted(sweep_dir.glob("*/.hydra/overrides.yaml")):
+    for overrides_file in sorted(Path(sweep_dir).glob("*/.hydra/overrides.yaml")):
         job_dir = overrides_file.parent.parent
         metrics_file = job_dir / "metrics.json"
         metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {"status": "incomplete"}
-        row = {"job": job_dir.name, "overrides": " ".join(OmegaConf.load(overrides_file)),
-               "status": metrics.get("status", "ok")}
+        row = {
+            "job": job_dir.name,
+            "overrides": " ".join(OmegaConf.load(overrides_file)),
+            "status": metrics.get("status", "ok"),
+        }
         row.update({k: metrics.get(k) for k in COLUMNS if k not in row})
+        row["error"] = metrics.get("error") or metrics.get("reason")
+        if row["planned_peak_gib"] is None:
+            row["planned_peak_gib"] = _planned_peak(job_dir)
         rows.append(row)
-    return sorted(rows, key=lambda r: (not r["job"].isdigit(), int(r["job"]) if r["job"].isdigit() else r["job"]))
+    rows.sort(key=lambda r: (not r["job"].isdigit(), int(r["job"]) if r["job"].isdigit() else r["job"]))
+    mark_pareto(rows)
+    return rows
+
+
+def _num(value) -> float | None:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(out) else out
+
+
+def loss_of(row: dict) -> float | None:
+    """The loss a job is judged by: its eval loss, else its last training loss."""
+    return _num(row.get("eval_loss")) if _num(row.get("eval_loss")) is not None else _num(row.get("train_loss_last"))
+
+
+def memory_of(row: dict) -> float | None:
+    """Measured peak memory, else the planned peak."""
+    measured = _num(row.get("peak_mem_gib"))
+    return measured if measured is not None else _num(row.get("planned_peak_gib"))
+
+
+def mark_pareto(rows: list[dict]) -> None:
+    """Set row["pareto"] = True for the finished jobs that no other finished job dominates on
+    (lower loss, lower peak memory, higher tokens/s); an objective no job reports is left out."""
+    done = [r for r in rows if r["status"] == "ok" and loss_of(r) is not None]
+    for r in rows:
+        r["pareto"] = False
+    objectives = [(loss_of, 1.0), (memory_of, 1.0), (lambda r: _num(r.get("tokens_per_s")), -1.0)]
+    objectives = [(f, sign) for f, sign in objectives if any(f(r) is not None for r in done)]
+
+    def key(r: dict) -> list[float]:  # every objective as "smaller is better"; missing = worst
+        return [sign * f(r) if f(r) is not None else math.inf for f, sign in objectives]
+
+    keys = {id(r): key(r) for r in done}
+    for r in done:
+        a = keys[id(r)]
+        dominated = any(
+            all(x <= y for x, y in zip(keys[id(o)], a, strict=True)) and keys[id(o)] != a for o in done if o is not r
+        )
+        r["pareto"] = not dominated
 
 
 def _cell(value) -> str:
+    if isinstance(value, bool):
+        return "*" if value else ""
     return f"{value:.4g}" if isinstance(value, float) else "" if value is None else str(value)
 
 
+def write_plot(rows: list[dict], path: Path, title: str = "") -> Path | None:
+    """summary.png: loss vs peak memory (measured and planned) and loss vs tokens/s."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - matplotlib is in requirements.txt
+        log.warning("matplotlib is not installed: no summary.png")
+        return None
+    done = [r for r in rows if r["status"] == "ok" and loss_of(r) is not None]
+    other = [r for r in rows if r not in done]
+    fig, (ax_mem, ax_speed) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for r in done:
+        y, color = loss_of(r), "tab:red" if r["pareto"] else "tab:blue"
+        measured, planned = _num(r.get("peak_mem_gib")), _num(r.get("planned_peak_gib"))
+        if measured is not None and planned is not None:
+            ax_mem.plot([planned, measured], [y, y], color="0.75", lw=1, zorder=1)
+        if planned is not None:
+            ax_mem.scatter([planned], [y], marker="s", facecolors="none", edgecolors=color, zorder=2)
+        if measured is not None:
+            ax_mem.scatter([measured], [y], marker="o", color=color, zorder=3)
+        ax_mem.annotate(
+            r["job"],
+            (measured if measured is not None else planned or 0, y),
+            fontsize=8,
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
+        speed = _num(r.get("tokens_per_s"))
+        if speed is not None:
+            ax_speed.scatter(
+                [speed], [y], marker="*" if r["pareto"] else "o", s=90 if r["pareto"] else 30, color=color, zorder=3
+            )
+            ax_speed.annotate(r["job"], (speed, y), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    if other:  # skipped / failed: their planned peak along the top edge
+        top = max((loss_of(r) for r in done), default=1.0)
+        for r in other:
+            planned = _num(r.get("planned_peak_gib"))
+            if planned is not None:
+                ax_mem.scatter([planned], [top], marker="x", color="0.4", zorder=2)
+                ax_mem.annotate(
+                    f"{r['job']} {r['status']}",
+                    (planned, top),
+                    fontsize=7,
+                    color="0.4",
+                    xytext=(3, -10),
+                    textcoords="offset points",
+                )
+    ax_mem.set_xlabel("peak memory, GiB (o measured, [] planned, x planned but not run)")
+    ax_mem.set_ylabel("final loss (eval, else last train)")
+    ax_speed.set_xlabel("tokens/s")
+    ax_speed.set_ylabel("final loss")
+    for ax in (ax_mem, ax_speed):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{title}  (red: Pareto front - lower loss, lower memory, higher tokens/s)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_summary(sweep_dir: Path) -> list[dict]:
+    """summary.csv, summary.md (a header, a rule and one row per job) and summary.png."""
+    sweep_dir = Path(sweep_dir)
     rows = collect(sweep_dir)
     with open(sweep_dir / "summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(r[c]) for c in COLUMNS) + " |" for r in rows]
+    lines += ["| " + " | ".join(_cell(r[c]).replace("|", "/") for c in COLUMNS) + " |" for r in rows]
     (sweep_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    write_plot(rows, sweep_dir / "summary.png", title=str(sweep_dir))
     return rows
 
 
@@ -51,4 +193,5 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = write_summary(sweep_dir)
-        log.info("sweep summary: %d jobs -> %s", len(rows), sweep_dir / "summary.md")
+        front = [r["job"] for r in rows if r["pareto"]]
+        log.info("sweep summary: %d jobs, Pareto front %s -> %s", len(rows), front, sweep_dir / "summary.md")

@@ -8,7 +8,7 @@
 Takes the same overrides as train.py (Hydra, conf/train.yaml), prints the plan as a table and
 writes plan.json into the run dir. `--gpus` (or QLORA_PLAN_GPUS) describes the GPUs to plan for
 (sizes like 80GB, 80GiB, 2x80GB, comma-separated; `none` for CPU only); by default the GPUs this
-machine has, or its CPU when it has none. `--host-ram` (or QLORA_PLAN_HOST_RAM) sets host RAM
+machine has; on a machine without GPU the recipe's `hardware` node when it names GPUs, else the CPU. `--host-ram` (or QLORA_PLAN_HOST_RAM) sets host RAM
 (default: this machine's). Exit status: 0 with a plan (fits or not; `--check` makes a plan that
 does not fit exit 1), 2 on bad input. Needs no GPU and no network.
 """
@@ -66,18 +66,51 @@ def parse_hardware_flags(argv: list[str]) -> dict:
     return out
 
 
+def hardware_to_plan(cfg: DictConfig) -> tuple[list[int] | None, int | None, str]:
+    """--gpus / --host-ram when given; else this machine's GPUs; else, on a machine without GPU,
+    the recipe's hardware node when it names GPUs (what the recipe is sized for); else the CPU."""
+    from qlora_recipes import devices
+
+    gpus, host_ram = _HARDWARE.get("gpus"), _HARDWARE.get("host_ram")
+    if gpus is not None:
+        return gpus, host_ram, "--gpus " + (", ".join(f"{g / devices.GiB:.1f} GiB" for g in gpus) or "none")
+    here = devices.detect_gpus()
+    if here:
+        return None, host_ram, f"this machine's {len(here)} GPU(s)"  # None: the planner detects them
+    hw = cfg.get("hardware")
+    if hw is not None and int(hw.get("gpus", 0) or 0) > 0:
+        from qlora_recipes import dist
+
+        return dist.declared_gpus(cfg), host_ram or dist.declared_host_ram(cfg), f"hardware node, {dist.describe(cfg)}"
+    return None, host_ram, "this machine's CPU (no GPU here; declare GPUs with --gpus)"
+
+
+def planner():
+    """dist.plan_stack (one rank's share under FSDP / ZeRO-3) where the package has it."""
+    try:
+        from qlora_recipes import dist
+
+        return dist.plan_stack
+    except ImportError:  # pragma: no cover
+        from qlora_recipes import memory
+
+        return memory.plan_stack
+
+
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from qlora_recipes import memory
 
     started = time.perf_counter()
     try:
-        plan = memory.plan_stack(cfg, gpus=_HARDWARE.get("gpus"), host_ram=_HARDWARE.get("host_ram"))
+        gpus, host_ram, planned_for = hardware_to_plan(cfg)
+        plan = planner()(cfg, gpus=gpus, host_ram=host_ram)
     except UserError as err:  # here, not in cli.run: Hydra would add its own "Error executing job" line
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     plan_s = time.perf_counter() - started
     path = memory.write_plan(plan, HydraConfig.get().runtime.output_dir)
+    print(f"planned for: {planned_for}")
     print(memory.render_table(plan))
     print(f"plan: {path}  (planned in {plan_s:.2f} s, {time.perf_counter() - _STARTED:.2f} s since start)")
     _RESULT["fits"] = plan["fits"]

@@ -14,8 +14,9 @@ SMOKE = ["trainer=smoke", "data.metric=null"]
 
 
 def run(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=ENV,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600
+    )
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
@@ -66,8 +67,9 @@ def test_malformed_data_row_names_file_row_and_field(tmp_path):
 
 def test_multirun_launches_one_job_per_combination_and_summarises(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = run("-m", *SMOKE, "trainer.max_steps=2", "peft.r=4,8", "optim=paged8bit,adamw8bit",
-               f"hydra.sweep.dir={sweep}")
+    proc = run(
+        "-m", *SMOKE, "trainer.max_steps=2", "peft.r=4,8", "optim=paged8bit,adamw8bit", f"hydra.sweep.dir={sweep}"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = sorted(p.parent for p in sweep.glob("*/metrics.json"))
     assert len(jobs) == 4
@@ -76,7 +78,8 @@ def test_multirun_launches_one_job_per_combination_and_summarises(tmp_path):
     assert len(rows) == 4 and {r["status"] for r in rows} == {"ok"}
     assert {r["overrides"] for r in rows} == {
         f"trainer=smoke data.metric=null trainer.max_steps=2 peft.r={r} optim={o}"
-        for r in (4, 8) for o in ("paged8bit", "adamw8bit")
+        for r in (4, 8)
+        for o in ("paged8bit", "adamw8bit")
     }
     assert (sweep / "summary.md").read_text().count("\n") == 6
 

@@ -13,8 +13,15 @@ from qlora_recipes.errors import UserError
 from qlora_recipes.lifecycle import Preempted, find_checkpoint, resume_checkpoint
 from train import train
 
-BASE = ["trainer=smoke", "data.metric=null", "trainer.max_steps=6", "trainer.save_steps=3", "trainer.logging_steps=1",
-        "trainer.micro_batch_size=4", "trainer.grad_accum=1"]
+BASE = [
+    "trainer=smoke",
+    "data.metric=null",
+    "trainer.max_steps=6",
+    "trainer.save_steps=3",
+    "trainer.logging_steps=1",
+    "trainer.micro_batch_size=4",
+    "trainer.grad_accum=1",
+]
 
 
 def step_losses(run_dir, step):
@@ -91,7 +98,9 @@ def test_oom_halves_the_micro_batch_and_keeps_the_effective_batch(tmp_path, monk
     assert (m["micro_batch_size"], m["grad_accum"], m["steps"]) == (1, 4, 6)
     record = json.loads((tmp_path / "oom.json").read_text())
     assert [a["next"] for a in record["attempts"]] == [
-        "trainer.micro_batch_size=2 trainer.grad_accum=2", "trainer.micro_batch_size=1 trainer.grad_accum=4"]
+        "trainer.micro_batch_size=2 trainer.grad_accum=2",
+        "trainer.micro_batch_size=1 trainer.grad_accum=4",
+    ]
     assert record["fit"]["trainer.micro_batch_size"] == 1
 
 
@@ -101,7 +110,10 @@ def test_oom_turns_on_checkpointing_then_stops_with_overrides(tmp_path, monkeypa
         train(compose_cfg(*BASE, "trainer.micro_batch_size=2", "trainer.gradient_checkpointing=false"), tmp_path)
     record = json.loads((tmp_path / "oom.json").read_text())
     assert [a["next"] for a in record["attempts"]] == [
-        "trainer.micro_batch_size=1 trainer.grad_accum=2", "trainer.gradient_checkpointing=true", None]
+        "trainer.micro_batch_size=1 trainer.grad_accum=2",
+        "trainer.gradient_checkpointing=true",
+        None,
+    ]
 
 
 def test_memory_timeline_is_written(tmp_path):
@@ -114,8 +126,14 @@ def test_memory_timeline_is_written(tmp_path):
 def test_sigterm_from_outside_prints_how_to_resume(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "QLORA_RECIPES_FAULTS": "sigterm_at_step=2"}
-    proc = subprocess.run([sys.executable, "train.py", *BASE, f"hydra.run.dir={run_dir}"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "train.py", *BASE, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 143, proc.stderr[-2000:]
     line = [ln for ln in proc.stderr.splitlines() if ln.startswith("stopped by SIGTERM at step 2")]
     assert line and f"resume=auto hydra.run.dir={run_dir}" in line[0]

@@ -22,8 +22,17 @@ def test_default_run_learns_and_writes_everything(run_dir):
     assert m["eval_exact_match"] >= m["eval_exact_match_before"] + 0.3, m
     assert m["device"] == "cpu" and m["peak_mem_gib"] > 0 and m["tokens_per_s"] > 0
     saved = json.loads((run_dir / "metrics.json").read_text())
-    for key in ("train_loss_first", "train_loss_last", "eval_loss", "eval_exact_match", "tokens_per_s",
-                "peak_mem_gib", "device", "steps", "wall_s"):
+    for key in (
+        "train_loss_first",
+        "train_loss_last",
+        "eval_loss",
+        "eval_exact_match",
+        "tokens_per_s",
+        "peak_mem_gib",
+        "device",
+        "steps",
+        "wall_s",
+    ):
         assert saved[key] is not None, key
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
     assert (run_dir / "adapter" / "tokenizer.json").is_file()
@@ -56,9 +65,19 @@ def test_each_optim_option_takes_steps(optim, run_dir):
     assert m["steps"] == 3 and m["train_loss_last"] > 0
 
 
-@pytest.mark.parametrize("stack", [["quant=fp4"], ["quant=int8"], ["quant=none"], ["peft=dora"], ["peft=rslora"],
-                                   ["precision=fp32"], ["trainer.checkpointing_mode=reentrant"],
-                                   ["trainer.gradient_checkpointing=false"]])
+@pytest.mark.parametrize(
+    "stack",
+    [
+        ["quant=fp4"],
+        ["quant=int8"],
+        ["quant=none"],
+        ["peft=dora"],
+        ["peft=rslora"],
+        ["precision=fp32"],
+        ["trainer.checkpointing_mode=reentrant"],
+        ["trainer.gradient_checkpointing=false"],
+    ],
+)
 def test_stack_variants_train(stack, run_dir):
     m = _smoke(run_dir, *stack)
     assert m["steps"] == 3

@@ -1,0 +1,390 @@
+"""The benchmark harness: statistics, models with random weights, the baseline's job, and whole suites
+run end to end on the CPU (the smoke suite; the GPU suite in shrink mode). No timings are asserted:
+numbers live in bench/results with their device and date."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, compose_cfg
+
+from qlora_recipes import bench as B
+
+_spec = importlib.util.spec_from_file_location("bench_script", REPO / "scripts" / "bench.py")
+bench_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_script)
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+# ---------------------------------------------------------------------------------------------
+def test_fit_line_recovers_an_exact_line():
+    fit = B.fit_line([2, 4, 8], [3 + 0.5 * x for x in (2, 4, 8)])
+    assert fit["slope"] == pytest.approx(0.5) and fit["intercept"] == pytest.approx(3.0)
+    assert fit["r2"] == pytest.approx(1.0) and fit["max_abs_residual"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_extrapolate_layers_to_80_with_synthetic_70b_numbers():
+    # 0.45 GiB per layer (NF4 weights + adapters + checkpointed input) over a 2.8 GiB constant.
+    per_layer, constant = 0.45, 2.8
+    points = {2: constant + 2 * per_layer, 4: constant + 4 * per_layer, 8: constant + 8 * per_layer}
+    ex = B.extrapolate_layers(points, 80)
+    assert ex["per_layer"] == pytest.approx(per_layer)
+    assert ex["constant"] == pytest.approx(constant)
+    assert ex["at_target"] == pytest.approx(constant + 80 * per_layer)
+    assert ex["points"] == {"2": pytest.approx(3.7), "4": pytest.approx(4.6), "8": pytest.approx(6.4)}
+    # Noise shows in r2 and the residual, and the prediction stays close.
+    noisy = B.extrapolate_layers({2: 3.72, 4: 4.58, 8: 6.41}, 80)
+    assert noisy["r2"] < 1 and noisy["max_abs_residual"] > 0
+    assert noisy["at_target"] == pytest.approx(38.8, rel=0.02)
+    # None values (a failed run) are left out; fewer than 2 points is an error.
+    assert B.extrapolate_layers({2: 3.7, 4: None, 8: 6.4}, 80)["at_target"] == pytest.approx(38.8)
+    with pytest.raises(ValueError):
+        B.extrapolate_layers({2: 3.7}, 80)
+    with pytest.raises(ValueError):
+        B.fit_line([4, 4], [1.0, 2.0])
+
+
+def test_steady_step_time_skips_warmup_steps():
+    ends = [5.0, 7.0, 8.0, 9.0, 10.5]  # step 1 ends at 5 s (load, compile), then 2, 1, 1, 1.5 s
+    assert B.steady_step_s(ends, warmup=2) == pytest.approx(1.0)  # steps 3, 4, 5
+    assert B.steady_step_s(ends, warmup=1) == pytest.approx(1.25)  # steps 2..5
+    assert B.steady_step_s([5.0], warmup=1) is None
+
+
+def test_errors_and_ratios():
+    assert B.pct_error(11.0, 10.0) == pytest.approx(10.0)
+    assert B.pct_error(9.0, 10.0) == pytest.approx(-10.0)
+    assert B.pct_error(None, 1.0) is None and B.ratio(1.0, 0) is None
+    assert B.median([3, None, 1, 2, float("nan")]) == 2
+    # GPU: the plan includes the CUDA context (not in max_memory_reserved) and allocator overhead
+    # (not in max_memory_allocated either).
+    plan = {"peak_gib": 12.0, "cuda_context_gib": 1.0, "allocator_overhead_gib": 0.5}
+    gpu = B.plan_errors(plan, {"status": "ok", "peak_reserved_gib": 11.0, "peak_allocated_gib": 10.5}, gpu=True)
+    assert gpu["vs_reserved"] == pytest.approx(0.0) and gpu["vs_allocated"] == pytest.approx(0.0)
+    cpu = B.plan_errors({"peak_gib": 0.6}, {"status": "ok", "peak_rss_gib": 0.5}, gpu=False)
+    assert cpu["headline"] == pytest.approx(20.0)
+    assert B.plan_errors(plan, {"status": "error"}, gpu=True) == {}
+
+
+def test_search_longest_is_a_bounded_binary_search():
+    calls = []
+
+    def fits(seq):
+        calls.append(seq)
+        return seq <= 5000
+
+    assert bench_script.search_longest(2048, 65536, 1024, fits, 64) == 4096
+    assert len(calls) <= 1 + 6  # lo, then log2(63) halvings
+    assert bench_script.search_longest(2048, 65536, 1024, lambda s: False, 64) is None
+    # Out of probes: the best known answer so far, never one that was not shown to fit.
+    calls.clear()
+    got = bench_script.search_longest(2048, 65536, 1024, fits, 2)
+    assert len(calls) == 2 and got is not None and got <= 4096
+
+
+def test_stack_matrix_expands_to_every_pair():
+    stacks = bench_script.expand_stacks(
+        [
+            {
+                "matrix": {"quant": ["nf4", "int8"], "optim": ["adamw", "paged8bit"]},
+                "name": "{quant}-{optim}",
+                "baseline": True,
+            }
+        ]
+    )
+    assert [s["name"] for s in stacks] == ["nf4-adamw", "nf4-paged8bit", "int8-adamw", "int8-paged8bit"]
+    assert stacks[1]["overrides"] == ["quant=nf4", "optim=paged8bit"] and stacks[1]["baseline"]
+
+
+def test_shipped_suites_load_and_compose():
+    cpu = bench_script.load_suite("cpu", shrink=False)
+    names = [s["name"] for s in bench_script.expand_stacks(cpu["stacks"])]
+    assert "default" in names and len(names) == 1 + 4 * 5
+    for s in bench_script.expand_stacks(cpu["stacks"]):
+        compose_cfg(*cpu["job"], *s["overrides"])  # every stack of the CPU suite is a valid config
+    gpu = bench_script.load_suite("gpu", shrink=True)
+    assert set(gpu["stages"]) == {"8b", "slope", "full", "seq"}
+    assert gpu["stages"]["slope"]["layers"] == [1, 2] and "trainer.seq_len=128" in gpu["job"]
+    real = bench_script.load_suite("gpu", shrink=False)
+    assert real["stages"]["slope"]["layers"] == [2, 4, 8] and real["stages"]["slope"]["target_layers"] == 80
+
+
+# ---------------------------------------------------------------------------------------------
+# The baseline's job and models with random weights
+# ---------------------------------------------------------------------------------------------
+def test_baseline_argv_is_the_same_job(tmp_path):
+    cfg = compose_cfg(
+        "trainer=smoke",
+        "trainer.max_steps=7",
+        "optim=adamw8bit",
+        "peft.r=8",
+        "quant=fp4",
+        "trainer.gradient_checkpointing=false",
+        "data.packing=true",
+    )
+    argv = B.baseline_argv(cfg, tmp_path / "out", tmp_path / "m.json")
+    assert argv[1].endswith("scripts/baseline_qlora.py")
+    args = dict(zip(argv[2::2], argv[3::2], strict=False))
+    assert args["--steps"] == "7" and args["--batch"] == str(cfg.trainer.micro_batch_size)
+    assert args["--seq-len"] == str(cfg.trainer.seq_len) and args["--optim"] == cfg.optim.name
+    assert args["--quant"] == "fp4" and args["--r"] == "8" and float(args["--lr"]) == cfg.optim.lr
+    assert args["--model"] == cfg.model.name_or_path and args["--data"] == cfg.data.path
+    assert "--no-gradient-checkpointing" in argv and "--packing" in argv
+    with pytest.raises(ValueError):
+        B.baseline_argv(compose_cfg("peft=dora"), tmp_path, tmp_path / "m.json")
+
+
+def test_baseline_script_imports_nothing_of_ours():
+    text = (REPO / "scripts" / "baseline_qlora.py").read_text()
+    assert "qlora_recipes" not in text.replace("imports nothing from this repository", "")
+    for needed in ("BitsAndBytesConfig", "prepare_model_for_kbit_training", "get_peft_model", "SFTTrainer"):
+        assert needed in text
+
+
+TINY_FIG = {
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 96,
+    "tie_embeddings": False,
+    "max_position_embeddings": 512,
+    "head_dim": 16,
+}
+
+
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_random_model_loads_through_the_real_4bit_path(tmp_path, quantize):
+    import bitsandbytes as bnb
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    out = B.build_random_model(TINY_FIG, tmp_path / "m", quantize=quantize)
+    assert len(list(out.glob("model-*.safetensors"))) == 1 + TINY_FIG["num_layers"]  # one shard per layer
+    tok = AutoTokenizer.from_pretrained(out)
+    assert len(tok) == TINY_FIG["vocab_size"]
+    q = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=q, dtype=torch.bfloat16, device_map={"": "cpu"}
+    )
+    assert isinstance(model.model.layers[1].mlp.down_proj, bnb.nn.Linear4bit)
+    assert model.config.num_hidden_layers == 2 and model.config.hidden_size == 64
+    ids = tok(["w5 w6 w7 w8"], return_tensors="pt")["input_ids"]
+    loss = model(input_ids=ids, labels=ids).loss
+    assert torch.isfinite(loss)
+    # The same figures again: the build is reused, not rewritten.
+    stamp = (out / "bench-model.json").stat().st_mtime_ns
+    B.build_random_model(TINY_FIG, out, quantize=quantize)
+    assert (out / "bench-model.json").stat().st_mtime_ns == stamp
+    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    assert size == pytest.approx(B.model_disk_bytes(TINY_FIG, quantize), rel=0.2)
+
+
+def test_text_data_lengths(tmp_path):
+    path = B.write_text_data(tmp_path / "d.jsonl", 100, rows=50, min_words=8, max_words=64)
+    rows = [json.loads(line)["text"].split() for line in path.read_text().splitlines()]
+    assert len(rows) == 50 and all(8 <= len(r) <= 64 for r in rows) and len({len(r) for r in rows}) > 5
+    assert all(4 <= int(w[1:]) < 100 for r in rows for w in r)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+def _fake_results():
+    ok = {
+        "status": "ok",
+        "n": 1,
+        "wall_s": 10.0,
+        "train_s": 5.0,
+        "s_per_step": 0.1,
+        "tokens_per_s": 100.0,
+        "tokens_per_s_steady": 120.0,
+        "peak_gib": 0.6,
+        "peak_rss_gib": 0.6,
+        "loss_first": 3.0,
+        "loss_last": 1.0,
+    }
+    return {
+        "suite": "cpu",
+        "date": "2026-01-01",
+        "device": {"kind": "cpu", "name": "cpu: Test CPU, 2 cores", "slug": "cpu-test-cpu-2-cores"},
+        "runs": [{"command": "python scripts/bench.py cpu", "started": "t", "load_avg_before": [0.1, 0.2, 0.3]}],
+        "environment": {"torch": "x"},
+        "settings": {"steps": 30, "warmup_steps": 5, "repeats": 1},
+        "stacks": [
+            {
+                "name": "default",
+                "status": "ok",
+                "plan": {"peak_gib": 0.62},
+                "ours": dict(ok),
+                "baseline": {**ok, "wall_s": 9.8},
+                "ratios": B.ratios({**ok}, {**ok, "wall_s": 9.8}),
+                "plan_error_pct": {"ours": {"headline": 3.3}, "baseline": {"headline": 3.3}},
+            },
+            {"name": "liger", "status": "skipped", "reason": "liger_kernel not installed"},
+        ],
+        "timings": [
+            {
+                "name": "plan-70b",
+                "command": "python scripts/plan.py",
+                "runs_s": [2.0],
+                "median_s": 2.0,
+                "goal_s": 5,
+                "pass": True,
+            }
+        ],
+        "slope": [],
+        "seq_search": [],
+        "goals": [],
+    }
+
+
+def test_goals_and_markdown_from_results():
+    res = _fake_results()
+    goals = bench_script.goals_cpu(res, {})
+    by = {g["claim"].split(" (")[0]: g for g in goals}
+    assert by["train.py no more than 5 % slower than the baseline"]["pass"] is True  # 10.0 / 9.8 = 1.02
+    assert any(g["claim"].startswith("plan-70b") and g["pass"] for g in goals)
+    res["goals"] = goals
+    md = B.render_markdown(res)
+    for text in (
+        "cpu: Test CPU, 2 cores",
+        "| default | ours |",
+        "| default | baseline |",
+        "skipped: liger_kernel",
+        "Ours / baseline",
+        "| plan-70b |",
+        "load average",
+        "| goal |",
+        "1.020",
+    ):
+        assert text in md, text
+
+
+def test_readme_keeps_one_latest_section_per_device(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n\n<!-- RESULTS -->\n\nmore text\n")
+    res = _fake_results()
+    B.update_readme(readme, res, "first table\n", "results/a.json")
+    B.update_readme(readme, res, "second table\n", "results/b.json")
+    text = readme.read_text()
+    assert text.count("BEGIN cpu-test-cpu-2-cores:cpu") == 1 and "second table" in text and "first" not in text
+    assert text.endswith("more text\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole suites, end to end on the CPU
+# ---------------------------------------------------------------------------------------------
+def _run_bench(*args, timeout=900):
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench.py"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def test_smoke_suite_runs_ours_and_the_baseline_and_writes_json_and_markdown(tmp_path):
+    readme_before = (REPO / "bench" / "README.md").read_text()
+    _run_bench("smoke", "--results-dir", str(tmp_path / "results"), "--work-dir", str(tmp_path / "work"))
+    [path] = (tmp_path / "results").glob("*-smoke.json")
+    assert path.name.startswith("cpu-")
+    res = json.loads(path.read_text())
+    assert res["device"]["name"].startswith("cpu: ") and res["device"]["name"].endswith(" cores")
+    assert res["runs"][0]["load_avg_before"] and res["runs"][0]["command"].startswith("python scripts/bench.py smoke")
+    [stack] = res["stacks"]
+    assert stack["name"] == "default" and stack["train_py"].startswith("python train.py")
+    for side in ("ours", "baseline"):
+        r = stack[side]
+        assert r["status"] == "ok", r
+        for key in (
+            "wall_s",
+            "train_s",
+            "s_per_step",
+            "tokens_per_s",
+            "tokens_per_s_steady",
+            "peak_gib",
+            "peak_rss_gib",
+            "loss_first",
+            "loss_last",
+        ):
+            assert isinstance(r[key], float) and r[key] > 0, (side, key, r[key])
+        assert r["steps"] == 3 and len(r["runs"]) == 1
+        assert stack["plan_error_pct"][side]["headline"] is not None
+    assert stack["plan"]["peak_gib"] > 0
+    assert set(stack["ratios"]) == set(B.RATIO_KEYS) and all(v > 0 for v in stack["ratios"].values())
+    # Same data, seed and steps: the first loss is the same batch on both sides.
+    assert stack["ours"]["loss_first"] == pytest.approx(stack["baseline"]["loss_first"], rel=0.05)
+    [timing] = res["timings"]
+    assert timing["name"] == "plan-70b" and timing["median_s"] > 0 and timing["pass"] in (True, False)
+    assert any(g["claim"].startswith("train.py no more than 5 % slower") for g in res["goals"])
+    md = path.with_suffix(".md").read_text()
+    assert "| default | ours |" in md and "| default | baseline |" in md and "Ours / baseline" in md
+    assert (REPO / "bench" / "README.md").read_text() == readme_before  # smoke never touches the README
+
+
+def _shrink(tmp_path, *extra):
+    _run_bench(
+        "gpu",
+        "--shrink",
+        *extra,
+        "--results-dir",
+        str(tmp_path / "results"),
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--cache",
+        str(tmp_path / "cache"),
+        timeout=2400,
+    )
+    [path] = (tmp_path / "results").glob("*-gpu-shrink.json")
+    res = json.loads(path.read_text())
+    assert res["runs"][0]["shrink"] is True and not res.get("errors")
+    return path, res, {s["name"]: s for s in res["stacks"]}
+
+
+def _check_8b_and_slope(stacks, res, md):
+    s8 = stacks["8b-nf4-paged8bit-ckpt"]
+    assert s8["ours"]["status"] == "ok" and s8["baseline"]["status"] == "ok" and s8["ratios"]["peak_gib"] > 0
+    assert "model.name_or_path=" in s8["train_py"] and "data.format=text" in s8["train_py"]
+    for layers in (1, 2):
+        assert stacks[f"slope-llama2-70b-L{layers}"]["ours"]["status"] == "ok"
+    [slope] = res["slope"]
+    fits = {f["quantity"]: f for f in slope["fits"]}
+    assert fits["peak_rss_gib"]["at_target"] > 0 and fits["peak_rss_gib"]["planner"] > 0
+    assert fits["s_per_step"]["at_target"] is not None and slope["target_layers"] == 4
+    assert "Per-layer slope" in md and "SHRINK" in md
+    assert any(g["claim"].startswith("70B shape, 4 layers") for g in res["goals"])
+
+
+def test_gpu_suite_code_path_runs_in_shrink_mode_on_cpu(tmp_path):
+    """The GPU suite's 8b and slope stages with small shapes: random-weight models written from the
+    figures, loaded by train.py and the baseline through the 4-bit path, the per-layer slope fit."""
+    path, res, stacks = _shrink(tmp_path, "--stages", "8b,slope", "--only", "8b-nf4*")
+    _check_8b_and_slope(stacks, res, path.with_suffix(".md").read_text())
+    assert "8b-mixed-packing" not in stacks  # --only
+
+
+@pytest.mark.slow
+def test_every_gpu_suite_stage_runs_in_shrink_mode_on_cpu(tmp_path):
+    """Every stage: also the speed options, the pre-quantized full-depth model and the sequence search."""
+    path, res, stacks = _shrink(tmp_path)
+    md = path.with_suffix(".md").read_text()
+    _check_8b_and_slope(stacks, res, md)
+    assert stacks["8b-mixed-packing"]["ours"]["status"] == "ok"
+    assert stacks["8b-mixed-packing-liger"]["status"] == "skipped"  # no liger-kernel (or no stack key) here
+    assert stacks["full-llama2-70b-L4-prequantized"]["ours"]["status"] == "ok"
+    [seq] = res["seq_search"]
+    assert seq["longest_seq"] in (64, 128, 192, 256) and seq["probes"] and seq["verified_full"] is True
+    assert "Longest sequence" in md

@@ -1,0 +1,228 @@
+"""Scale-out: the shipped launch configs parse with the libraries' own loaders and agree with what
+qlora_recipes/dist.py passes to the trainer; combinations that cannot work are rejected with one
+line; FSDP/ZeRO-3 plans are per rank; and 2-process DDP on CPU (torchrun, gloo) trains the tiny
+model through the real train.py with both ranks in step."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, compose_cfg
+from omegaconf import OmegaConf
+
+from qlora_recipes import dist
+from qlora_recipes.errors import UserError
+from qlora_recipes.validate import validate
+
+ACCELERATE = sorted((REPO / "launch" / "accelerate").glob("*.yaml"))
+DEEPSPEED = sorted((REPO / "launch" / "deepspeed").glob("*.json"))
+GiB = 2**30
+
+
+def test_every_shipped_config_is_found():
+    names = {p.stem for p in ACCELERATE} | {p.name for p in DEEPSPEED}
+    assert {"ddp", "fsdp_qlora", "zero2", "zero3_offload", "zero2.json", "zero3_offload.json"} <= names
+
+
+@pytest.mark.parametrize("path", ACCELERATE, ids=lambda p: p.name)
+def test_accelerate_config_parses_with_accelerate(path):
+    from accelerate.commands.config import load_config_from_file
+    from accelerate.utils import DistributedType
+
+    cfg = load_config_from_file(str(path))
+    assert cfg.distributed_type in (DistributedType.MULTI_GPU, DistributedType.FSDP, DistributedType.DEEPSPEED)
+    assert cfg.mixed_precision == "no"  # precision comes from conf/precision through the trainer
+    if cfg.distributed_type == DistributedType.DEEPSPEED:
+        ds_file = REPO / cfg.deepspeed_config["deepspeed_config_file"]
+        assert ds_file.is_file() and ds_file in DEEPSPEED
+        assert cfg.deepspeed_config["zero3_init_flag"] is False  # zero.Init cannot build a 4-bit model
+
+
+@pytest.mark.parametrize("path", DEEPSPEED, ids=lambda p: p.name)
+def test_deepspeed_config_parses(path):
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig  # no deepspeed import needed
+
+    json.loads(path.read_text())
+    ds = HfDeepSpeedConfig(str(path))
+    if "zero3" in path.name:
+        assert ds.is_zero3() and ds.is_offload()
+        assert ds.get_value("zero_optimization.offload_param.device") == "cpu"
+        assert ds.get_value("optimizer.type") == "AdamW"  # DeepSpeed's CPU Adam under offload
+    else:
+        assert ds.is_zero2() and not ds.is_offload()
+    assert ds.get_value("train_micro_batch_size_per_gpu") == "auto"  # filled from the trainer
+
+
+@pytest.mark.parametrize("option", ["none", "ddp", "fsdp", "zero2", "zero3"])
+def test_dist_option_composes_and_points_at_shipped_files(option):
+    cfg = compose_cfg(f"dist={option}")
+    OmegaConf.resolve(cfg)
+    assert cfg.dist.strategy == option
+    for key in ("accelerate_config", "deepspeed_config"):
+        if cfg.dist[key]:
+            assert Path(cfg.dist[key]).is_file(), key
+
+
+def _accelerate_env(config: Path, *extra: str) -> dict:
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(
+        ["--config_file", str(config), "--num_processes", "2", *extra, "train.py"]
+    )
+    _validate_launch_command(args)
+    return prepare_multi_gpu_env(args)
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_fsdp_recipe_passes_the_same_fsdp_settings_as_the_accelerate_config(offload, monkeypatch, tmp_path):
+    """accelerate launch (env from launch/accelerate/fsdp_qlora.yaml + the CLI flag launch.py adds)
+    and TrainingArguments (dist.sft_kwargs) must build the same FSDP plugin."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from trl import SFTConfig
+
+    cfg = compose_cfg("recipe=llama3-70b-2x24gb", f"dist.offload_params={str(offload).lower()}")
+    cmd = dist.launch_command(cfg, "llama3-70b-2x24gb", [])
+    flag = cmd[cmd.index("--fsdp_offload_params") : cmd.index("--fsdp_offload_params") + 2]
+    env = _accelerate_env(Path(cfg.dist.accelerate_config), *flag)
+    assert env["ACCELERATE_USE_FSDP"] == "true"
+    for key, value in env.items():
+        if key.startswith("FSDP_"):
+            monkeypatch.setenv(key, value)
+    from_launcher = FullyShardedDataParallelPlugin()
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[], **dist.sft_kwargs(cfg))
+    from_trainer = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+    for attr in ("fsdp_version", "reshard_after_forward", "state_dict_type", "cpu_ram_efficient_loading",
+                 "activation_checkpointing"):  # fmt: skip
+        assert getattr(from_launcher, attr) == getattr(from_trainer, attr), attr
+    assert type(from_launcher.cpu_offload) is type(from_trainer.cpu_offload)
+    assert from_launcher.auto_wrap_policy is from_trainer.auto_wrap_policy
+    assert from_trainer.fsdp_version == 2 and bool(args.fsdp)
+    assert (type(from_trainer.cpu_offload).__name__ == "CPUOffloadPolicy") is offload
+
+
+def test_sft_kwargs_per_strategy():
+    assert dist.sft_kwargs(compose_cfg(), world_size=1) == {}
+    assert dist.sft_kwargs(compose_cfg(), world_size=2) == {"ddp_find_unused_parameters": False}
+    assert dist.sft_kwargs(compose_cfg("dist=ddp"), world_size=2) == {"ddp_find_unused_parameters": False}
+    zero3 = dist.sft_kwargs(compose_cfg("dist=zero3"))
+    assert zero3 == {"deepspeed": str(REPO / "launch/deepspeed/zero3_offload.json")}
+
+
+FSDP_OK = ("recipe=llama3-70b-2x24gb",)
+
+
+@pytest.mark.parametrize(
+    "overrides,gpu,message",
+    [
+        (["dist=fsdp", "quant.storage_dtype=uint8"], True, "needs quant.storage_dtype=bfloat16"),
+        (["dist=fsdp", "quant.storage_dtype=float16"], True, "needs quant.storage_dtype=bfloat16"),
+        (["dist=zero3", "quant.storage_dtype=uint8", "optim=adamw"], True, "needs quant.storage_dtype=bfloat16"),
+        (["dist=fsdp", "quant=int8"], True, "cannot shard an int8"),
+        ([*FSDP_OK, "optim=paged8bit"], True, "cannot use optim.name=paged_adamw_8bit"),
+        ([*FSDP_OK, "optim=adamw8bit"], True, "cannot use optim.name=adamw_bnb_8bit"),
+        ([*FSDP_OK, "offload=cpu"], True, "cannot run under"),
+        ([*FSDP_OK], False, "dist=fsdp needs CUDA GPUs"),
+        (["dist=ddp", "offload=disk"], True, "cannot run under"),
+        (["dist=zero3", "quant.storage_dtype=bfloat16", "optim=paged8bit"], True, "DeepSpeed's CPU AdamW"),
+        (["dist=zero2"], True, "needs DeepSpeed, which is not installed"),
+        (["dist=fsdp2"], True, "dist=fsdp2 is not an option"),
+        (["dist=fsdp", "dist.strategy=fsdp2"], True, "dist.strategy=fsdp2 is not an option"),
+        (["dist=ddp", "dist.launcher=mpirun"], True, "dist.launcher=mpirun is not an option"),
+        (["recipe=llama2-7b-16gb", "precision=bf16"], True, "has no bfloat16"),
+        (["hardware.gpus=2"], True, "needs hardware.gpu_memory_gib"),
+    ],
+)
+def test_impossible_distributed_combinations_are_rejected_before_launch(overrides, gpu, message):
+    try:
+        cfg = compose_cfg(*overrides)
+    except Exception as err:  # an unknown option fails at composition, with the options listed
+        assert "fsdp2" in str(err) and "fsdp" in str(err), err
+        return
+    if "zero2" in str(overrides) and _has_deepspeed():
+        pytest.skip("deepspeed is installed here")
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        validate(cfg, gpu_available=gpu, world_size=2)
+
+
+def _has_deepspeed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def test_valid_distributed_stacks_pass():
+    for name in ("llama3-70b-2x24gb", "llama3-405b-8xa100"):
+        cfg = compose_cfg(f"recipe={name}")
+        validate(cfg, gpu_available=True, world_size=dist.ranks(cfg))
+    validate(compose_cfg("dist=ddp"), gpu_available=False, world_size=2)  # DDP on CPU (gloo) is fine
+
+
+def test_fsdp_plan_is_per_rank():
+    """Sharding halves a rank's share of the 4-bit weights; offload moves shards to host RAM;
+    the quantization state and the gathered layers stay on every GPU."""
+    base = ("recipe=llama3-70b-2x24gb", "dist.offload_params=false", "dist.load_on_cpu=true")
+    gpus, host = [80 * GiB] * 8, 2048 * GiB
+
+    def plan(*extra, ws):
+        cfg = compose_cfg(*base, *extra)
+        return dist.plan_stack(cfg, gpus=gpus, host_ram=host, world_size=ws)
+
+    two, four = plan(ws=2), plan(ws=4)
+    w2, w4 = two["components"]["quantized_weights"]["cuda:0"], four["components"]["quantized_weights"]["cuda:0"]
+    state = two["counts"]["quant_state_bytes"]
+    assert (w2 - state) == pytest.approx(2 * (w4 - state), rel=1e-6)  # data shards: 1/ws each
+    assert two["dist"] == {**two["dist"], "strategy": "fsdp", "world_size": 2}
+    off = plan("dist.offload_params=true", ws=2)
+    assert off["components"]["quantized_weights"]["cuda:0"] == state  # only the quant state stays
+    # both ranks of the node keep their shards in its RAM: the whole 4-bit data once
+    assert off["components"]["quantized_weights"]["cpu"] == pytest.approx(2 * (w2 - state), rel=1e-6)
+    assert off["devices"][0]["peak"] < two["devices"][0]["peak"]
+    # Without load_on_cpu every rank first loads the whole 4-bit base on its GPU: no fit on 24 GB,
+    # and the plan says so (the load phase) instead of promising what the loader cannot do.
+    gpu_load = dist.plan_stack(compose_cfg("recipe=llama3-70b-2x24gb", "dist.load_on_cpu=false"),
+                               gpus=[int(23.5 * GiB)] * 2, host_ram=128 * GiB)  # fmt: skip
+    assert not gpu_load["fits"] and gpu_load["devices"][0]["peak_phase"] == "load"
+
+
+def test_ddp_plan_is_a_full_replica_per_gpu():
+    cfg = compose_cfg("model=llama3.1-8b", "trainer=standard", "dist=ddp")
+    ddp = dist.plan_stack(cfg, gpus=[int(23.5 * GiB)] * 2, host_ram=64 * GiB, world_size=2)
+    one = dist.plan_stack(
+        compose_cfg("model=llama3.1-8b", "trainer=standard"), gpus=[int(23.5 * GiB)], host_ram=64 * GiB
+    )
+    assert ddp["peak_gib"] == one["peak_gib"] and ddp["effective_batch"] == 2 * one["effective_batch"]
+
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
+def test_two_process_ddp_on_cpu_trains_with_ranks_in_step(tmp_path):
+    """torchrun --nproc_per_node 2 train.py (gloo on CPU) into one run dir: rank 0 writes
+    metrics.json and the adapter, rank 1 metrics.rank1.json. The ranks log the same (all-reduced)
+    losses and end with identical adapters (same digest of the trainable weights); and each optimizer step consumed 2 ranks x 2 examples (the logged epoch
+    after 3 steps is 12 / 2000 rows, one process would be at 6 / 2000): they trained together on
+    different shards of the data, not side by side on the same batches."""
+    import re
+
+    from safetensors.torch import load_file
+
+    smoke = ["trainer=smoke", "data.metric=null"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(REPO / "train.py"), *smoke, f"hydra.run.dir={tmp_path}/run"],
+        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / "run" / name).read_text()) for name in ("metrics.json", "metrics.rank1.json")]
+    assert all(m["status"] == "ok" and m["steps"] == 3 for m in ranks)
+    for key in ("train_loss_first", "train_loss_last", "train_loss_mean", "eval_loss", "adapter_sha256"):
+        assert ranks[0][key] == ranks[1][key], key
+    assert load_file(tmp_path / "run" / "adapter" / "adapter_model.safetensors")
+    assert not (tmp_path / "run" / "adapter.partial").exists()
+    rows = ranks[0]["data"]["rows"]["train"]
+    epochs = [float(e) for e in re.findall(r"'epoch': '([0-9.e-]+)'", proc.stdout + proc.stderr)]
+    assert epochs and epochs[-1] == pytest.approx(3 * 2 * 2 / rows, abs=6e-4), epochs

@@ -112,7 +112,9 @@ def validate(cfg: DictConfig, gpu_available: bool, world_size: int | None = None
     if cfg.peft.method == "dora" and cfg.quant.method == "int8":
         # peft's DoRA weight norm needs the dequantized base; with LLM.int8 layers bitsandbytes
         # 0.50 fails in MatMul8bitFp (seen on CPU): a traceback after minutes of loading.
-        raise UserError("peft=dora does not work over quant=int8 (bitsandbytes 8-bit matmul fails); use quant=nf4 or peft=lora")
+        raise UserError(
+            "peft=dora does not work over quant=int8 (bitsandbytes 8-bit matmul fails); use quant=nf4 or peft=lora"
+        )
     if cfg.quant.method == "none" and cfg.quant.storage_dtype != "uint8":
         raise UserError("quant.storage_dtype only applies to 4-bit quantization; drop it or use quant=nf4")
     validate_hardware(cfg)

@@ -19,7 +19,9 @@ from qlora_recipes.schema import register_schemas  # noqa: E402
 register_schemas()
 # Every folder of conf/ is a group in train.yaml's defaults, except the presets chosen with `+`
 # (sweep), Hydra's own (hydra/...) and the link to recipes/.
-GROUPS = tuple(sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir() and p.name not in ("recipe", "sweep", "hydra")))
+GROUPS = tuple(
+    sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir() and p.name not in ("recipe", "sweep", "hydra"))
+)
 
 
 def compose_cfg(*overrides: str):

@@ -11,7 +11,9 @@ from qlora_recipes.validate import validate
 
 ALL_FILES = [(g, o) for g in GROUPS for o in options(g)] + [("recipe", o) for o in options("recipe")]
 PRESETS = [("+sweep", o) for o in options("sweep")]
-PRESETS += [(f"hydra/{g.name}", p.stem) for g in sorted((REPO / "conf/hydra").iterdir()) for p in sorted(g.glob("*.yaml"))]
+PRESETS += [
+    (f"hydra/{g.name}", p.stem) for g in sorted((REPO / "conf/hydra").iterdir()) for p in sorted(g.glob("*.yaml"))
+]
 
 
 def test_config_files_are_all_found():

@@ -499,6 +499,7 @@ def run_child(
         "rc": proc.returncode,
         "wall_s": wall,
         "peak_rss_gib": usage.ru_maxrss / 2**20,
+        "cpu_s": usage.ru_utime + usage.ru_stime,  # CPU time of the process: less sensitive to other load
         "timed_out": timed_out,
         "log": str(log_path.relative_to(REPO)) if log_path.is_relative_to(REPO) else str(log_path),
     }
@@ -540,6 +541,7 @@ def read_ours(run_dir: Path, child: dict, warmup: int, gpu: bool) -> dict:
     rec: dict[str, Any] = {
         "rc": child["rc"],
         "wall_s": child["wall_s"],
+        "cpu_s": child.get("cpu_s"),
         "peak_rss_gib": child["peak_rss_gib"],
         "log": child["log"],
     }
@@ -584,6 +586,7 @@ def read_baseline(metrics_path: Path, child: dict, warmup: int, gpu: bool) -> di
     rec: dict[str, Any] = {
         "rc": child["rc"],
         "wall_s": child["wall_s"],
+        "cpu_s": child.get("cpu_s"),
         "peak_rss_gib": child["peak_rss_gib"],
         "log": child["log"],
     }
@@ -613,6 +616,7 @@ def read_baseline(metrics_path: Path, child: dict, warmup: int, gpu: bool) -> di
 
 SUMMARY_KEYS = (
     "wall_s",
+    "cpu_s",
     "train_s",
     "s_per_step",
     "tokens_per_s",
@@ -643,7 +647,7 @@ def summarize(runs: list[dict]) -> dict:
     return out
 
 
-RATIO_KEYS = ("wall_s", "train_s", "s_per_step", "tokens_per_s", "tokens_per_s_steady", "peak_gib")
+RATIO_KEYS = ("wall_s", "cpu_s", "train_s", "s_per_step", "tokens_per_s", "tokens_per_s_steady", "peak_gib")
 
 
 def ratios(ours: Mapping[str, Any], base: Mapping[str, Any]) -> dict:
@@ -783,20 +787,20 @@ def _x(value: Any) -> str:
 def _stack_rows(stacks: list[dict], gpu: bool) -> list[str]:
     mem = "alloc / reserved GiB" if gpu else "peak RSS GiB"
     lines = [
-        f"| stack | run | n | wall s | train s | s/step | tokens/s | tokens/s steady | {mem} | plan GiB | "
+        f"| stack | run | n | wall s | CPU s | train s | s/step | tokens/s | tokens/s steady | {mem} | plan GiB | "
         "plan err | loss first → last |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in stacks:
         if s.get("status") == "skipped":
-            lines.append(f"| {s['name']} | skipped: {s.get('reason', '')} | | | | | | | | | | |")
+            lines.append(f"| {s['name']} | skipped: {s.get('reason', '')} | | | | | | | | | | | |")
             continue
         for side in ("ours", "baseline"):
             r = s.get(side)
             if not r:
                 continue
             if r.get("status") != "ok":
-                lines.append(f"| {s['name']} | {side}: error | | | | | | | | | | {str(r.get('error', ''))[:160]} |")
+                lines.append(f"| {s['name']} | {side}: error | | | | | | | | | | | {str(r.get('error', ''))[:160]} |")
                 continue
             m = (
                 f"{_f(r.get('peak_allocated_gib'), 2)} / {_f(r.get('peak_reserved_gib'), 2)}"
@@ -805,7 +809,8 @@ def _stack_rows(stacks: list[dict], gpu: bool) -> list[str]:
             )
             err = (s.get("plan_error_pct") or {}).get(side, {}).get("headline")
             lines.append(
-                f"| {s['name']} | {side} | {r.get('n')} | {_f(r.get('wall_s'), 1)} | {_f(r.get('train_s'), 2)} | "
+                f"| {s['name']} | {side} | {r.get('n')} | {_f(r.get('wall_s'), 1)} | {_f(r.get('cpu_s'), 1)} | "
+                f"{_f(r.get('train_s'), 2)} | "
                 f"{_f(r.get('s_per_step'), 3)} | {_f(r.get('tokens_per_s'), 0)} | {_f(r.get('tokens_per_s_steady'), 0)} | "
                 f"{m} | {_f((s.get('plan') or {}).get('peak_gib'), 2)} | {_pct(err)} | "
                 f"{_f(r.get('loss_first'), 3)} → {_f(r.get('loss_last'), 3)} |"
@@ -821,13 +826,14 @@ def _ratio_rows(stacks: list[dict]) -> list[str]:
         "",
         "Ours / baseline (medians; < 1 is faster or smaller for time and memory, > 1 is faster for tokens/s):",
         "",
-        "| stack | wall | train | s/step | tokens/s | tokens/s steady | peak memory |",
-        "|---|---|---|---|---|---|---|",
+        "| stack | wall | CPU time | train | s/step | tokens/s | tokens/s steady | peak memory |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in with_base:
         r = s["ratios"]
         lines.append(
-            f"| {s['name']} | {_x(r.get('wall_s'))} | {_x(r.get('train_s'))} | {_x(r.get('s_per_step'))} | "
+            f"| {s['name']} | {_x(r.get('wall_s'))} | {_x(r.get('cpu_s'))} | {_x(r.get('train_s'))} | "
+            f"{_x(r.get('s_per_step'))} | "
             f"{_x(r.get('tokens_per_s'))} | {_x(r.get('tokens_per_s_steady'))} | {_x(r.get('peak_gib'))} |"
         )
     return lines

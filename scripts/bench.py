@@ -326,7 +326,7 @@ class Bench:
     def timing(self, t: dict) -> None:
         argv = [str(a) for a in t["argv"]]
         script = Path(argv[0]).name
-        runs, errors, extra = [], [], {}
+        runs, cpu, errors, extra = [], [], [], {}
         for i in range(t.get("repeats", 1)):
             out_dir = self.work / "timing" / t["name"] / f"run-{i}"
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -338,6 +338,7 @@ class Bench:
                 errors.append(B.log_tail(child["log"]) or f"exit status {child['rc']}")
                 continue
             runs.append(child["wall_s"])
+            cpu.append(child["cpu_s"])
             metrics = out_dir / "metrics.json"
             if metrics.is_file():
                 m = json.loads(metrics.read_text())
@@ -360,6 +361,7 @@ class Bench:
             "command": "python " + " ".join(argv),
             "runs_s": runs,
             "median_s": med,
+            "cpu_s": cpu,
             "goal_s": t.get("goal_s"),
             "pass": (med < t["goal_s"]) if med is not None and t.get("goal_s") else None,
             "metrics": extra or None,
@@ -779,6 +781,7 @@ def goals_cpu(res: dict, suite: dict) -> list[dict]:
     r = d.get("ratios") or {}
     for key, label in (
         ("wall_s", "wall time"),
+        ("cpu_s", "CPU time of the process"),
         ("s_per_step", "seconds/step after warm-up"),
         ("train_s", "training time"),
     ):

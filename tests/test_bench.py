@@ -311,6 +311,7 @@ def test_smoke_suite_runs_ours_and_the_baseline_and_writes_json_and_markdown(tmp
         assert r["status"] == "ok", r
         for key in (
             "wall_s",
+            "cpu_s",
             "train_s",
             "s_per_step",
             "tokens_per_s",

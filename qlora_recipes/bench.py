@@ -17,7 +17,7 @@ importable and unit-tested on their own:
 
 Definitions, the same for ours and the baseline: wall_s = the child process from start to exit;
 train_s = trainer construction + `train()`; tokens_per_s = TRL's `num_tokens` / train_s;
-s_per_step = the median time between the ends of consecutive optimizer steps after the warm-up steps;
+s_per_step = the mean time per optimizer step after the warm-up steps (from step-end times);
 tokens_per_s_steady = (num_tokens / steps) / s_per_step; peak memory: on a GPU
 `max_memory_allocated` (and `max_memory_reserved`), on a CPU the child's peak RSS.
 """
@@ -104,12 +104,16 @@ def extrapolate_layers(points: Mapping[int, float], target_layers: int) -> dict:
     }
 
 
-def steady_step_s(step_end_s: Sequence[float], warmup: int) -> float | None:
-    """Median seconds per step over the steps after the first `warmup` (step ends are cumulative times)."""
-    ends = list(step_end_s)
-    durations = [b - a for a, b in zip(ends, ends[1:], strict=False)]  # durations[i] is step i+2 (1-based)
-    steady = durations[max(0, warmup - 1) :]
-    return median(steady) if steady else None
+def steady_step_s(step_end_s: Mapping[int, float], warmup: int) -> float | None:
+    """Mean seconds per step after the first `warmup` steps: (end of the last step - end of step
+    `warmup`) / the steps between. `step_end_s` maps step numbers (1-based) to cumulative times; it
+    needs only some steps (train.py logs every trainer.memory_log_steps): the first logged step at or
+    after `warmup` starts the interval. None with fewer than 2 usable points."""
+    steps = sorted(k for k in step_end_s if k >= max(1, warmup))
+    if len(steps) < 2:
+        return None
+    first, last = steps[0], steps[-1]
+    return (step_end_s[last] - step_end_s[first]) / (last - first)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,6 +172,16 @@ def describe_device(force_cpu: bool = False) -> dict:
         }
     name = f"cpu: {cpu_model_name()}, {cpu_cores()} cores"
     return {"kind": "cpu", "name": name, "slug": slug(name), "total_bytes": None, "count": 0, "cuda": None}
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds all processes of the machine have used (Linux /proc/stat, idle and iowait excluded)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def load_average() -> list[float] | None:
@@ -469,6 +483,8 @@ def run_child(
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(str(a) for a in argv) + "\n")
         log.flush()
+        load_1min = (load_average() or [None])[0]
+        busy0 = busy_cpu_seconds()
         started = time.perf_counter()
         proc = subprocess.Popen(
             [str(a) for a in argv],
@@ -480,29 +496,42 @@ def run_child(
         )
         timed_out = False
         deadline = None if timeout_s is None else started + timeout_s
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if deadline is not None and time.perf_counter() > deadline:
-                timed_out = True
-                try:
-                    os.killpg(proc.pid, 9)
-                except ProcessLookupError:
-                    pass
-                pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.05)
+        try:
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                if deadline is not None and time.perf_counter() > deadline:
+                    timed_out = True
+                    _kill_group(proc.pid)
+                    pid, status, usage = os.wait4(proc.pid, 0)
+                    break
+                time.sleep(0.05)
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): the child must not outlive us
+            _kill_group(proc.pid)
+            raise
         wall = time.perf_counter() - started
+        busy1 = busy_cpu_seconds()
+        cpu_s = usage.ru_utime + usage.ru_stime
         proc.returncode = os.waitstatus_to_exitcode(status)
     return {
         "rc": proc.returncode,
         "wall_s": wall,
         "peak_rss_gib": usage.ru_maxrss / 2**20,
-        "cpu_s": usage.ru_utime + usage.ru_stime,  # CPU time of the process: less sensitive to other load
+        "cpu_s": cpu_s,  # CPU time of the process: less sensitive to other load than wall time
+        "load_1min": load_1min,  # the machine's 1-minute load average as the child started
+        # cores the rest of the machine kept busy meanwhile (all busy CPU time less the child's, per second)
+        "others_cores": max(0.0, (busy1 - busy0 - cpu_s) / wall) if busy0 is not None and wall > 0 else None,
         "timed_out": timed_out,
         "log": str(log_path.relative_to(REPO)) if log_path.is_relative_to(REPO) else str(log_path),
     }
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, 9)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def log_tail(path: str | Path, lines: int = 4) -> str:
@@ -521,9 +550,9 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _finish(rec: dict, warmup: int, step_ends: list[float], gpu: bool) -> dict:
+def _finish(rec: dict, warmup: int, step_ends: Mapping[int, float], gpu: bool) -> dict:
     steps = rec.get("steps") or 0
-    rec["s_per_step"] = steady_step_s(step_ends, warmup) if len(step_ends) > warmup + 1 else None
+    rec["s_per_step"] = steady_step_s(step_ends, warmup)
     if rec["s_per_step"] is None and steps and rec.get("train_s"):
         rec["s_per_step"] = rec["train_s"] / steps
         rec["s_per_step_note"] = "train_s / steps (too few steps after warm-up)"
@@ -542,6 +571,8 @@ def read_ours(run_dir: Path, child: dict, warmup: int, gpu: bool) -> dict:
         "rc": child["rc"],
         "wall_s": child["wall_s"],
         "cpu_s": child.get("cpu_s"),
+        "load_1min": child.get("load_1min"),
+        "others_cores": child.get("others_cores"),
         "peak_rss_gib": child["peak_rss_gib"],
         "log": child["log"],
     }
@@ -571,7 +602,6 @@ def read_ours(run_dir: Path, child: dict, warmup: int, gpu: bool) -> dict:
     by_step: dict[int, float] = {}
     for s in samples:
         by_step.setdefault(int(s["step"]), float(s["t_s"]))  # the last step is logged twice (train end)
-    step_ends = [by_step[k] for k in sorted(by_step)]
     if gpu:
         rec["peak_allocated_gib"] = m.get("peak_mem_gib")
         reserved = [s["reserved_gib"] for s in samples if "reserved_gib" in s]
@@ -579,7 +609,7 @@ def read_ours(run_dir: Path, child: dict, warmup: int, gpu: bool) -> dict:
     if (run_dir / "oom.json").exists():  # lifecycle.OomRecord: an out-of-memory retry changed the stack
         rec["note"] = "out of memory during the run; the OOM ladder changed the stack (oom.json)"
         rec["oom"] = True
-    return _finish(rec, warmup, step_ends, gpu)
+    return _finish(rec, warmup, by_step, gpu)
 
 
 def read_baseline(metrics_path: Path, child: dict, warmup: int, gpu: bool) -> dict:
@@ -587,6 +617,8 @@ def read_baseline(metrics_path: Path, child: dict, warmup: int, gpu: bool) -> di
         "rc": child["rc"],
         "wall_s": child["wall_s"],
         "cpu_s": child.get("cpu_s"),
+        "load_1min": child.get("load_1min"),
+        "others_cores": child.get("others_cores"),
         "peak_rss_gib": child["peak_rss_gib"],
         "log": child["log"],
     }
@@ -611,7 +643,8 @@ def read_baseline(metrics_path: Path, child: dict, warmup: int, gpu: bool) -> di
     if gpu:
         rec["peak_allocated_gib"] = m.get("peak_mem_gib")
         rec["peak_reserved_gib"] = m.get("peak_reserved_gib")
-    return _finish(rec, warmup, list(m.get("step_end_s") or []), gpu)
+    ends = m.get("step_end_s") or []
+    return _finish(rec, warmup, {i + 1: t for i, t in enumerate(ends)}, gpu)
 
 
 SUMMARY_KEYS = (
@@ -641,6 +674,8 @@ def summarize(runs: list[dict]) -> dict:
     out: dict[str, Any] = {"status": "ok", "n": len(ok)}
     for key in SUMMARY_KEYS:
         out[key] = median(r.get(key) for r in ok)
+    others = [r["others_cores"] for r in runs if r.get("others_cores") is not None]
+    out["max_others_cores"] = max(others) if others else None
     notes = sorted({r["note"] for r in ok if r.get("note")})
     if notes:
         out["note"] = "; ".join(notes)
@@ -749,6 +784,8 @@ def baseline_argv(cfg: Any, out_dir: Path, metrics_path: Path) -> list[str]:
         cfg.model.attn_implementation,
         "--seed",
         str(cfg.seed),
+        "--logging-steps",
+        str(cfg.trainer.logging_steps),
     ]
     if not q.double_quant:
         argv.append("--no-double-quant")
@@ -787,20 +824,20 @@ def _x(value: Any) -> str:
 def _stack_rows(stacks: list[dict], gpu: bool) -> list[str]:
     mem = "alloc / reserved GiB" if gpu else "peak RSS GiB"
     lines = [
-        f"| stack | run | n | wall s | CPU s | train s | s/step | tokens/s | tokens/s steady | {mem} | plan GiB | "
+        f"| stack | run | n | others | wall s | CPU s | train s | s/step | tokens/s | tokens/s steady | {mem} | plan GiB | "
         "plan err | loss first → last |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in stacks:
         if s.get("status") == "skipped":
-            lines.append(f"| {s['name']} | skipped: {s.get('reason', '')} | | | | | | | | | | | |")
+            lines.append(f"| {s['name']} | skipped: {s.get('reason', '')} | | | | | | | | | | | | |")
             continue
         for side in ("ours", "baseline"):
             r = s.get(side)
             if not r:
                 continue
             if r.get("status") != "ok":
-                lines.append(f"| {s['name']} | {side}: error | | | | | | | | | | | {str(r.get('error', ''))[:160]} |")
+                lines.append(f"| {s['name']} | {side}: error | | | | | | | | | | | | {str(r.get('error', ''))[:160]} |")
                 continue
             m = (
                 f"{_f(r.get('peak_allocated_gib'), 2)} / {_f(r.get('peak_reserved_gib'), 2)}"
@@ -809,7 +846,8 @@ def _stack_rows(stacks: list[dict], gpu: bool) -> list[str]:
             )
             err = (s.get("plan_error_pct") or {}).get(side, {}).get("headline")
             lines.append(
-                f"| {s['name']} | {side} | {r.get('n')} | {_f(r.get('wall_s'), 1)} | {_f(r.get('cpu_s'), 1)} | "
+                f"| {s['name']} | {side} | {r.get('n')} | {_f(r.get('max_others_cores'), 2)} | {_f(r.get('wall_s'), 1)} | "
+                f"{_f(r.get('cpu_s'), 1)} | "
                 f"{_f(r.get('train_s'), 2)} | "
                 f"{_f(r.get('s_per_step'), 3)} | {_f(r.get('tokens_per_s'), 0)} | {_f(r.get('tokens_per_s_steady'), 0)} | "
                 f"{m} | {_f((s.get('plan') or {}).get('peak_gib'), 2)} | {_pct(err)} | "

@@ -48,6 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--attn", default="sdpa")
     p.add_argument("--packing", action="store_true")
     p.add_argument("--no-completion-only-loss", action="store_true")
+    p.add_argument("--logging-steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -118,7 +119,8 @@ def main(argv=None) -> dict:
         max_length=args.seq_len,
         packing=args.packing,
         completion_only_loss=False if args.no_completion_only_loss else None,
-        logging_steps=1,
+        logging_steps=args.logging_steps,
+        logging_first_step=True,
         save_strategy="no",
         report_to=[],
         disable_tqdm=True,

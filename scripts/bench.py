@@ -213,8 +213,10 @@ class Bench:
             *self.suite.get("job", []),
             *overrides,
             f"trainer.max_steps={steps}",
-            "trainer.logging_steps=1",
-            "trainer.memory_log_steps=1",
+            # step-end times come from train.py's memory log (memory.jsonl); on a CPU every step's
+            # TensorBoard scalars would cost ours time the baseline does not spend, so the CPU suite
+            # logs every warm-up-many steps
+            f"trainer.memory_log_steps={self.suite.get('memory_log_steps', 1)}",
             "trainer.progress_bar=false",
         ]
 
@@ -937,7 +939,14 @@ def report_main(paths: list[str], no_readme: bool) -> None:
         print(md)
 
 
+def _stop(signum, frame) -> None:
+    raise SystemExit(f"stopped by signal {signum}")  # run_child then kills the child it is waiting on
+
+
 def main(argv: list[str] | None = None) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, _stop)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_build"]:
         build_main(*argv[1:4])

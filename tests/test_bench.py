@@ -48,10 +48,14 @@ def test_extrapolate_layers_to_80_with_synthetic_70b_numbers():
 
 
 def test_steady_step_time_skips_warmup_steps():
-    ends = [5.0, 7.0, 8.0, 9.0, 10.5]  # step 1 ends at 5 s (load, compile), then 2, 1, 1, 1.5 s
-    assert B.steady_step_s(ends, warmup=2) == pytest.approx(1.0)  # steps 3, 4, 5
-    assert B.steady_step_s(ends, warmup=1) == pytest.approx(1.25)  # steps 2..5
-    assert B.steady_step_s([5.0], warmup=1) is None
+    ends = {1: 5.0, 2: 7.0, 3: 8.0, 4: 9.0, 5: 10.5}  # step 1 ends at 5 s (load), then 2, 1, 1, 1.5 s
+    assert B.steady_step_s(ends, warmup=2) == pytest.approx(3.5 / 3)  # steps 3, 4, 5
+    assert B.steady_step_s(ends, warmup=1) == pytest.approx(5.5 / 4)  # steps 2..5
+    assert B.steady_step_s({1: 5.0}, warmup=1) is None
+    # train.py logs every trainer.memory_log_steps steps (and the last): the interval starts at the
+    # first logged step at or after the warm-up.
+    assert B.steady_step_s({5: 3.0, 10: 4.0, 15: 5.0, 17: 5.4}, warmup=4) == pytest.approx(2.4 / 12)
+    assert B.steady_step_s({5: 3.0, 10: 4.0}, warmup=10) is None
 
 
 def test_errors_and_ratios():
@@ -67,6 +71,17 @@ def test_errors_and_ratios():
     cpu = B.plan_errors({"peak_gib": 0.6}, {"status": "ok", "peak_rss_gib": 0.5}, gpu=False)
     assert cpu["headline"] == pytest.approx(20.0)
     assert B.plan_errors(plan, {"status": "error"}, gpu=True) == {}
+
+
+def test_run_child_measures_the_child_alone(tmp_path):
+    busy = B.busy_cpu_seconds()
+    assert busy is None or busy > 0
+    child = B.run_child([sys.executable, "-c", "x = bytearray(200 * 2**20); print('ok')"], tmp_path / "c.log")
+    assert child["rc"] == 0 and child["peak_rss_gib"] > 0.18 and child["wall_s"] > 0 and child["cpu_s"] > 0
+    assert child["others_cores"] is None or child["others_cores"] >= 0
+    assert "ok" in (tmp_path / "c.log").read_text()
+    slow = B.run_child([sys.executable, "-c", "import time; time.sleep(30)"], tmp_path / "s.log", timeout_s=1)
+    assert slow["timed_out"] and slow["rc"] != 0 and slow["wall_s"] < 20
 
 
 def test_search_longest_is_a_bounded_binary_search():

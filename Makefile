@@ -64,3 +64,11 @@ $(RECIPES): $(VENV)/.installed
 
 $(addprefix plan-,$(RECIPES)): plan-%: $(VENV)/.installed
 	$(PY) scripts/launch.py --plan $* $(ARGS)
+
+.PHONY: bench-cpu bench-gpu
+
+bench-cpu: $(VENV)/.installed ## the CPU benchmark suite (ours vs the plain baseline, planner error); writes bench/results/
+	$(PY) scripts/bench.py cpu $(ARGS)
+
+bench-gpu: $(VENV)/.installed ## the GPU benchmark suite on the GPU here (8B and 70B shapes); writes bench/results/
+	$(PY) scripts/bench.py gpu $(ARGS)

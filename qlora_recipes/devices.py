@@ -16,48 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
-
-GiB = 1 << 30
+from .units import GiB, fmt_gib, parse_size
 
 # "auto" budgets (conf/offload/*.yaml): a share of each GPU's total memory and of host RAM.
 AUTO_GPU_FRACTION = 0.90
 AUTO_CPU_FRACTION = 0.80
-
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(value: object, what: str) -> int:
-    """Bytes from 80GB / 75GiB / 512MiB / 1e9-style integers; UserError naming `what` otherwise."""
-    if isinstance(value, bool):
-        raise UserError(f"{what}={value!r} is not a size; use e.g. 75GiB, 80GB or auto")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise UserError(f"{what}={value} is negative; use a size like 75GiB, 80GB or auto")
-        return int(value)
-    text = str(value).strip()
-    if text.startswith("-"):
-        raise UserError(f"{what}={text} is negative; use a size like 75GiB, 80GB or auto")
-    match = _SIZE_RE.match(text)
-    unit = match.group(2).upper() if match else None
-    if not match or unit not in _UNITS:
-        raise UserError(f"{what}={text!r} is not a size; use e.g. 75GiB, 80GB, 512MiB or auto")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def fmt_gib(n: float) -> str:
-    return f"{n / GiB:.1f} GiB"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ import torch
 from omegaconf import DictConfig
 
 from .errors import UserError
-from .stack import bnb_config, lora_config, torch_dtype
+from .stack import bnb_config, lora_config
+from .units import torch_dtype
 
 log = logging.getLogger(__name__)
 

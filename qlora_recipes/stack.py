@@ -6,14 +6,9 @@ one file in conf/ plus, at most, one branch below.
 
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "uint8": torch.uint8}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return DTYPES[name]
+from .units import torch_dtype
 
 
 def bnb_config(cfg: DictConfig):

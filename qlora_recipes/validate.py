@@ -7,6 +7,7 @@ from omegaconf import DictConfig
 
 from .errors import UserError
 from .schema import TrainConfig
+from .units import PRECISION_DTYPE
 
 CHOICES = {
     "quant.method": ("nf4", "fp4", "int8", "none"),
@@ -17,7 +18,6 @@ CHOICES = {
     "data.format": ("auto", "alpaca", "messages", "prompt_completion", "text"),
     "offload.device_map": (None, "auto"),
 }
-PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 POSITIVE = (
     "trainer.micro_batch_size",
     "trainer.grad_accum",

@@ -15,7 +15,8 @@ the same device, date and suite: a stack measured again replaces its entry, ever
 markdown table beside it; bench/README.md keeps the latest table per device and suite.
 Options: --repeats N, --steps N, --only GLOB (stack names), --results-dir, --work-dir, --cache DIR
 (random-weight models and synthetic data; default $QLORA_RECIPES_CACHE/bench), --no-readme,
---timeout S (per child process).
+--timeout S (per child process), --resume (keep the stacks and timings today's results file already
+has, e.g. after an interrupted run or a device command's time limit).
 """
 
 from __future__ import annotations
@@ -183,6 +184,16 @@ class Bench:
             "goals": [],
         }
 
+    def _kept(self, section: str, name: str) -> dict | None:
+        """With --resume: the entry an earlier run of today's results file completed, else None."""
+        if not self.args.resume:
+            return None
+        old = next((e for e in self.res.get(section, []) if e.get("name") == name), None)
+        done = old and (old.get("median_s") is not None or (old.get("ours") or {}).get("status") == "ok")
+        if done:
+            print(f"[bench] {name}: kept from an earlier run (--resume)", flush=True)
+        return old if done else None
+
     def _put(self, section: str, entry: dict) -> None:
         items = [e for e in self.res[section] if e.get("name") != entry["name"]]
         items.append(entry)
@@ -233,6 +244,9 @@ class Bench:
     ) -> dict:
         steps, warmup = steps or self.steps, self.warmup if warmup is None else warmup
         repeats = repeats or self.repeats
+        kept = self._kept("stacks", name) if record else None
+        if kept:
+            return kept
         entry: dict = {"name": name, "overrides": list(overrides), "steps": steps, "warmup_steps": warmup}
         missing = [m for m in requires if importlib.util.find_spec(m) is None]
         full = self._child_overrides(overrides, steps)
@@ -326,6 +340,8 @@ class Bench:
 
     # -- timings -----------------------------------------------------------------------------
     def timing(self, t: dict) -> None:
+        if self._kept("timings", t["name"]):
+            return
         argv = [str(a) for a in t["argv"]]
         script = Path(argv[0]).name
         runs, cpu, errors, extra = [], [], [], {}
@@ -964,6 +980,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache", help="random-weight models and synthetic data")
     p.add_argument("--timeout", type=float, help="seconds per child process")
     p.add_argument("--no-readme", action="store_true", help="do not update bench/README.md")
+    p.add_argument("--resume", action="store_true", help="keep what today's results file already has; measure the rest")
     args = p.parse_args(argv)
     if args.suite == "report":
         report_main(args.files, args.no_readme)

@@ -49,7 +49,8 @@ def _take_flag(argv: list[str], name: str) -> str | None:
 
 
 def parse_hardware_flags(argv: list[str]) -> dict:
-    from qlora_recipes.devices import parse_gpus, parse_size
+    from qlora_recipes.devices import parse_gpus
+    from qlora_recipes.units import parse_size
 
     gpus = _take_flag(argv, "--gpus") or os.environ.get("QLORA_PLAN_GPUS")
     ram = _take_flag(argv, "--host-ram") or os.environ.get("QLORA_PLAN_HOST_RAM")
@@ -70,10 +71,11 @@ def hardware_to_plan(cfg: DictConfig) -> tuple[list[int] | None, int | None, str
     """--gpus / --host-ram when given; else this machine's GPUs; else, on a machine without GPU,
     the recipe's hardware node when it names GPUs (what the recipe is sized for); else the CPU."""
     from qlora_recipes import devices
+    from qlora_recipes.units import GiB
 
     gpus, host_ram = _HARDWARE.get("gpus"), _HARDWARE.get("host_ram")
     if gpus is not None:
-        return gpus, host_ram, "--gpus " + (", ".join(f"{g / devices.GiB:.1f} GiB" for g in gpus) or "none")
+        return gpus, host_ram, "--gpus " + (", ".join(f"{g / GiB:.1f} GiB" for g in gpus) or "none")
     here = devices.detect_gpus()
     if here:
         return None, host_ram, f"this machine's {len(here)} GPU(s)"  # None: the planner detects them

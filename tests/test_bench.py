@@ -349,6 +349,13 @@ def test_smoke_suite_runs_ours_and_the_baseline_and_writes_json_and_markdown(tmp
     md = path.with_suffix(".md").read_text()
     assert "| default | ours |" in md and "| default | baseline |" in md and "Ours / baseline" in md
     assert (REPO / "bench" / "README.md").read_text() == readme_before  # smoke never touches the README
+    # --resume keeps what the day's results file has (an interrupted run, a device command's time limit)
+    out = _run_bench(
+        "smoke", "--resume", "--results-dir", str(tmp_path / "results"), "--work-dir", str(tmp_path / "w2")
+    )
+    assert "kept from an earlier run" in out.stdout
+    again = json.loads(path.read_text())
+    assert len(again["runs"]) == 2 and again["stacks"][0]["ours"]["runs"] == stack["ours"]["runs"]
 
 
 def _shrink(tmp_path, *extra):

@@ -23,9 +23,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from qlora_recipes import memory  # noqa: E402
-from qlora_recipes.devices import parse_gpus, parse_size  # noqa: E402
+from qlora_recipes.devices import parse_gpus  # noqa: E402
 from qlora_recipes.errors import UserError  # noqa: E402
 from qlora_recipes.schema import register_schemas  # noqa: E402
+from qlora_recipes.units import parse_size  # noqa: E402
 
 register_schemas()
 GiB = 2**30

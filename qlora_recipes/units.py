@@ -1,0 +1,114 @@
+"""Units every room shares: sizes (80GB, 75GiB), dtype names and widths, and reading a config node.
+
+The one place each of these is defined; nothing here imports torch or Hydra at import time.
+Sizes follow accelerate's convention: "80GB" is 80e9 bytes, "75GiB" is 75 * 2**30 bytes, a bare
+number is bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import UserError
+
+GiB = 1 << 30
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: object, what: str) -> int:
+    """Bytes from 80GB / 75GiB / 512MiB / 1e9-style integers; UserError naming `what` otherwise."""
+    if isinstance(value, bool):
+        raise UserError(f"{what}={value!r} is not a size; use e.g. 75GiB, 80GB or auto")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise UserError(f"{what}={value} is negative; use a size like 75GiB, 80GB or auto")
+        return int(value)
+    text = str(value).strip()
+    if text.startswith("-"):
+        raise UserError(f"{what}={text} is negative; use a size like 75GiB, 80GB or auto")
+    match = _SIZE_RE.match(text)
+    unit = match.group(2).upper() if match else None
+    if not match or unit not in _UNITS:
+        raise UserError(f"{what}={text!r} is not a size; use e.g. 75GiB, 80GB, 512MiB or auto")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def fmt_gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+# Our dtype names (precision.dtype, quant.storage_dtype) and their short aliases -> canonical name.
+DTYPE_NAMES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "uint8": "uint8",
+    "int8": "int8",
+}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1, "int8": 1}
+PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # precision.name -> dtype
+
+
+def dtype_name(name: str) -> str:
+    """Canonical dtype name for bf16/bfloat16/...; unknown names pass through unchanged."""
+    return DTYPE_NAMES.get(str(name), str(name))
+
+
+def dtype_bytes(name: str) -> int:
+    return DTYPE_BYTES[dtype_name(name)]
+
+
+def torch_dtype(name: str):
+    """The torch dtype for one of our dtype names (imports torch on first use)."""
+    import torch
+
+    return getattr(torch, dtype_name(name))
+
+
+def cfg_get(node: Any, key: str, default: Any = None) -> Any:
+    """Read a dotted `key` from a DictConfig, dict or dataclass; missing or MISSING ('???') -> default.
+
+    Config nodes come back as plain containers, so callers never hold a live DictConfig.
+    """
+    for part in key.split("."):
+        node = _get_one(node, part)
+        if node is _ABSENT:
+            return default
+    return node
+
+
+_ABSENT = object()
+
+
+def _get_one(node: Any, key: str) -> Any:
+    try:
+        from omegaconf import DictConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf is a hard dependency
+        DictConfig = ()  # noqa: N806
+    if DictConfig and isinstance(node, DictConfig):
+        if key not in node or OmegaConf.is_missing(node, key):
+            return _ABSENT
+        value = node[key]
+        return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    if isinstance(node, Mapping):
+        value = node.get(key, _ABSENT)
+        return _ABSENT if value == "???" else value
+    return getattr(node, key, _ABSENT)

@@ -11,10 +11,14 @@ SWEEP ?= rank_lr
 
 .DEFAULT_GOAL := help
 
-$(VENV)/.installed: requirements.txt
+# The pinned lock first (hatchling, the build backend, is in it), then this package itself,
+# editable, without re-resolving dependencies or fetching a build environment:
+# `qlora` and `python scripts/...` then import the checkout's qlora_recipes.
+$(VENV)/.installed: requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 .PHONY: help setup train test test-all lint format smoke plan
@@ -65,10 +69,15 @@ $(RECIPES): $(VENV)/.installed
 $(addprefix plan-,$(RECIPES)): plan-%: $(VENV)/.installed
 	$(PY) scripts/launch.py --plan $* $(ARGS)
 
+# The name the project is known by: the same recipe as llama2-70b-a100.
+.PHONY: llama70b-a100 plan-llama70b-a100
+llama70b-a100: llama2-70b-a100
+plan-llama70b-a100: plan-llama2-70b-a100
+
 .PHONY: bench-cpu bench-gpu
 
 bench-cpu: $(VENV)/.installed ## the CPU benchmark suite (ours vs the plain baseline, planner error); writes bench/results/
-	$(PY) scripts/bench.py cpu $(ARGS)
+	$(PY) -m bench cpu $(ARGS)
 
 bench-gpu: $(VENV)/.installed ## the GPU benchmark suite on the GPU here (8B and 70B shapes); writes bench/results/
-	$(PY) scripts/bench.py gpu $(ARGS)
+	$(PY) -m bench gpu $(ARGS)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheels the lent GPU machine lacks, for `scripts/bench.py gpu` there (see bench/README.md):
+# Wheels the lent GPU machine lacks, for `python -m bench gpu` there (see bench/README.md):
 # bitsandbytes (its manylinux wheel holds the CUDA 13 library that matches the image's torch), the
 # pinned transformers/peft (the image's are older), trl, datasets and its dill/multiprocess, and
 # hydra-core/omegaconf/antlr4 (antlr4 4.9.3 is an sdist: built here into a pure-Python wheel).

@@ -5,6 +5,7 @@ HYDRA_FULL_ERROR=1 it raises them instead, and `run` condenses them here. Anythi
 this repository and keeps its traceback.
 """
 
+import argparse
 import os
 import re
 import sys
@@ -50,3 +51,34 @@ def run(hydra_main: Callable[[], object]) -> None:
     except (HydraException, OmegaConfBaseException) as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         sys.exit(2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with our error convention: one `error:` line (via UserError), exit 2, no usage dump."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)  # keep our paragraphs
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # argparse's hook
+        raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def run_plain(command: Callable[[], int | None]) -> None:
+    """Run a non-Hydra command: its UserError becomes one line and exit 2; its return is the exit code."""
+    try:
+        code = command()
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code or 0)
+
+
+def quiet_libraries() -> None:
+    """transformers' info lines, progress bars and deprecation warnings are noise in merge/generate."""
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)

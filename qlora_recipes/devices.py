@@ -1,8 +1,9 @@
-"""The hardware a plan is made for: GPU sizes, host RAM, and the `offload.max_memory` budgets.
-
-Nothing here imports torch unless a GPU may be present (an NVIDIA device node or driver entry
-exists), so planning on a GPU-less machine stays fast. Sizes follow accelerate's convention:
-"80GB" is 80e9 bytes, "75GiB" is 75 * 2**30 bytes, a bare number is bytes.
+"""The hardware a plan is made for: GPU sizes and host RAM (this machine's, `--gpus`, or a recipe's
+`hardware` node), the ranks a recipe runs with, whether this machine has the GPUs a recipe asks
+for, and the `offload.max_memory` budgets. Nothing here imports torch unless a GPU may be present
+(an NVIDIA device node or driver entry exists), so planning on a GPU-less machine stays fast. Sizes
+follow accelerate's convention: "80GB" is 80e9 bytes, "75GiB" is 75 * 2**30 bytes, a bare number
+is bytes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import UserError
 from .units import GiB, fmt_gib, parse_size
@@ -21,6 +23,9 @@ from .units import GiB, fmt_gib, parse_size
 # "auto" budgets (conf/offload/*.yaml): a share of each GPU's total memory and of host RAM.
 AUTO_GPU_FRACTION = 0.90
 AUTO_CPU_FRACTION = 0.80
+# A GPU counts as big enough when torch reports at least this share of the declared memory
+# (driver and ECC reservations differ a little between boards of one model).
+GPU_MEMORY_TOLERANCE = 0.98
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,60 @@ def hardware(gpus: list[int] | None = None, host: int | None = None) -> Hardware
                 raise UserError(f"GPU {i} size {g!r} is not a positive number of bytes")
         return Hardware(tuple(int(g) for g in gpus), int(host) if host else host_ram(), declared=True)
     return Hardware(tuple(detect_gpus()), int(host) if host else host_ram(), declared=False)
+
+
+def declared_gpus(cfg: Any) -> list[int]:
+    """The GPUs of one node of the recipe's `hardware` node (total bytes each); [] = CPU only."""
+    hw = cfg.hardware
+    if hw.gpus <= 0:
+        return []
+    if not hw.gpu_memory_gib or hw.gpu_memory_gib <= 0:
+        raise UserError(f"hardware.gpus={hw.gpus} without hardware.gpu_memory_gib: set the memory of each GPU in GiB")
+    return [int(hw.gpu_memory_gib * GiB)] * int(hw.gpus)
+
+
+def declared_host_ram(cfg: Any) -> int | None:
+    """Host RAM of one node in bytes, or None (the planner then uses this machine's)."""
+    ram = cfg.hardware.host_ram_gib
+    return int(ram) * GiB if ram else None
+
+
+def ranks(cfg: Any) -> int:
+    """Ranks the recipe runs with: one per GPU on every node, or 1 for dist.strategy=none."""
+    hw = cfg.hardware
+    if cfg.dist.strategy == "none":
+        return 1
+    return max(1, hw.gpus) * max(1, hw.nodes)
+
+
+def describe(cfg: Any) -> str:
+    """The recipe's hardware node in words: 2 x 23.5 GiB GPUs (name)."""
+    hw = cfg.hardware
+    if hw.gpus <= 0:
+        return hw.name
+    nodes = f" x {hw.nodes} nodes" if hw.nodes > 1 else ""
+    return f"{hw.gpus} x {hw.gpu_memory_gib:g} GiB GPU{'s' if hw.gpus > 1 else ''}{nodes} ({hw.name})"
+
+
+def check_hardware_here(cfg: Any, recipe: str, gpus_here: list[int] | None = None) -> None:
+    """UserError (one line, pointing to `make plan-<recipe>`) unless this node has the GPUs the
+    recipe's hardware node asks for: at least that many, each with at least that much memory."""
+    hw = cfg.hardware
+    if hw.gpus <= 0:
+        return
+    here = detect_gpus() if gpus_here is None else list(gpus_here)
+    want = int(hw.gpu_memory_gib * GiB) if hw.gpu_memory_gib else 0
+    plan_hint = f"see its memory plan without a GPU: make plan-{recipe}"
+    if len(here) < hw.gpus:
+        have = "no CUDA GPU" if not here else f"{len(here)} GPU(s) of {', '.join(f'{g / GiB:.1f}' for g in here)} GiB"
+        raise UserError(f"recipe {recipe} needs {describe(cfg)}; this machine has {have}; {plan_hint}")
+    small = [(i, g) for i, g in enumerate(here[: hw.gpus]) if g < want * GPU_MEMORY_TOLERANCE]
+    if small:
+        i, g = small[0]
+        raise UserError(
+            f"recipe {recipe} needs {describe(cfg)}; cuda:{i} has {g / GiB:.1f} GiB; "
+            f"{plan_hint} (or plan for this GPU: make plan ARGS='recipe={recipe}')"
+        )
 
 
 def resolve_max_memory(max_memory: Mapping[str, object], hw: Hardware, notes: list[str]) -> dict:

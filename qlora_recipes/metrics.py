@@ -9,18 +9,15 @@ from pathlib import Path
 
 import torch
 
+from .generation import generate
+from .prompts import data_prompt
+
 
 def peak_memory_gib() -> float:
     """GPU: torch.cuda.max_memory_allocated. CPU: this process's peak RSS (ru_maxrss is KiB on Linux)."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def _prompt_text(tokenizer, prompt) -> str:
-    if isinstance(prompt, list):  # conversational: render with the model's chat template
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    return prompt
 
 
 @torch.no_grad()
@@ -31,31 +28,12 @@ def exact_match(model, tokenizer, pairs: list, max_new_tokens: int, batch_size: 
         return None
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generation continues on the right
-    hits = 0
     try:
-        for start in range(0, len(pairs), batch_size):
-            chunk = pairs[start : start + batch_size]
-            texts = [_prompt_text(tokenizer, prompt) for prompt, _ in chunk]
-            batch = tokenizer(
-                texts, return_tensors="pt", padding=True, add_special_tokens=not isinstance(chunk[0][0], list)
-            )
-            batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
-            out = model.generate(
-                **batch,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                use_cache=True,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-            new = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-            hits += sum(g.strip() == ref.strip() for g, (_, ref) in zip(new, chunk, strict=True))
+        prompts = [data_prompt(prompt) for prompt, _ in pairs]  # already formatted: the style is not used
+        new = generate(model, tokenizer, prompts, "plain", max_new_tokens, batch_size=batch_size)
     finally:
-        tokenizer.padding_side = side
         model.train(was_training)
-    return hits / len(pairs)
+    return sum(g.strip() == ref.strip() for g, (_, ref) in zip(new, pairs, strict=True)) / len(pairs)
 
 
 def perplexity(loss: float | None) -> float | None:

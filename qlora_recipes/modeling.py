@@ -71,14 +71,15 @@ def device_map(cfg: DictConfig):
 def _planned_budgets(cfg: DictConfig) -> dict | None:
     if cfg.offload.device_map is None:
         return None
-    from .memory import loader_max_memory, plan_stack
+    from .planner import loader_max_memory, plan
 
-    return loader_max_memory(plan_stack(cfg, ladder=False))
+    # the budgets of one process's device map: no rank sharding applies to them
+    return loader_max_memory(plan(cfg, world_size=1, ladder=False))
 
 
 def load_model(cfg: DictConfig, run_dir: Path, max_memory: dict | None = None):
     """The base as the run trains it. `max_memory` is the planner's resolved budget map
-    (memory.loader_max_memory); without one, offloading stacks plan it here."""
+    (planner.loader_max_memory); without one, offloading stacks plan it here."""
     from transformers import AutoModelForCausalLM
 
     kwargs = dict(

@@ -6,11 +6,12 @@ a message that names it, and a value of the wrong type fails with the key and th
 """
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
+
+from .resources import shipped_path
 
 
 @dataclass
@@ -171,11 +172,30 @@ class TrainConfig:
     cache_dir: str = "${oc.env:QLORA_RECIPES_CACHE,${oc.env:HOME}/.cache/qlora-recipes}"
 
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
 def register_schemas() -> None:
-    """Register the schema and the `${repo:rel/path}` resolver (paths that work from any cwd)."""
+    """Register the schema and the `${shipped:rel/path}` resolver (shipped files, from any cwd)."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
-    if not OmegaConf.has_resolver("repo"):
-        OmegaConf.register_new_resolver("repo", lambda rel="": str(REPO_ROOT / rel))
+    if not OmegaConf.has_resolver("shipped"):
+        OmegaConf.register_new_resolver("shipped", shipped_path)
+
+
+def compose(overrides: list[str]):
+    """The config `qlora train` would compose for these overrides, outside a Hydra run (launch,
+    bench, tests). Hydra's composition errors become one UserError line."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .cli import one_line
+    from .errors import UserError
+    from .resources import CONF_DIR
+
+    register_schemas()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return hydra_compose(config_name="train", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as err:
+        raise UserError(one_line(err)) from None

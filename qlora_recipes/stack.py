@@ -1,4 +1,4 @@
-"""Library objects built from the five stack groups: BitsAndBytesConfig, LoraConfig, SFTConfig.
+"""Library objects built from a composed stack: BitsAndBytesConfig, LoraConfig, SFTConfig.
 
 All translation from our option names to the libraries' arguments lives here, so a new option is
 one file in conf/ plus, at most, one branch below.
@@ -56,9 +56,12 @@ def lora_config(cfg: DictConfig):
     )
 
 
-def sft_config(cfg: DictConfig, run_dir: Path, data_kwargs: dict, on_gpu: bool, has_eval: bool):
-    """TRL's SFTConfig from the trainer, optim and precision groups (plus the data format's kwargs)."""
+def sft_config(cfg: DictConfig, run_dir: Path, data_format: str, on_gpu: bool, has_eval: bool):
+    """TRL's SFTConfig: the one place it is built, from the trainer, optim and precision groups, the
+    data format's loss masking and packing, and the dist strategy's keywords."""
     from trl import SFTConfig
+
+    from . import data, dist
 
     t, o = cfg.trainer, cfg.optim
     steps_eval = has_eval and t.eval_steps > 0
@@ -99,5 +102,6 @@ def sft_config(cfg: DictConfig, run_dir: Path, data_kwargs: dict, on_gpu: bool, 
         seed=cfg.seed,
         data_seed=cfg.seed,
         dataloader_num_workers=0,
-        **data_kwargs,
+        **data.format_kwargs(cfg.data, data_format),
+        **dist.strategy_kwargs(cfg),
     )

@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 
 from .errors import UserError
 from .schema import TrainConfig
-from .units import PRECISION_DTYPE
+from .units import PRECISION_DTYPE, cfg_get
 
 CHOICES = {
     "quant.method": ("nf4", "fp4", "int8", "none"),
@@ -31,13 +31,6 @@ POSITIVE = (
 )
 
 
-def _get(cfg: DictConfig, dotted: str):
-    node = cfg
-    for part in dotted.split("."):
-        node = node[part]
-    return node
-
-
 def unknown_keys(cfg: DictConfig, schema: type = TrainConfig, prefix: str = "") -> list[str]:
     """Keys added with `+key=value` that no schema field reads (they would be ignored silently)."""
     fields = {f.name: f.type for f in dataclasses.fields(schema)}
@@ -58,13 +51,14 @@ def validate(cfg: DictConfig, gpu_available: bool, world_size: int | None = None
             f"unknown key {extra[0]}: no stack reads it; check the spelling (`python train.py --cfg job` prints every key)"
         )
     for key, allowed in CHOICES.items():
-        value = _get(cfg, key)
+        value = cfg_get(cfg, key)
         if value not in allowed:
             names = ", ".join(str(a) for a in allowed)
             raise UserError(f"{key}={value} is not an option; choose one of: {names}")
     for key in POSITIVE:
-        if _get(cfg, key) <= 0:
-            raise UserError(f"{key}={_get(cfg, key)} must be positive")
+        value = cfg_get(cfg, key)
+        if value is None or value <= 0:
+            raise UserError(f"{key}={value} must be positive")
     t = cfg.trainer
     if t.max_steps <= 0 and t.epochs <= 0:
         raise UserError("trainer.max_steps and trainer.epochs are both <= 0: set one of them")

@@ -1,74 +1,8 @@
-"""Merge a run's adapter into its base and save a standalone model (no peft, no bitsandbytes needed).
+"""The same as `qlora merge` (see `python scripts/merge.py --help`), kept for existing commands and docs."""
 
-    python scripts/merge.py RUN_DIR [--out DIR] [--from-original] [--shard-size 2GB] [--prompts FILE]
-                                    [--dtype bfloat16|float16|float32]
-
-Default: into the dequantized 4-bit base the adapter was trained against, saved in the run's
-precision dtype under RUN_DIR/merged as safetensors shards + index, config.json and the tokenizer.
---from-original merges into the original 16-bit weights of model.name_or_path instead. Then the
-merged model's logits are compared with the base + adapter's on a few prompts (the run's eval data,
-or --prompts FILE): one merge-quality line here, the figures in OUT/merge_report.json.
-"""
-
-import argparse
-import logging
-import os
 import sys
-import warnings
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from qlora_recipes.console import fail  # noqa: E402
-from qlora_recipes.errors import UserError  # noqa: E402
-
-
-def quiet_libraries() -> None:
-    """transformers' info lines, progress bars and deprecation warnings are noise here."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", help="a run dir written by train.py (config.yaml + adapter/)")
-    parser.add_argument("--out", help="where to write the merged model (default: RUN_DIR/merged)")
-    parser.add_argument(
-        "--from-original",
-        action="store_true",
-        help="merge into the original 16-bit weights instead of the dequantized 4-bit base",
-    )
-    parser.add_argument("--shard-size", default="2GB", help="largest safetensors shard, e.g. 2GB, 500MB (default 2GB)")
-    parser.add_argument("--prompts", help="prompts for the logit comparison: one per line, or JSON lines")
-    parser.add_argument(
-        "--dtype",
-        choices=["bfloat16", "float16", "float32"],
-        help="dtype of the saved weights (default: the run's precision dtype)",
-    )
-    args = parser.parse_args(argv)
-    quiet_libraries()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        from qlora_recipes.merge import merge, quality_line
-
-        report = merge(
-            args.run_dir,
-            out=args.out,
-            from_original=args.from_original,
-            shard_size=args.shard_size,
-            prompts_file=args.prompts,
-            dtype=args.dtype,
-        )
-    except UserError as err:
-        fail(str(err))
-    print(
-        f"merged {report['peft']} adapter into the {report['merged_into']}: {report['out_dir']} "
-        f"({len(report['files'])} shard(s), {report['total_bytes'] / 2**20:.1f} MiB {report['dtype']})"
-    )
-    print(quality_line(report))
-
+from qlora_recipes.commands import merge
 
 if __name__ == "__main__":
-    main()
+    merge.run(sys.argv[1:], prog="scripts/merge.py")

@@ -1,7 +1,6 @@
 """Shared test helpers: compose the real config, find every config file on disk, a GPU skip."""
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +9,6 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -11,9 +11,9 @@ from datasets import Dataset, DatasetDict
 from qlora_recipes.data import (
     ALPACA_PROMPT_INPUT,
     ALPACA_PROMPT_NO_INPUT,
+    format_kwargs,
     generation_pairs,
     load_splits,
-    sft_kwargs,
 )
 from qlora_recipes.errors import UserError
 from qlora_recipes.schema import DataConfig
@@ -374,7 +374,7 @@ def test_unknown_format_name(tmp_path, tok):
         64,
         0,
     )
-    user_error(r"data\.format: unknown format 'chatml'", sft_kwargs, cfg(path), "chatml")
+    user_error(r"data\.format: unknown format 'chatml'", format_kwargs, cfg(path), "chatml")
 
 
 def test_hub_name_offline(monkeypatch, tok):
@@ -394,12 +394,12 @@ def test_hub_name_offline(monkeypatch, tok):
 def test_hub_connection_error(monkeypatch, tok):
     import datasets
 
-    import qlora_recipes.data as data
+    from qlora_recipes.data import readers
 
     def unreachable(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'someorg/some-dataset' on the Hub (LocalEntryNotFoundError)")
 
-    monkeypatch.setattr(data, "_hub_offline", lambda: False)
+    monkeypatch.setattr(readers, "_hub_offline", lambda: False)
     monkeypatch.setattr(datasets, "load_dataset", unreachable)
     user_error(
         r"could not be reached \(Couldn't reach .*\); pass a local",
@@ -414,7 +414,7 @@ def test_hub_connection_error(monkeypatch, tok):
 def test_hub_dataset_goes_through_load_dataset(monkeypatch, tok):
     import datasets
 
-    import qlora_recipes.data as data
+    from qlora_recipes.data import readers
 
     calls = []
 
@@ -424,7 +424,7 @@ def test_hub_dataset_goes_through_load_dataset(monkeypatch, tok):
         full = DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:1])})
         return full if split is None else full[split]
 
-    monkeypatch.setattr(data, "_hub_offline", lambda: False)
+    monkeypatch.setattr(readers, "_hub_offline", lambda: False)
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     train, eval_ds, stats = load_splits(cfg("someorg/alpaca-like", eval_path="someorg/alpaca-like"), tok, 512, 0)
     assert calls == [("someorg/alpaca-like", "train"), ("someorg/alpaca-like", None)]
@@ -434,31 +434,31 @@ def test_hub_dataset_goes_through_load_dataset(monkeypatch, tok):
 
 
 # --------------------------------------------------------------------------------------------------
-# sft_kwargs / generation_pairs
+# format_kwargs / generation_pairs
 # --------------------------------------------------------------------------------------------------
 
 
 def test_sft_kwargs():
     on = DataConfig(path="x", packing=True)
     off = DataConfig(path="x", completion_only_loss=False)
-    assert sft_kwargs(on, "prompt_completion") == {
+    assert format_kwargs(on, "prompt_completion") == {
         "packing": True,
         "dataset_text_field": "text",
         "completion_only_loss": True,
         "assistant_only_loss": False,
     }
-    assert sft_kwargs(on, "alpaca")["completion_only_loss"] is True
-    assert sft_kwargs(off, "alpaca")["completion_only_loss"] is False
-    assert sft_kwargs(on, "messages")["assistant_only_loss"] is True
-    assert sft_kwargs(off, "messages")["assistant_only_loss"] is False
-    assert sft_kwargs(on, "text")["completion_only_loss"] is False
-    assert sft_kwargs(off, "text")["packing"] is False
+    assert format_kwargs(on, "alpaca")["completion_only_loss"] is True
+    assert format_kwargs(off, "alpaca")["completion_only_loss"] is False
+    assert format_kwargs(on, "messages")["assistant_only_loss"] is True
+    assert format_kwargs(off, "messages")["assistant_only_loss"] is False
+    assert format_kwargs(on, "text")["completion_only_loss"] is False
+    assert format_kwargs(off, "text")["packing"] is False
 
     from trl import SFTConfig
 
     fields = set(SFTConfig.__dataclass_fields__)
     for fmt in ("alpaca", "messages", "prompt_completion", "text"):
-        assert set(sft_kwargs(on, fmt)) <= fields
+        assert set(format_kwargs(on, fmt)) <= fields
 
 
 def test_generation_pairs(tmp_path, tok):
@@ -481,9 +481,8 @@ def test_generation_pairs(tmp_path, tok):
 # --------------------------------------------------------------------------------------------------
 
 
-def trl_batch(tmp_path, tok, train, data_cfg, fmt, max_length=64):
-    """One batch of everything in `train` through TRL's own SFTTrainer data pipeline, as
-    {input_ids: labels} without padding."""
+def sft_trainer(tmp_path, tok, train, data_cfg, fmt, max_length=64):
+    """TRL's own SFTTrainer on the tiny model over `train`, with the SFTConfig fields format_kwargs gives."""
     from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
@@ -496,10 +495,16 @@ def trl_batch(tmp_path, tok, train, data_cfg, fmt, max_length=64):
         gradient_checkpointing=False,
         per_device_train_batch_size=16,
         disable_tqdm=True,
-        **sft_kwargs(data_cfg, fmt),
+        **format_kwargs(data_cfg, fmt),
     )
     model = AutoModelForCausalLM.from_pretrained(TINY)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tok)
+    return SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tok)
+
+
+def trl_batch(tmp_path, tok, train, data_cfg, fmt, max_length=64):
+    """One batch of everything in `train` through TRL's own SFTTrainer data pipeline, as
+    {input_ids: labels} without padding."""
+    trainer = sft_trainer(tmp_path, tok, train, data_cfg, fmt, max_length)
     batch = next(iter(trainer.get_train_dataloader()))
     out = {}
     for ids, labels, mask in zip(batch["input_ids"], batch["labels"], batch["attention_mask"], strict=True):
@@ -542,24 +547,9 @@ def test_prompt_completion_labels_mask_the_prompt(tmp_path, tok, fmt):
 
 
 def test_packing_keeps_the_completion_labels(tmp_path, tok):
-    from transformers import AutoModelForCausalLM
-    from trl import SFTConfig, SFTTrainer
-
     data_cfg = cfg(write(tmp_path / "d.jsonl", ROWS["prompt_completion"]), packing=True)
     train, _, stats = load_splits(data_cfg, tok, 64, 0)
-    args = SFTConfig(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        max_length=64,
-        report_to=[],
-        bf16=False,
-        gradient_checkpointing=False,
-        per_device_train_batch_size=16,
-        disable_tqdm=True,
-        **sft_kwargs(data_cfg, stats["format"]),
-    )
-    model = AutoModelForCausalLM.from_pretrained(TINY)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tok)
+    trainer = sft_trainer(tmp_path, tok, train, data_cfg, stats["format"])
     batch = next(iter(trainer.get_train_dataloader()))
     ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
     assert len(ids) == sum(len(tok(r["prompt"] + r["completion"] + tok.eos_token)["input_ids"]) for r in train)

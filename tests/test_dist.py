@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, compose_cfg
 from omegaconf import OmegaConf
 
-from qlora_recipes import dist
+from qlora_recipes import devices, dist, planner
 from qlora_recipes.errors import UserError
 from qlora_recipes.validate import validate
 
@@ -80,12 +80,12 @@ def _accelerate_env(config: Path, *extra: str) -> dict:
 @pytest.mark.parametrize("offload", [True, False])
 def test_fsdp_recipe_passes_the_same_fsdp_settings_as_the_accelerate_config(offload, monkeypatch, tmp_path):
     """accelerate launch (env from launch/accelerate/fsdp_qlora.yaml + the CLI flag launch.py adds)
-    and TrainingArguments (dist.sft_kwargs) must build the same FSDP plugin."""
+    and TrainingArguments (dist.strategy_kwargs) must build the same FSDP plugin."""
     from accelerate.utils import FullyShardedDataParallelPlugin
     from trl import SFTConfig
 
-    cfg = compose_cfg("recipe=llama3-70b-2x24gb", f"dist.offload_params={str(offload).lower()}")
-    cmd = dist.launch_command(cfg, "llama3-70b-2x24gb", [])
+    cfg = compose_cfg("recipe=llama3.1-70b-2x24gb", f"dist.offload_params={str(offload).lower()}")
+    cmd = dist.launch_command(cfg, "llama3.1-70b-2x24gb", [])
     flag = cmd[cmd.index("--fsdp_offload_params") : cmd.index("--fsdp_offload_params") + 2]
     env = _accelerate_env(Path(cfg.dist.accelerate_config), *flag)
     assert env["ACCELERATE_USE_FSDP"] == "true"
@@ -93,7 +93,7 @@ def test_fsdp_recipe_passes_the_same_fsdp_settings_as_the_accelerate_config(offl
         if key.startswith("FSDP_"):
             monkeypatch.setenv(key, value)
     from_launcher = FullyShardedDataParallelPlugin()
-    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[], **dist.sft_kwargs(cfg))
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[], **dist.strategy_kwargs(cfg))
     from_trainer = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
     for attr in ("fsdp_version", "reshard_after_forward", "state_dict_type", "cpu_ram_efficient_loading",
                  "activation_checkpointing"):  # fmt: skip
@@ -105,14 +105,14 @@ def test_fsdp_recipe_passes_the_same_fsdp_settings_as_the_accelerate_config(offl
 
 
 def test_sft_kwargs_per_strategy():
-    assert dist.sft_kwargs(compose_cfg(), world_size=1) == {}
-    assert dist.sft_kwargs(compose_cfg(), world_size=2) == {"ddp_find_unused_parameters": False}
-    assert dist.sft_kwargs(compose_cfg("dist=ddp"), world_size=2) == {"ddp_find_unused_parameters": False}
-    zero3 = dist.sft_kwargs(compose_cfg("dist=zero3"))
+    assert dist.strategy_kwargs(compose_cfg(), world_size=1) == {}
+    assert dist.strategy_kwargs(compose_cfg(), world_size=2) == {"ddp_find_unused_parameters": False}
+    assert dist.strategy_kwargs(compose_cfg("dist=ddp"), world_size=2) == {"ddp_find_unused_parameters": False}
+    zero3 = dist.strategy_kwargs(compose_cfg("dist=zero3"))
     assert zero3 == {"deepspeed": str(REPO / "launch/deepspeed/zero3_offload.json")}
 
 
-FSDP_OK = ("recipe=llama3-70b-2x24gb",)
+FSDP_OK = ("recipe=llama3.1-70b-2x24gb",)
 
 
 @pytest.mark.parametrize(
@@ -155,21 +155,21 @@ def _has_deepspeed() -> bool:
 
 
 def test_valid_distributed_stacks_pass():
-    for name in ("llama3-70b-2x24gb", "llama3-405b-8xa100"):
+    for name in ("llama3.1-70b-2x24gb", "llama3.1-405b-8xa100"):
         cfg = compose_cfg(f"recipe={name}")
-        validate(cfg, gpu_available=True, world_size=dist.ranks(cfg))
+        validate(cfg, gpu_available=True, world_size=devices.ranks(cfg))
     validate(compose_cfg("dist=ddp"), gpu_available=False, world_size=2)  # DDP on CPU (gloo) is fine
 
 
 def test_fsdp_plan_is_per_rank():
     """Sharding halves a rank's share of the 4-bit weights; offload moves shards to host RAM;
     the quantization state and the gathered layers stay on every GPU."""
-    base = ("recipe=llama3-70b-2x24gb", "dist.offload_params=false", "dist.load_on_cpu=true")
+    base = ("recipe=llama3.1-70b-2x24gb", "dist.offload_params=false", "dist.load_on_cpu=true")
     gpus, host = [80 * GiB] * 8, 2048 * GiB
 
     def plan(*extra, ws):
         cfg = compose_cfg(*base, *extra)
-        return dist.plan_stack(cfg, gpus=gpus, host_ram=host, world_size=ws)
+        return planner.plan(cfg, gpus=gpus, host_ram=host, world_size=ws)
 
     two, four = plan(ws=2), plan(ws=4)
     w2, w4 = two["components"]["quantized_weights"]["cuda:0"], four["components"]["quantized_weights"]["cuda:0"]
@@ -183,17 +183,15 @@ def test_fsdp_plan_is_per_rank():
     assert off["devices"][0]["peak"] < two["devices"][0]["peak"]
     # Without load_on_cpu every rank first loads the whole 4-bit base on its GPU: no fit on 24 GB,
     # and the plan says so (the load phase) instead of promising what the loader cannot do.
-    gpu_load = dist.plan_stack(compose_cfg("recipe=llama3-70b-2x24gb", "dist.load_on_cpu=false"),
+    gpu_load = planner.plan(compose_cfg("recipe=llama3.1-70b-2x24gb", "dist.load_on_cpu=false"),
                                gpus=[int(23.5 * GiB)] * 2, host_ram=128 * GiB)  # fmt: skip
     assert not gpu_load["fits"] and gpu_load["devices"][0]["peak_phase"] == "load"
 
 
 def test_ddp_plan_is_a_full_replica_per_gpu():
     cfg = compose_cfg("model=llama3.1-8b", "trainer=standard", "dist=ddp")
-    ddp = dist.plan_stack(cfg, gpus=[int(23.5 * GiB)] * 2, host_ram=64 * GiB, world_size=2)
-    one = dist.plan_stack(
-        compose_cfg("model=llama3.1-8b", "trainer=standard"), gpus=[int(23.5 * GiB)], host_ram=64 * GiB
-    )
+    ddp = planner.plan(cfg, gpus=[int(23.5 * GiB)] * 2, host_ram=64 * GiB, world_size=2)
+    one = planner.plan(compose_cfg("model=llama3.1-8b", "trainer=standard"), gpus=[int(23.5 * GiB)], host_ram=64 * GiB)
     assert ddp["peak_gib"] == one["peak_gib"] and ddp["effective_batch"] == 2 * one["effective_batch"]
 
 

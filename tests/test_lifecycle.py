@@ -11,7 +11,7 @@ from transformers import Trainer
 
 from qlora_recipes.errors import UserError
 from qlora_recipes.lifecycle import Preempted, find_checkpoint, resume_checkpoint
-from train import train
+from qlora_recipes.training import train
 
 BASE = [
     "trainer=smoke",

@@ -1,4 +1,4 @@
-"""The memory planner (qlora_recipes/memory.py, scripts/plan.py).
+"""The memory planner (qlora_recipes/planner/, scripts/plan.py).
 
 Static parts are checked exactly against real objects built here on CPU: bitsandbytes-quantized
 models (NF4+DQ, FP4, int8) of three tiny architectures saved with save_pretrained and loaded with
@@ -20,11 +20,13 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from qlora_recipes import memory  # noqa: E402
+from qlora_recipes import planner  # noqa: E402
 from qlora_recipes.devices import parse_gpus  # noqa: E402
 from qlora_recipes.errors import UserError  # noqa: E402
+from qlora_recipes.planner import components, constants, figures, placement  # noqa: E402
+from qlora_recipes.planner.ladder import LADDER_ORDER  # noqa: E402
+from qlora_recipes.planner.spec import spec_from_cfg  # noqa: E402
 from qlora_recipes.schema import register_schemas  # noqa: E402
 from qlora_recipes.units import parse_size  # noqa: E402
 
@@ -41,7 +43,7 @@ def cfg_for(*overrides: str):
 
 
 def plan_for(*overrides: str, gpus=None, host_ram=HOST, ladder=True):
-    return memory.plan_stack(cfg_for(*overrides), gpus=gpus, host_ram=host_ram, world_size=1, ladder=ladder)
+    return planner.plan(cfg_for(*overrides), gpus=gpus, host_ram=host_ram, world_size=1, ladder=ladder)
 
 
 def total(plan: dict, component: str) -> int:
@@ -410,8 +412,8 @@ def test_layer_activation_tally_matches_what_autograd_keeps_on_cpu(tiny_models, 
         f"trainer.micro_batch_size={b}",
         f"trainer.seq_len={s}",
     )
-    st = memory.stack_from_cfg(cfg_for(*overrides), world_size=1)
-    layer_bytes = next(bb for blk, bb in memory.block_bytes(st) if blk.name == "model.layers.1")
+    st = spec_from_cfg(cfg_for(*overrides), world_size=1)
+    layer_bytes = next(bb for blk, bb in components.block_bytes(st) if blk.name == "model.layers.1")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = prepare_model_for_kbit_training(load_quantized(path, "nf4"), use_gradient_checkpointing=False)
@@ -442,7 +444,7 @@ def test_layer_activation_tally_matches_what_autograd_keeps_on_cpu(tiny_models, 
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(input_ids=ids, labels=ids, output_hidden_states=True)
     measured = sum({ptr: n for ref, ptr, n in kept if ref() is not None}.values())
-    planned = memory.layer_saved_bytes(st, layer_bytes, b, on_cpu=True)
+    planned = components.layer_saved_bytes(st, layer_bytes, b, on_cpu=True)
     print(f"{kind} {peft_method} b={b} s={s}: autograd keeps {measured} B, planned {planned} B")
     assert abs(measured - planned) / measured < 0.08
     assert out.hidden_states[1].dtype == torch.float32  # the fp32 residual stream of QLoRA
@@ -489,7 +491,7 @@ def test_device_map_is_the_one_from_pretrained_builds(tiny_models, tmp_path, kin
         real = dict(getattr(model, "hf_device_map", None) or {"": "cpu"})
         print(kind, quant, cpu_budget, real)
         assert plan["device_map"] == real
-        assert memory.loader_max_memory(plan) == {"cpu": cpu_budget}
+        assert planner.loader_max_memory(plan) == {"cpu": cpu_budget}
         maps.append(real)
     assert any(set(m.values()) == {"cpu", "disk"} for m in maps)  # a split map was among them
 
@@ -498,18 +500,18 @@ def test_device_map_is_the_one_from_pretrained_builds(tiny_models, tmp_path, kin
 def test_single_device_shortcut_agrees_with_the_loaders_device_map(tiny_models, kind, quant):
     """infer_device_map skips the meta model when the whole model provably fits one device; on
     both sides of that boundary the loader's own _get_device_map gives the same answer."""
-    st = memory.stack_from_cfg(cfg_for(f"model.name_or_path={tiny_models[kind]}", f"quant={quant}", "offload=cpu"), 1)
-    bbs = memory.block_bytes(st)
+    st = spec_from_cfg(cfg_for(f"model.name_or_path={tiny_models[kind]}", f"quant={quant}", "offload=cpu"), 1)
+    bbs = components.block_bytes(st)
     sizes = [bb.placed_bytes for _, bb in bbs]
-    factor = memory.BNB_MAX_MEMORY_FACTOR if st.quantized else 1.0
+    factor = constants.BNB_MAX_MEMORY_FACTOR if st.quantized else 1.0
     threshold = (sum(sizes) + max(sizes)) / factor
     taken = 0
     for device in (0, "cpu"):
         for scale in (0.5, 0.9, 0.99, 1.0, 1.002, 1.01, 1.1, 2.0):
             budget = int(threshold * scale)
             max_memory = {0: budget, "cpu": 10**12} if device == 0 else {"cpu": budget}
-            shortcut = memory._whole_model_fits_one_device(st, max_memory, bbs)
-            real = dict(memory.infer_device_map(st, max_memory, bbs, shortcut=False))
+            shortcut = placement._whole_model_fits_one_device(st, max_memory, bbs)
+            real = dict(placement.infer_device_map(st, max_memory, bbs, shortcut=False))
             if shortcut is not None:
                 taken += 1
                 assert real == {"": shortcut}, (device, scale, real)
@@ -529,10 +531,10 @@ FAST_MODELS = ("llama2-70b", "llama3.1-8b", "mistral-7b", "qwen2.5-7b", "gemma2-
 def test_analytic_inventory_matches_the_transformers_module_tree(option):
     """The figure-based parameter inventory equals the modules transformers builds from the figures."""
     cfg = cfg_for(f"model={option}")
-    fig = memory.model_figures(cfg.model)
-    if fig.architecture not in memory.KNOWN_ARCHITECTURES:
+    fig = planner.model_figures(cfg.model)
+    if fig.architecture not in constants.KNOWN_ARCHITECTURES:
         pytest.skip(f"{fig.architecture} is planned from the meta model only")
-    analytic, meta = memory._analytic_inventory(fig), memory._meta_inventory(fig)
+    analytic, meta = figures._analytic_inventory(fig), figures._meta_inventory(fig)
 
     def summary(blocks):
         return {
@@ -554,7 +556,7 @@ def test_without_gpu_the_plan_is_for_the_cpu():
     plan = plan_for("recipe=tiny-cpu", gpus=[], host_ram=24 * GiB)
     (dev,) = plan["devices"]
     assert dev["device"] == "cpu" and dev["budget"] == 24 * GiB
-    assert plan["components"]["process_baseline"] == {"cpu": memory.CPU_PROCESS_BASELINE_BYTES}
+    assert plan["components"]["process_baseline"] == {"cpu": constants.CPU_PROCESS_BASELINE_BYTES}
     assert "cuda_context" not in plan["components"]
     assert plan["fits"] and plan["peak_gib"] < 1.0  # the recipe's header promises under 1 GiB
     assert plan["device_map"] == {"": "cpu"}
@@ -632,7 +634,7 @@ def test_ladder_rungs_are_exact_overrides_that_replan_to_their_peak():
     assert replanned["fits"] and replanned["peak_gib"] == first_fit["peak_gib"]
     assert replanned["effective_batch"] == plan["effective_batch"] == 16  # micro-batch rung keeps it
     kinds = [r["change"] for r in plan["ladder"] if r["change"] != "eval_batch"]
-    assert kinds == [k for k in memory.LADDER_ORDER if k in kinds]  # cheapest first
+    assert kinds == [k for k in LADDER_ORDER if k in kinds]  # cheapest first
     peaks = [r["worst_peak_gib"] for r in plan["ladder"]]
     assert all(r["cost"] and r["cost_note"] and r["adds"] for r in plan["ladder"])
     assert peaks[-1] < plan["peak_gib"]
@@ -641,13 +643,13 @@ def test_ladder_rungs_are_exact_overrides_that_replan_to_their_peak():
 def test_refusal_is_one_line_with_the_first_fitting_rung():
     plan = plan_for("model=llama3.1-8b", "trainer.seq_len=4096", "trainer.micro_batch_size=16", gpus=[24 * GiB])
     with pytest.raises(UserError) as err:
-        memory.refuse_unless_fits(plan, force=False)
+        planner.refuse_unless_fits(plan, force=False)
     message = str(err.value)
     first_fit = next(r for r in plan["ladder"] if r["fits"])
     assert message.startswith("stack does not fit: peak ") and "on cuda:0" in message and "\n" not in message
     assert f"try: {first_fit['overrides']} (see plan.json ladder)" in message and "force=true" in message
-    memory.refuse_unless_fits(plan, force=True)  # force starts anyway
-    memory.refuse_unless_fits(plan_for(*LLAMA2_70B, gpus=[80 * GiB]), force=False)
+    planner.refuse_unless_fits(plan, force=True)  # force starts anyway
+    planner.refuse_unless_fits(plan_for(*LLAMA2_70B, gpus=[80 * GiB]), force=False)
 
 
 def test_ladder_reaches_cpu_offload_for_70b_on_a_24gb_card():
@@ -664,7 +666,7 @@ def test_ladder_reaches_cpu_offload_for_70b_on_a_24gb_card():
 
 def test_write_plan_and_table(tmp_path):
     plan = plan_for(*LLAMA2_70B, gpus=[80 * GiB])
-    path = memory.write_plan(plan, tmp_path / "run")
+    path = planner.write_plan(plan, tmp_path / "run")
     saved = json.loads(path.read_text())
     for key in (
         "components",
@@ -679,7 +681,7 @@ def test_write_plan_and_table(tmp_path):
         assert key in saved
     assert saved["tokens_per_step"] == 1 * 2048 * 16 and saved["effective_batch"] == 16
     assert {"budget", "peak", "headroom", "device"} <= set(saved["devices"][0])
-    table = memory.render_table(plan)
+    table = planner.render_table(plan)
     assert "cuda:0" in table and "quantized weights" in table and "FITS" in table
 
 

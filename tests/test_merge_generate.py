@@ -30,7 +30,7 @@ ENV_EXTRA = {"HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARA
 
 
 def _train(run_dir: Path, *overrides: str) -> Path:
-    from train import train
+    from qlora_recipes.training import train
 
     train(compose_cfg("trainer=smoke", "data.metric=null", *overrides), run_dir)
     return run_dir
@@ -43,7 +43,7 @@ def nf4_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def nf4_merged(nf4_run) -> dict:
-    from qlora_recipes.merge import merge
+    from qlora_recipes.merge.pipeline import merge
 
     return merge(nf4_run)  # the defaults: <run>/merged, the run's dtype (bf16), 2GB shards
 
@@ -143,7 +143,8 @@ def test_from_original_merge_shards_with_an_index_and_matches_peft(nf4_run, tmp_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from qlora_recipes.merge import merge, quality_line
+    from qlora_recipes.merge.pipeline import merge
+    from qlora_recipes.merge.quality import quality_line
 
     out = tmp_path / "orig"
     report = merge(nf4_run, out=out, from_original=True, shard_size="200KB", dtype="float32")
@@ -180,7 +181,7 @@ def test_dora_adapter_merges_correctly(dora_run, tmp_path):
     so spread them by +-30 % first: a merge that ignored them would be off by far more than the bound."""
     from safetensors.torch import load_file, save_file
 
-    from qlora_recipes.merge import merge
+    from qlora_recipes.merge.pipeline import merge
 
     weights = dora_run / "adapter" / "adapter_model.safetensors"
     tensors = load_file(str(weights))
@@ -203,7 +204,7 @@ def test_adapter_on_a_base_of_other_shapes_is_refused(nf4_run, tmp_path):
     """A run dir whose config now loads a different base (same dir name, other shapes): named, not a traceback."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from qlora_recipes.merge import merge
+    from qlora_recipes.merge.pipeline import merge
 
     tiny = Path(compose_cfg().model.name_or_path)
     other = tmp_path / "elsewhere" / tiny.name
@@ -243,7 +244,7 @@ def test_prompts_are_rendered_as_the_run_data_was(tmp_path):
     from transformers import AutoTokenizer
 
     from qlora_recipes.data import alpaca_prompt
-    from qlora_recipes.generation import Prompt, read_prompts, render
+    from qlora_recipes.prompts import Prompt, read_prompts, render
 
     tokenizer = AutoTokenizer.from_pretrained(compose_cfg().model.name_or_path)
     text, special = render(tokenizer, Prompt("text", "hi"), "chat")

@@ -148,10 +148,10 @@ def test_summarize_sweep_bad_input_is_one_line(arg, needle, tmp_path):
 
 
 def test_launchers_take_their_resources_from_the_hardware_node():
-    slurm = hydra_cfg("recipe=llama70b-a100", "hydra/launcher=slurm").hydra.launcher
+    slurm = hydra_cfg("recipe=llama2-70b-a100", "hydra/launcher=slurm").hydra.launcher
     assert slurm._target_.endswith("SlurmLauncher")
     assert (slurm.gpus_per_node, slurm.timeout_min, slurm.mem_gb, slurm.tasks_per_node) == (1, 1440, 128, 1)
-    local = hydra_cfg("recipe=llama3-8b-24gb", "hydra/launcher=local").hydra.launcher
+    local = hydra_cfg("recipe=llama3.1-8b-24gb", "hydra/launcher=local").hydra.launcher
     assert local._target_.endswith("LocalLauncher") and local.gpus_per_node == 1
     assert hydra_cfg("hydra/launcher=local").hydra.launcher.gpus_per_node == 0  # CPU default
     assert hydra_cfg("hydra/sweeper=sequential").hydra.sweeper.max_batch_size == 1

@@ -1,6 +1,7 @@
 """The real entry point on the tiny model: NF4 loading by bitsandbytes, k-bit prep, LoRA, TRL."""
 
 import json
+from pathlib import Path
 
 import bitsandbytes as bnb
 import pytest
@@ -8,13 +9,19 @@ import torch
 from conftest import compose_cfg
 
 from qlora_recipes import modeling
-from train import train
+from qlora_recipes.training import train
 
 
 def test_default_run_learns_and_writes_everything(run_dir):
     cfg = compose_cfg()
     m = train(cfg, run_dir)
 
+    # The same seed trains the same curve as before the architecture move (tests/expected/).
+    pinned = json.loads((Path(__file__).parent / "expected" / "default_run.json").read_text())
+    assert m["train_losses"] == pytest.approx(pinned["train_losses"], rel=1e-4)
+    assert m["eval_exact_match_before"] == pinned["eval_exact_match_before"]
+    assert m["eval_exact_match"] == pinned["eval_exact_match"]
+    assert m["eval_loss"] == pytest.approx(pinned["eval_loss"], rel=1e-4)
     assert m["steps"] == cfg.trainer.max_steps
     assert m["train_loss_last"] < 0.5 * m["train_loss_first"], m
     # Held-out exact match of greedy generations: near zero before, well above after.

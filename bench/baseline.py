@@ -1,15 +1,15 @@
 """The plain way: QLoRA fine-tuning as the Hugging Face docs show it, with no recipe layer.
 
-    python scripts/baseline_qlora.py --model assets/tiny-llama --data assets/data/order/train.jsonl \
+    python -m bench.baseline --model assets/tiny-llama --data assets/data/order/train.jsonl \
         --steps 30 --batch 16 --seq-len 64
 
 from_pretrained with a BitsAndBytesConfig, prepare_model_for_kbit_training, get_peft_model, TRL's
 SFTTrainer with paged_adamw_8bit, then the adapter saved. It imports nothing from this repository:
-scripts/bench.py runs it beside `train.py` on the same model, data, steps and device and reports
-ours/baseline ratios. The last line printed is one JSON object of metrics, with the definitions
-train.py uses: tokens_per_s = TRL's num_tokens / train_s (trainer construction + train()),
-peak_mem_gib = torch.cuda.max_memory_allocated on a GPU, the peak RSS of this process on a CPU;
-step_end_s = seconds since the trainer was built at the end of each optimizer step.
+the harness (`python -m bench`) runs it beside `train.py` on the same model, data, steps and device
+and reports ours/baseline ratios. The last line printed is one JSON object of metrics, with the
+definitions train.py uses: tokens_per_s = TRL's num_tokens / train_s (trainer construction +
+train()), peak_mem_gib = torch.cuda.max_memory_allocated on a GPU, the peak RSS of this process on a
+CPU; step_end_s = seconds since the trainer was built at the end of each optimizer step.
 """
 
 import argparse
@@ -53,29 +53,30 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    import torch
-    from datasets import load_dataset
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback, set_seed
-    from trl import SFTConfig, SFTTrainer
+def quantization(args, dtype):
+    """The BitsAndBytesConfig for --quant (None: no quantization)."""
+    from transformers import BitsAndBytesConfig
 
-    set_seed(args.seed)
-    gpu = torch.cuda.is_available()
-    dtype = getattr(torch, args.dtype)
     if args.quant in ("nf4", "fp4"):
-        bnb = BitsAndBytesConfig(
+        return BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=args.quant,
             bnb_4bit_use_double_quant=not args.no_double_quant,
             bnb_4bit_compute_dtype=dtype,
         )
-    elif args.quant == "int8":
-        bnb = BitsAndBytesConfig(load_in_8bit=True)
-    else:
-        bnb = None
+    if args.quant == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return None
 
+
+def load(args, gpu: bool):
+    """(model with LoRA adapters, tokenizer): from_pretrained, prepare_model_for_kbit_training, get_peft_model."""
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, args.dtype)
+    bnb = quantization(args, dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -87,20 +88,23 @@ def main(argv=None) -> dict:
         attn_implementation=args.attn,
     )
     model.config.use_cache = False
-    checkpointing = not args.no_gradient_checkpointing
-    ckpt_kwargs = {"use_reentrant": args.reentrant}
     if bnb is not None:
         model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs=ckpt_kwargs
+            model,
+            use_gradient_checkpointing=not args.no_gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": args.reentrant},
         )
     targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
     lora = LoraConfig(
         r=args.r, lora_alpha=args.alpha, lora_dropout=args.dropout, target_modules=targets, task_type="CAUSAL_LM"
     )
-    model = get_peft_model(model, lora)
+    return get_peft_model(model, lora), tokenizer
 
-    dataset = load_dataset("json", data_files=args.data, split="train")
-    sft_args = SFTConfig(
+
+def sft_config(args, gpu: bool):
+    from trl import SFTConfig
+
+    return SFTConfig(
         output_dir=f"{args.out}/checkpoints",
         max_steps=args.steps,
         per_device_train_batch_size=args.batch,
@@ -114,8 +118,8 @@ def main(argv=None) -> dict:
         bf16=args.dtype == "bfloat16",
         fp16=args.dtype == "float16",
         use_cpu=not gpu,
-        gradient_checkpointing=checkpointing,
-        gradient_checkpointing_kwargs=ckpt_kwargs,
+        gradient_checkpointing=not args.no_gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": args.reentrant},
         max_length=args.seq_len,
         packing=args.packing,
         completion_only_loss=False if args.no_completion_only_loss else None,
@@ -128,6 +132,11 @@ def main(argv=None) -> dict:
         data_seed=args.seed,
     )
 
+
+def step_clock():
+    """A callback that records the seconds since it was made at the end of each optimizer step."""
+    from transformers import TrainerCallback
+
     class StepClock(TrainerCallback):
         def __init__(self):
             self.t0, self.ends = time.time(), []
@@ -135,7 +144,31 @@ def main(argv=None) -> dict:
         def on_step_end(self, *a, **k):
             self.ends.append(round(time.time() - self.t0, 4))
 
-    clock = StepClock()
+    return StepClock()
+
+
+def peak_memory(gpu: bool) -> tuple[float, float | None]:
+    """(peak GiB, peak reserved GiB): max_memory_allocated/reserved on a GPU, this process's peak RSS on a CPU."""
+    import torch
+
+    if gpu:
+        return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, None
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import torch
+    from datasets import load_dataset
+    from transformers import set_seed
+    from trl import SFTTrainer
+
+    set_seed(args.seed)
+    gpu = torch.cuda.is_available()
+    model, tokenizer = load(args, gpu)
+    dataset = load_dataset("json", data_files=args.data, split="train")
+    sft_args = sft_config(args, gpu)
+    clock = step_clock()
     train_started = time.time()
     trainer = SFTTrainer(
         model=model, args=sft_args, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock]
@@ -144,18 +177,14 @@ def main(argv=None) -> dict:
     train_s = time.time() - train_started
     trainer.save_model(f"{args.out}/adapter")
 
-    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    tokens = max((float(e.get("num_tokens", 0)) for e in trainer.state.log_history), default=0.0)
-    if gpu:
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        reserved = torch.cuda.max_memory_reserved() / 2**30
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        reserved = None
+    log = trainer.state.log_history
+    losses = [e["loss"] for e in log if "loss" in e] or [None]
+    tokens = max((float(e.get("num_tokens", 0)) for e in log), default=0.0)
+    peak, reserved = peak_memory(gpu)
     metrics = {
         "status": "ok",
-        "train_loss_first": losses[0] if losses else None,
-        "train_loss_last": losses[-1] if losses else None,
+        "train_loss_first": losses[0],
+        "train_loss_last": losses[-1],
         "train_loss_mean": result.training_loss,
         "tokens": tokens,
         "tokens_per_s": tokens / train_s if train_s > 0 else None,

@@ -1,0 +1,245 @@
+"""The four data formats (`data.format`; `auto` reads the first row's keys), and what each means for TRL:
+
+- `alpaca`: `instruction`, optional `input`, `output` -> `prompt`/`completion` with the Alpaca template
+- `messages`: `messages`, a list of `{role, content}` -> rendered by the tokenizer's chat template
+- `prompt_completion`: `prompt`, `completion` (strings, or lists of messages for chat prompts)
+- `text`: `text`, plain language modelling
+
+Every row is checked here before training starts; a bad row stops the run with one line naming the
+row (as `readers.Rows` names it) and the field. `format_kwargs` and `generation_pairs` give the SFTConfig
+fields and the exact-match (prompt, reference) pairs each format needs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from datasets import Dataset
+
+from ..errors import UserError
+from ..units import cfg_get
+from .readers import Rows
+
+# Each format and the fields a row of it holds (for the error messages).
+FORMAT_FIELDS = {
+    "alpaca": "instruction, [input], output",
+    "messages": "messages",
+    "prompt_completion": "prompt, completion",
+    "text": "text",
+}
+FORMATS = tuple(FORMAT_FIELDS)
+ROLES = ("system", "user", "assistant", "tool")
+
+# The standard Stanford Alpaca prompts (github.com/tatsu-lab/stanford_alpaca, train.py).
+ALPACA_PROMPT_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+
+def alpaca_prompt(instruction: str, input: str | None = None) -> str:
+    """The Alpaca prompt for one row (the variant with an `### Input:` block when `input` is set)."""
+    if input:
+        return ALPACA_PROMPT_INPUT.format(instruction=instruction, input=input)
+    return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_format_name(fmt: Any, allow_auto: bool = True) -> str:
+    """`fmt` if it names a format (or `auto`, where detection can still run); a UserError otherwise."""
+    names = (("auto",) if allow_auto else ()) + FORMATS
+    if not isinstance(fmt, str) or fmt not in names:
+        raise UserError(f"data.format: unknown format {fmt!r}; use one of {', '.join(names)}")
+    return fmt
+
+
+def detect(rows: Rows) -> str:
+    """The format the first row's keys name (`data.format: auto`)."""
+    first = rows.rows[0]
+    if not isinstance(first, dict):
+        raise UserError(f"{rows.where(0)}: expected an object with named fields, got {type(first).__name__}")
+    keys = set(first)
+    if "messages" in keys:
+        return "messages"
+    if {"prompt", "completion"} <= keys:
+        return "prompt_completion"
+    if {"instruction", "output"} <= keys:
+        return "alpaca"
+    if "text" in keys:
+        return "text"
+    known = "; ".join(f"{name} ({fields})" for name, fields in FORMAT_FIELDS.items())
+    raise UserError(
+        f"{rows.where(0)}: cannot detect the data format from the first row's keys {sorted(keys)}; "
+        f"known formats: {known}; rename the fields or set data.format"
+    )
+
+
+def _string(rows: Rows, i: int, row: dict, field: str, required: bool = True) -> str:
+    if field not in row or row[field] is None:
+        if not required:
+            return ""
+        raise UserError(f"{rows.where(i)}: missing field '{field}'; every row needs it (or set data.format)")
+    value = row[field]
+    if not isinstance(value, str):
+        raise UserError(
+            f"{rows.where(i)}: field '{field}' must be a string, got {type(value).__name__} {_short(value)}; "
+            "write it as text (in quotes)"
+        )
+    if required and not value.strip():
+        raise UserError(f"{rows.where(i)}: field '{field}' is an empty string; give it text or remove the row")
+    return value
+
+
+def _json_cell(rows: Rows, i: int, field: str, text: str) -> Any:
+    """A CSV cell's message list: CSV cells are all strings, so lists come written as JSON text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UserError(
+            f"{rows.where(i)}: field '{field}' is a string that is not valid JSON ({err.msg}); "
+            "it must be a list of {role, content} objects"
+        ) from None
+
+
+def _messages(rows: Rows, i: int, row: dict, field: str, need_assistant: bool) -> list[dict]:
+    if field not in row or row[field] is None:
+        raise UserError(f"{rows.where(i)}: missing field '{field}'; every row needs it (or set data.format)")
+    value = row[field]
+    if isinstance(value, str) and rows.text_cells:
+        value = _json_cell(rows, i, field, value)
+    if not isinstance(value, list):
+        raise UserError(
+            f"{rows.where(i)}: field '{field}' must be a list of {{role, content}} objects, got "
+            f"{type(value).__name__} {_short(value)}"
+        )
+    if not value:
+        raise UserError(f"{rows.where(i)}: field '{field}' is an empty list; give it at least one turn")
+    out = []
+    for j, message in enumerate(value):
+        where = f"{rows.where(i)}: field '{field}[{j}]"
+        if not isinstance(message, dict):
+            raise UserError(f"{where}' must be a {{role, content}} object, got {type(message).__name__}")
+        role = message.get("role")
+        if role is None:
+            raise UserError(f"{where}.role' is missing; give each message a role ({', '.join(ROLES)})")
+        if role not in ROLES:
+            raise UserError(f"{where}.role' is an unknown role {_short(role)}; use one of {', '.join(ROLES)}")
+        content = message.get("content")
+        if content is None:
+            raise UserError(f"{where}.content' is missing; give each message its text in 'content'")
+        if not isinstance(content, str):
+            raise UserError(
+                f"{where}.content' must be a string, got {type(content).__name__} {_short(content)}; "
+                "write the message text as one string"
+            )
+        if role == "assistant" and not content.strip():
+            raise UserError(f"{where}.content' is an empty assistant turn; give it the reply text or remove it")
+        out.append({"role": role, "content": content})
+    if need_assistant and not any(m["role"] == "assistant" for m in out):
+        raise UserError(
+            f"{rows.where(i)}: field '{field}' has no assistant turn, so there is nothing to train on; "
+            "add the assistant's reply"
+        )
+    return out
+
+
+def convert(rows: Rows, fmt: str) -> tuple[dict[str, list], bool]:
+    """Validate every row for `fmt` and build the columns TRL expects. Returns (columns, conversational)."""
+    conversational = False
+    if fmt == "prompt_completion":
+        first = rows.rows[0]
+        conversational = isinstance(first, dict) and isinstance(first.get("prompt"), list)
+    columns: dict[str, list] = {}
+    for i, row in enumerate(rows.rows):
+        if not isinstance(row, dict):
+            raise UserError(
+                f"{rows.where(i)}: expected an object with fields ({FORMAT_FIELDS[fmt]}), got "
+                f"{type(row).__name__} {_short(row)}"
+            )
+        if fmt == "text":
+            record = {"text": _string(rows, i, row, "text")}
+        elif fmt == "alpaca":
+            instruction = _string(rows, i, row, "instruction")
+            extra = _string(rows, i, row, "input", required=False)
+            output = _string(rows, i, row, "output")
+            record = {"prompt": alpaca_prompt(instruction, extra), "completion": output}
+        elif fmt == "messages":
+            record = {"messages": _messages(rows, i, row, "messages", need_assistant=True)}
+        elif conversational:
+            if not isinstance(row.get("prompt"), list) and row.get("prompt") is not None:
+                raise UserError(
+                    f"{rows.where(i)}: field 'prompt' must be a list of {{role, content}} objects like the first "
+                    f"row's, got {type(row['prompt']).__name__} {_short(row['prompt'])}"
+                )
+            prompt = _messages(rows, i, row, "prompt", need_assistant=False)
+            completion = _messages(rows, i, row, "completion", need_assistant=True)
+            record = {"prompt": prompt, "completion": completion}
+        else:
+            record = {"prompt": _string(rows, i, row, "prompt"), "completion": _string(rows, i, row, "completion")}
+        for key, value in record.items():
+            columns.setdefault(key, []).append(value)
+    return columns, conversational
+
+
+def format_kwargs(data_cfg: Any, fmt: str) -> dict:
+    """The SFTConfig fields (TRL 1.16 names) this data needs. The caller sets max_length=trainer.seq_len.
+
+    prompt/completion and alpaca: `completion_only_loss` (loss on the completion only, the prompt's
+    labels -100). messages: `assistant_only_loss` (loss on the `{% generation %}` spans of the chat
+    template, i.e. assistant turns). text: loss on every token. `packing` as configured.
+    """
+    fmt = check_format_name(fmt, allow_auto=False)
+    only = bool(cfg_get(data_cfg, "completion_only_loss", True))
+    kwargs: dict[str, Any] = {
+        "packing": bool(cfg_get(data_cfg, "packing", False)),
+        "dataset_text_field": "text",
+        "completion_only_loss": None,
+        "assistant_only_loss": False,
+    }
+    if fmt in ("prompt_completion", "alpaca"):
+        kwargs["completion_only_loss"] = only
+    elif fmt == "messages":
+        kwargs["assistant_only_loss"] = only
+    else:  # text: there is no prompt to mask
+        kwargs["completion_only_loss"] = False
+    return kwargs
+
+
+def generation_pairs(eval_ds: Dataset | None, fmt: str, limit: int | None) -> list[tuple[Any, str]]:
+    """(prompt, reference) pairs for the exact-match metric, from the first `limit` eval rows.
+
+    prompt_completion / alpaca: the prompt string (or, for chat prompt/completion, the prompt's
+    message list) and the completion text. messages: the turns before the last assistant turn
+    (a message list; render with `add_generation_prompt=True`) and that turn's content. text: [].
+    """
+    fmt = check_format_name(fmt, allow_auto=False)
+    if eval_ds is None or fmt == "text" or (limit is not None and limit <= 0):
+        return []
+    n = len(eval_ds) if limit is None else min(int(limit), len(eval_ds))
+    rows = eval_ds.select(range(n))
+    pairs: list[tuple[Any, str]] = []
+    if fmt == "messages":
+        for messages in rows["messages"]:
+            last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+            if last is None:
+                continue
+            prompt = [{"role": m["role"], "content": m["content"]} for m in messages[:last]]
+            pairs.append((prompt, messages[last]["content"]))
+        return pairs
+    for prompt, completion in zip(rows["prompt"], rows["completion"], strict=True):
+        if isinstance(completion, list):  # chat prompt/completion
+            prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
+            completion = "".join(m["content"] for m in completion if m["role"] == "assistant")
+        pairs.append((prompt, completion))
+    return pairs

@@ -1,0 +1,133 @@
+"""Export: the merged model written as a standalone transformers dir, safely.
+
+The output goes to `<out>.partial` (`prepare_out`) and is renamed to `<out>` only when everything,
+report included, is written (`finish_out`): a failed merge leaves no half model. Tensors stream into
+safetensors shards (`ShardWriter`) on the CPU in the output dtype, a shard written as soon as it is
+full, so CPU memory stays near one shard. Single shard: `model.safetensors`; several:
+`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`, named as transformers does.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import UserError
+from ..runs import MERGE_REPORT, is_merged_dir
+from ..units import parse_size
+
+if TYPE_CHECKING:  # torch loads lazily: the checks of bad input answer fast
+    import torch
+
+
+def shard_bytes(value: str | int) -> int:
+    """--shard-size in bytes: '2GB' / '500MB' / '512MiB' / a number of bytes (units.parse_size), positive."""
+    try:
+        size = parse_size(value, "--shard-size")
+    except UserError:
+        size = 0  # one message for every bad value, worded for this option (not units' "or auto")
+    if size < 1:
+        raise UserError(f"--shard-size {value}: not a positive size; write e.g. 2GB, 500MB or 512MiB")
+    return size
+
+
+class ShardWriter:
+    """Accumulate tensors (on the CPU, in the output dtype) and write a safetensors shard whenever the
+    next tensor would take the current one past `max_bytes`; `close` names the shards as
+    transformers does and writes the index when there is more than one."""
+
+    def __init__(self, folder: Path, max_bytes: int, dtype: torch.dtype):
+        self.folder, self.max_bytes, self.dtype = folder, max_bytes, dtype
+        self.buffer: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.files: list[tuple[str, list[str]]] = []
+        self.total = 0
+        self.params = 0
+        self.names: set[str] = set()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.names:
+            raise RuntimeError(f"tensor {name} written twice")
+        self.names.add(name)
+        out = tensor.to("cpu", dtype=self.dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
+        nbytes = out.numel() * out.element_size()
+        if self.buffer and self.size + nbytes > self.max_bytes:
+            self.flush()
+        self.buffer[name] = out
+        self.size += nbytes
+        self.total += nbytes
+        self.params += out.numel()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.buffer:
+            return
+        name = f"shard-{len(self.files) + 1:05d}.tmp"
+        save_file(self.buffer, str(self.folder / name), metadata={"format": "pt"})
+        self.files.append((name, list(self.buffer)))
+        self.buffer, self.size = {}, 0
+
+    def close(self) -> list[str]:
+        self.flush()
+        n = len(self.files)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        weight_map = {}
+        for (tmp, keys), final in zip(self.files, names, strict=True):
+            (self.folder / tmp).rename(self.folder / final)
+            weight_map.update(dict.fromkeys(keys, final))
+        if n > 1:
+            index = {"metadata": {"total_size": self.total, "total_parameters": self.params}, "weight_map": weight_map}
+            (self.folder / "model.safetensors.index.json").write_text(
+                json.dumps(index, indent=2, sort_keys=True) + "\n"
+            )
+        return names
+
+
+def write_config(model, folder: Path, dtype: torch.dtype, names: set[str]) -> None:
+    """The base's config.json without quantization, with the merged dtype; its generation config.
+    An adapted lm_head of a tied model is written separately, so the merged model is untied."""
+    config = copy.deepcopy(model.get_base_model().config)
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in names:
+        config.tie_word_embeddings = False
+    config.dtype = dtype
+    config.use_cache = True
+    config.save_pretrained(str(folder))
+    gen = getattr(model.get_base_model(), "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(str(folder))
+
+
+def prepare_out(out: Path, run_dir: Path) -> Path:
+    """A fresh `<out>.partial` to write into; `out` itself must be new, empty or an earlier merge."""
+    out = out.expanduser()
+    if out.resolve() in (run_dir.resolve(), (run_dir / "adapter").resolve()):
+        raise UserError(
+            f"--out {out}: is the run dir (or its adapter dir); choose a new dir, e.g. {run_dir / 'merged'}"
+        )
+    if out.exists():
+        if not out.is_dir():
+            raise UserError(f"--out {out}: exists and is a file; choose a dir")
+        if any(out.iterdir()) and not (is_merged_dir(out) or (out / MERGE_REPORT).is_file()):
+            raise UserError(
+                f"--out {out}: exists and holds other files (not a merged model); choose a new or empty dir"
+            )
+    partial = out.with_name(out.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def finish_out(partial: Path, out: Path, report: dict) -> None:
+    """Write the report into `partial`, then put `partial` in the place of `out` (an earlier merge there goes)."""
+    (partial / MERGE_REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    partial.rename(out)

@@ -1,0 +1,138 @@
+"""The whole merge step: check the run, stream the merged weights into `<out>`, measure the merge, report.
+
+    merge(run_dir, out=None, from_original=False, shard_size="2GB", prompts_file=None, dtype=None) -> report
+
+Everything that can be checked without loading a model (the run dir, its config, --shard-size,
+--dtype, the prompts file, the adapter's base, the output dir) is checked first. Then: the stack the
+run trained gives the reference logits (quality), its merged tensors stream into shards (tensors,
+export), and the merged model's logits are compared (quality). The report lands in
+`<out>/merge_report.json` with the model.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from ..errors import UserError
+from ..prompts import read_prompts
+from ..runs import check_adapter_base, load_run_config, resolve_dir, run_prompt_style, run_tokenizer
+from ..units import PRECISION_DTYPE, dtype_name, torch_dtype
+from . import export, quality
+from .tensors import merged_tensors, original_merged_tensors
+
+OUT_DTYPES = tuple(PRECISION_DTYPE.values())  # bfloat16, float16, float32: what a merged model is saved in
+QUANT_BITS = {"nf4": "4-bit nf4", "fp4": "4-bit fp4", "int8": "int8"}  # quant.method -> words for the report
+
+
+def _out_dtype(name: str) -> str:
+    """The canonical name of the dtype the merged weights are saved in."""
+    if dtype_name(name) not in OUT_DTYPES:
+        raise UserError(f"--dtype {name}: use one of {', '.join(OUT_DTYPES)}")
+    return dtype_name(name)
+
+
+def merge(
+    run_dir: str | Path,
+    out: str | Path | None = None,
+    from_original: bool = False,
+    shard_size: str | int = "2GB",
+    prompts_file: str | Path | None = None,
+    dtype: str | None = None,
+) -> dict:
+    """Merge the run's adapter, save the standalone model in `out` (default `<run_dir>/merged`),
+    compare logits, write `merge_report.json` there; returns the report."""
+    started = time.time()
+    _, run_dir = resolve_dir(run_dir, allow_merged=False)
+    cfg = load_run_config(run_dir)
+    max_bytes = export.shard_bytes(shard_size)
+    dtype = _out_dtype(dtype or cfg.precision.dtype)
+    if prompts_file:
+        read_prompts(prompts_file)  # a bad prompts file fails before any work
+    out = Path(out).expanduser() if out else run_dir / "merged"
+    adapter_cfg = check_adapter_base(cfg, run_dir)
+    partial = export.prepare_out(out, run_dir)
+    try:
+        report = _merge_into(partial, run_dir, cfg, adapter_cfg, from_original, max_bytes, prompts_file, dtype)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    report["out_dir"] = str(out)
+    report["wall_s"] = time.time() - started
+    export.finish_out(partial, out, report)
+    return report
+
+
+def _write_merged(model, cfg, partial: Path, max_bytes: int, out_dtype, from_original: bool):
+    """Stream the merged tensors into shards, module by module (decoder layer by decoder layer), and
+    write config.json; returns (the closed writer, the shard file names)."""
+    import torch
+
+    writer = export.ShardWriter(partial, max_bytes, out_dtype)
+    tensors = original_merged_tensors(model, cfg) if from_original else merged_tensors(model)
+    for name, tensor in tensors:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise UserError(f"the merged {name} has NaN/inf values; the adapter is broken (check the run's loss)")
+        writer.add(name, tensor)
+    files = writer.close()
+    export.write_config(model, partial, out_dtype, writer.names)
+    return writer, files
+
+
+def _merge_into(
+    partial: Path,
+    run_dir: Path,
+    cfg,
+    adapter_cfg: dict,
+    from_original: bool,
+    max_bytes: int,
+    prompts_file,
+    dtype: str,
+) -> dict:
+    out_dtype = torch_dtype(dtype)
+    style = run_prompt_style(run_dir, cfg)
+    tokenizer = run_tokenizer(cfg, run_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    pad_id = tokenizer.pad_token_id
+    batches, prompts_source = quality.compare_prompts(
+        cfg, tokenizer, str(prompts_file) if prompts_file else None, style
+    )
+
+    # 1. The stack the run trained, in fp32: reference logits (and the base alone, for scale).
+    model, ref, base_only = quality.reference_logits(cfg, run_dir, adapter_cfg, batches, pad_id)
+
+    # 2. The merged weights, streamed into shards, with config and tokenizer.
+    merge_started = time.time()
+    writer, files = _write_merged(model, cfg, partial, max_bytes, out_dtype, from_original)
+    tokenizer.save_pretrained(str(partial))
+    merge_s = time.time() - merge_started
+    base_name = model.get_base_model().config._name_or_path
+    model = None  # the 4-bit stack goes before the next model loads
+    quality.free_memory()
+
+    # 3. With --from-original: the 16-bit original base + adapter (unmerged), the merge-only reference.
+    # 4. The merged model as anyone would load it.
+    forward_dtype = quality.compare_dtype(writer.total, out_dtype)
+    logits = {"reference": ref, "base_only": base_only}
+    if from_original:
+        logits["original"] = quality.original_logits(cfg, run_dir, batches, pad_id, forward_dtype)
+    logits["merged"] = quality.merged_logits(partial, batches, pad_id, forward_dtype)
+
+    bits = QUANT_BITS.get(cfg.quant.method)
+    return {
+        "run_dir": str(run_dir),
+        "merged_into": "original 16-bit weights" if from_original else (f"dequantized {bits} base" if bits else "base"),
+        "base": base_name or cfg.model.name_or_path,
+        "quant": cfg.quant.method,
+        "peft": cfg.peft.method,
+        "dtype": dtype,
+        "files": files,
+        "total_bytes": writer.total,
+        "shard_size_bytes": max_bytes,
+        "prompt_style": style,
+        "max_new_tokens": cfg.data.max_new_tokens,
+        "compare": quality.comparison(logits, batches, prompts_source, forward_dtype, bits, from_original),
+        "merge_s": merge_s,
+    }

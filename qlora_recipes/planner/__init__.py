@@ -1,0 +1,73 @@
+"""The memory planner: does a QLoRA stack fit the devices it will run on, and what to change if not.
+
+`plan(cfg)` turns a composed config into a plan (the content of `plan.json`) for one rank: bytes
+per component and device, each device's budget, peak and headroom, the layer-to-device map the
+loader will build, and a ladder of overrides, cheapest first, that make a stack fit. It needs no
+GPU, no network and no model weights: architecture figures come from the model option file or a
+local `config.json`. The one-device path is pure arithmetic and never imports torch; only a plan
+with `offload.device_map` set builds a meta-device model to ask the loader's own device-map
+inference where each layer goes. Rooms: figures (model figures, blocks), spec (the stack as
+numbers), components (bytes per component), placement (device map, max_memory), peaks (phases and
+pressure), single (one process), sharded (one rank under FSDP / ZeRO-3), ladder, report.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .. import devices as _dev
+from .figures import model_figures
+from .ladder import ladder_rungs, offload_params_rungs
+from .peaks import ok
+from .placement import loader_max_memory
+from .report import DoesNotFit, refuse_unless_fits, render_table, write_plan
+from .sharded import SHARDED, plan_sharded
+from .single import plan_single
+from .spec import spec_from_cfg
+
+__all__ = [
+    "DoesNotFit",
+    "loader_max_memory",
+    "model_figures",
+    "plan",
+    "refuse_unless_fits",
+    "render_table",
+    "write_plan",
+]
+
+
+def plan(
+    cfg: Any,
+    gpus: list[int] | None = None,
+    host_ram: int | None = None,
+    world_size: int | None = None,
+    ladder: bool = True,
+) -> dict:
+    """Plan a composed config for one rank of `dist.strategy` on the devices it will run on.
+
+    `gpus`: total bytes of each GPU to plan for (default: this machine's GPUs, or its CPU when it
+    has none); `host_ram`: bytes (default: this machine's); `world_size`: ranks (default:
+    WORLD_SIZE, else the recipe's GPUs x nodes). A plan holds a full replica per GPU (one process,
+    DDP, ZeRO-2); under FSDP / ZeRO-3 the parameters are sharded across `world_size` ranks.
+    Returns the plan.json dict.
+    """
+    strategy = cfg.dist.strategy
+    if world_size is None:
+        env_ws = int(os.environ.get("WORLD_SIZE", "0") or 0)
+        world_size = env_ws or _dev.ranks(cfg)
+    st = spec_from_cfg(cfg, world_size)
+    hw = _dev.hardware(gpus, host_ram)
+    base = plan_single(st, hw)
+    if strategy not in SHARDED or world_size <= 1:
+        if ladder:
+            base["ladder"] = ladder_rungs(st, hw, base) if not ok(base) else []
+        base["dist"] = {"strategy": strategy, "world_size": world_size}
+        return base
+    gpus_here = len(gpus) if gpus is not None else len(_dev.detect_gpus())
+    per_node = max(1, min(world_size, gpus_here or world_size))  # ranks sharing one host's RAM
+    offload = bool(cfg.dist.offload_params)
+    result = plan_sharded(base, st, cfg.dist, world_size, per_node, offload=offload, host_ram=host_ram)
+    if ladder and not result["fits"] and not offload and strategy == "fsdp":
+        result["ladder"] = offload_params_rungs(base, st, cfg.dist, world_size, per_node, host_ram)
+    return result

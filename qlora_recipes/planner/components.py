@@ -1,0 +1,362 @@
+"""Bytes per component of a QLoRA stack, per model block and per micro-batch: quantized weights
+and their quantization state, the other parameters, buffers, adapter weights (fp32), optimizer
+state, and the activations, backward working set, logits and loss, evaluation and dequantization
+temporaries of one step. Pure arithmetic on a `StackSpec`; each figure is what the real objects
+hold (bitsandbytes `Params4bit`/`Int8Params`, peft adapters, torch/bitsandbytes optimizers, the
+tensors autograd saves), and tests/test_memory.py checks them against those objects on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ..errors import UserError
+from ..units import dtype_bytes
+from .constants import (
+    BNB_4BIT_BLOCKSIZE,
+    BNB_4BIT_CODE_ELEMENTS,
+    BNB_DQ_BLOCKSIZE,
+    BNB_DYNAMIC_CODE_ELEMENTS,
+    BNB_MIN_8BIT_SIZE,
+    BNB_OPTIM_BLOCKSIZE,
+    BNB_PAGED_MIN_ELEMENTS,
+    OPTIMIZERS,
+)
+from .figures import Block, inventory
+from .spec import StackSpec
+
+
+def should_convert(full_name: str, patterns: Iterable[str] | None) -> bool:
+    """transformers.quantizers.quantizers_utils.should_convert_module (5.x), same three rules."""
+    if patterns is None:
+        return True
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return not any(re.match(rf"(?:{key}){boundary}", full_name) or full_name.endswith(key) for key in patterns)
+
+
+def skip_patterns(st: StackSpec, blocks: tuple[Block, ...]) -> list[str]:
+    """What transformers keeps unquantized: the given skip list, else the output embeddings (and tied)."""
+    if st.skip_modules:
+        return list(st.skip_modules)
+    skip = ["lm_head"]
+    for b in blocks:
+        if b.tied_to:
+            skip += [b.name, b.tied_to]
+    return skip
+
+
+def quantized_linear_bytes(
+    numel: int, out_features: int, method: str, double_quant: bool, storage_bytes: int = 1
+) -> tuple[int, int]:
+    """(bytes of the weight tensor, bytes of its quantization state) for one bitsandbytes linear:
+    exactly what `Params4bit`/`Int8Params` hold (tests/test_memory.py checks it).
+
+    NF4/FP4: the packed data ((n+1)//2 bytes) plus its QuantState: fp32 absmax per 64-block, or
+    with double quantization a uint8 absmax per block + fp32 absmax per 256 of those + the fp32
+    offset + the 256-entry fp32 code of the second level; + the 16-entry fp32 code. With double
+    quantization that is 0.5159 B/param, 0.5625 without (QLoRA paper, section 3: 0.127 bits/param
+    of overhead with DQ). int8: n bytes + fp32 SCB per output row.
+    """
+    if method in ("nf4", "fp4"):
+        mod = storage_bytes * 2
+        data = ((numel + 1) // mod) * storage_bytes
+        blocks = -(-numel // BNB_4BIT_BLOCKSIZE)
+        code = BNB_4BIT_CODE_ELEMENTS * 4
+        if double_quant:
+            # uint8 absmax, fp32 absmax of the absmax per 256, fp32 offset, fp32 code of the 2nd level
+            state = blocks + 4 * -(-blocks // BNB_DQ_BLOCKSIZE) + 4 + 4 * BNB_DYNAMIC_CODE_ELEMENTS + code
+        else:
+            state = 4 * blocks + code
+        return data, state
+    if method == "int8":
+        return numel, 4 * out_features  # int8 weight + fp32 SCB per output row
+    raise ValueError(method)
+
+
+def _lora_targets(st: StackSpec, blocks: tuple[Block, ...]) -> tuple[set[str], set[str]]:
+    """(targeted linear names, targeted embedding names), following peft's matching rules."""
+    linear_names = [lin.name for b in blocks for lin in b.linears]
+    embed_names = [e[0] for b in blocks for e in b.embeddings]
+    tm = st.target_modules
+    if isinstance(tm, str) and tm == "all-linear":
+        # peft: every linear except the output layer (lm_head)
+        return {n for n in linear_names if n != "lm_head"}, set()
+
+    def match(name: str) -> bool:
+        if isinstance(tm, str):
+            return re.fullmatch(tm, name) is not None
+        return any(name == t or name.endswith("." + t) for t in tm)
+
+    lin, emb = {n for n in linear_names if match(n)}, {n for n in embed_names if match(n)}
+    if not lin and not emb:
+        raise UserError(
+            f"peft.target_modules={tm!r} matches no module of {st.fig.architecture} "
+            "(names like q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj); fix the list or use all-linear"
+        )
+    return lin, emb
+
+
+@dataclass
+class BlockBytes:
+    """Static bytes and element counts of one block.
+
+    quant_data/quant_state: its bitsandbytes Linear4bit / Linear8bitLt weights (quantized_linear_bytes).
+    other: embeddings, norms, biases, lm_head and any linear left unquantized, at the dtype they have
+    after `prepare_model_for_kbit_training` (it casts fp16/bf16 params that are not Params4bit to
+    fp32; peft/utils/other.py); without quantization they keep the precision dtype.
+    buffers: rotary inv_freq tables and the like (counted by `get_memory_footprint`).
+    lora_tensors: r*(in+out) per targeted linear (+ out for DoRA's magnitude), kept in fp32 (peft
+    upcasts adapters: autocast_adapter_dtype=True); r*(V+h) per targeted embedding; modules_to_save
+    copies.
+    """
+
+    quant_data: int = 0
+    quant_state: int = 0
+    other: int = 0  # after prepare_model_for_kbit_training
+    other_at_load: int = 0
+    buffers: int = 0
+    params_total: int = 0
+    params_quantized: int = 0
+    lora_numel: int = 0
+    lora_tensors: list = field(default_factory=list)  # shapes of trainable tensors
+    max_dequant: int = 0  # elements of the largest quantized weight
+    max_dora: int = 0  # bytes of DoRA's weight-norm temporaries for the largest adapted linear
+    lora_in: int = 0  # sum of in_features of adapted linears (dropout copies)
+    dora_out: int = 0  # sum of out_features of DoRA-adapted linears
+    dora_in: int = 0  # sum of in_features of DoRA-adapted linears
+    dora_weight: int = 0  # sum of out*in of DoRA-adapted linears
+    placed_bytes: int = 0  # what the loader counts when placing (quantized at 0.5/1 byte/elem)
+
+
+def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
+    """Every block of the model with its static bytes under this stack."""
+    blocks = inventory(st.fig)
+    load = dtype_bytes(st.dtype)
+    # prepare_model_for_kbit_training upcasts fp16/bf16 non-quantized params to fp32 (quantized models only)
+    after = 4 if st.quantized else load
+    patterns = skip_patterns(st, blocks)
+    lora_lin, lora_emb = _lora_targets(st, blocks)
+    mts = st.modules_to_save
+    out = []
+    for blk in blocks:
+        bb = BlockBytes()
+        for lin in blk.linears:
+            n = lin.numel
+            bb.params_total += n + (lin.out_features if lin.bias else 0)
+            if st.quantized and should_convert(lin.name, patterns):
+                data, state = quantized_linear_bytes(
+                    n, lin.out_features, st.quant, st.double_quant, st.quant_storage_bytes
+                )
+                bb.quant_data += data
+                bb.quant_state += state
+                bb.params_quantized += n
+                bb.max_dequant = max(bb.max_dequant, n)
+                bb.placed_bytes += int(n * (0.5 if st.quant in ("nf4", "fp4") else 1))
+            else:
+                bb.other += n * after
+                bb.other_at_load += n * load
+                bb.placed_bytes += n * load
+            if lin.bias:
+                bb.other += lin.out_features * after
+                bb.other_at_load += lin.out_features * load
+                bb.placed_bytes += lin.out_features * load
+            if lin.name in lora_lin:
+                r = st.r
+                bb.lora_tensors += [(r, lin.in_features), (lin.out_features, r)]
+                bb.lora_in += lin.in_features
+                if st.peft == "dora":
+                    bb.lora_tensors.append((lin.out_features,))
+                    bb.dora_out += lin.out_features
+                    bb.dora_in += lin.in_features
+                    bb.dora_weight += lin.numel
+                    # eye(in) fp32, lora weight in x out fp32, dequantized weight (c), W + s*BA and s*BA fp32
+                    bb.max_dora = max(bb.max_dora, 4 * lin.in_features**2 + lin.numel * (load + 12))
+        bias_names = {f"{lin.name}.bias" for lin in blk.linears}
+        for pname, numel in blk.params:
+            if pname in bias_names:
+                continue
+            bb.params_total += numel
+            bb.other += numel * after
+            bb.other_at_load += numel * load
+            bb.placed_bytes += numel * load
+        for _, numel, size in blk.buffers:
+            bb.buffers += numel * (size or load)
+            bb.placed_bytes += numel * (size or load)
+        for ename, num, dim in blk.embeddings:
+            if ename in lora_emb:
+                bb.lora_tensors += [(st.r, num), (dim, st.r)]
+                if st.peft == "dora":
+                    bb.lora_tensors.append((dim,))
+        if mts and any(blk.name == m or blk.name.endswith("." + m) for m in mts):
+            for _, numel in blk.params:
+                bb.lora_tensors.append((numel,))
+            for lin in blk.linears:
+                bb.lora_tensors.append((lin.out_features, lin.in_features))
+                if lin.bias:
+                    bb.lora_tensors.append((lin.out_features,))
+        bb.lora_numel = sum(math.prod(s) for s in bb.lora_tensors)
+        out.append((blk, bb))
+    return out
+
+
+def optimizer_bytes(optim: str, shapes: Iterable[tuple[int, ...]]) -> tuple[int, int]:
+    """(state bytes, of which paged) the optimizer holds for these trainable tensors after a step.
+
+    torch AdamW: exp_avg + exp_avg_sq fp32 + a 4-byte step. bnb 8-bit AdamW (adamw_bnb_8bit,
+    paged_adamw_8bit): uint8 state1/state2 + fp32 absmax per 256 for tensors of >= 4096 elements
+    (`min_8bit_size`), fp32 states below that. bnb 32-bit: 8 bytes/element. transformers Adafactor
+    (beta1=None): factored second moment, rows + columns for matrices, full for vectors, + a 4-byte
+    RMS per tensor. Paged optimizers allocate tensors of >= 1e5 elements in CUDA managed memory
+    that can spill to host RAM; they are counted on the GPU.
+    """
+    kind = OPTIMIZERS[optim]
+    total = paged = 0
+    for shape in shapes:
+        n = math.prod(shape)
+        pageable = 0
+        if kind in ("adam32_torch", "adam32_torch_fused"):
+            b = 8 * n + 4  # exp_avg, exp_avg_sq (fp32) and the fp32 `step` tensor
+        elif kind in ("adam8_bnb", "adam8_bnb_paged"):
+            if n >= BNB_MIN_8BIT_SIZE:  # uint8 state1/state2 + fp32 absmax1/absmax2 per 256-block
+                pageable = 2 * n
+                b = pageable + 2 * 4 * -(-n // BNB_OPTIM_BLOCKSIZE)
+            else:  # bitsandbytes keeps small tensors' state in fp32
+                b = pageable = 8 * n
+        elif kind == "adam32_bnb_paged":
+            b = pageable = 8 * n
+        elif kind == "adafactor":  # exp_avg_sq_row + exp_avg_sq_col (or exp_avg_sq for vectors) + RMS
+            if len(shape) >= 2:
+                b = 4 * (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) + 4
+            else:
+                b = 4 * n + 4
+        else:  # sgd without momentum
+            b = 0
+        total += b
+        if kind.endswith("_paged") and n >= BNB_PAGED_MIN_ELEMENTS:
+            paged += pageable
+    return total, paged
+
+
+def optimizer_shared_bytes(optim: str) -> int:
+    # bnb 8-bit optimizers share one signed and one unsigned 256-entry fp32 qmap per device
+    return 2 * 4 * BNB_DYNAMIC_CODE_ELEMENTS if OPTIMIZERS[optim] in ("adam8_bnb", "adam8_bnb_paged") else 0
+
+
+def eager(st: StackSpec) -> bool:
+    # Gemma 2's attention-logit soft-capping has no SDPA path: transformers runs it eagerly.
+    return st.attn == "eager" or st.fig.architecture == "gemma2"
+
+
+def act_dtypes(st: StackSpec, on_cpu: bool) -> tuple[int, int, int]:
+    """(c, r, mask): compute dtype bytes; bytes of the residual stream and of the quantized
+    linears' outputs; bytes per element of a LoRA dropout mask.
+
+    prepare_model_for_kbit_training leaves embeddings and norm weights in fp32, so in a quantized
+    model the hidden states are fp32 end to end (bitsandbytes linears return their input's dtype);
+    without quantization they stay in the precision dtype. On CUDA dropout keeps a bool mask; on
+    CPU peft upcasts the LoRA input to fp32 (CUDA autocast is off) and dropout keeps an fp32 noise.
+    """
+    c = st.act_bytes
+    r = 4 if st.quantized else c
+    return c, r, (4 if on_cpu else 1)
+
+
+def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = False) -> int:
+    """Bytes one decoder layer keeps for backward (no checkpointing), micro-batch b, T = b*s tokens.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
+    Eq. 1: a 16-bit GPT layer keeps s*b*h*(34 + 5*a*s/h) bytes. The same accounting, term by term,
+    for a Llama-family QLoRA layer as autograd runs it (c compute, r residual bytes, see act_dtypes):
+      RMSNorms: fp32 input + rsqrt                          (4h + 4) per norm (2; Gemma 2: 4)
+      attention, SDPA: Q, K, V as cast for the kernel (K/V repeated to all heads when a padding
+        mask stops SDPA's native GQA), the output, the fp32 log-sum-exp
+                                                            c*(2*a*d + 2*kv*d) + 4a
+        eager instead: Q and the repeated K, V; and Korthikanti's 5*a*s/h term without dropout:
+        the fp32 softmax and its c-byte cast (+ the tanh output of Gemma 2's soft-capping)
+                                                            3c*a*d + b*a*s^2*(4 + c [+ c]) / T
+      gated MLP: gate and up outputs, act(gate)             3*r*f
+        (bitsandbytes linears save no input: bnb 0.50 MatMul4Bit keeps only the packed weight)
+      LoRA, per adapted linear: the c-byte input of lora_A (autocast cast) + dropout mask
+                                                            (c + mask) * in  (mask 0 without dropout)
+      LoRA weights cast to c for autocast, kept by each matmul      c * adapter elements (c < 4)
+      DoRA: base and LoRA results kept for the magnitude    2c*out
+        and with dropout, F.linear(dropout(x), dequantized W) keeps its input and W
+                                                            c*in + c*out*in / T
+    Frozen 4-bit linears keep no inputs (Korthikanti's 2sbh terms), but the fp32 residual stream and
+    MLP outputs and the LoRA input copies make a QLoRA layer keep about twice 34*s*b*h (Llama-2-7B,
+    s=2048: 74*s*b*h). tests/test_memory.py checks the tally against what autograd keeps on CPU.
+    """
+    fig, s = st.fig, st.seq_len
+    c, r, mask = act_dtypes(st, on_cpu)
+    h, f, a, d = fig.hidden_size, fig.intermediate_size, fig.num_heads, fig.head_dim
+    qd, kvd = a * d, fig.num_kv_heads * d
+    norms = 4 if fig.architecture == "gemma2" else 2
+    per_token = norms * (4 * h + 4) + 3 * r * f
+    if eager(st):
+        per_token += 3 * c * qd
+    else:
+        kv_saved = 2 * qd if fig.num_kv_heads < a and b > 1 else 2 * kvd
+        per_token += c * (2 * qd + kv_saved) + 4 * a
+    per_token += (c + (mask if st.lora_dropout > 0 else 0)) * bb.lora_in
+    per_token += 2 * c * bb.dora_out
+    total = b * s * per_token
+    if c < 4:
+        total += c * sum(math.prod(t) for t in bb.lora_tensors)
+    if bb.dora_out and st.lora_dropout > 0:
+        # DoRA with dropout recomputes the base output as F.linear(dropout(x), dequantized W):
+        # that matmul keeps the c-byte input and the whole dequantized weight of each linear
+        total += b * s * c * bb.dora_in + c * bb.dora_weight
+    if eager(st):
+        total += b * a * s * s * (4 + c + (c if fig.architecture == "gemma2" else 0))
+    return total
+
+
+def backward_working_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
+    """Gradient buffers alive while one layer runs backward: hidden-state and MLP gradients."""
+    fig, s = st.fig, st.seq_len
+    _, r, _ = act_dtypes(st, on_cpu)
+    w = b * s * r * (2 * fig.hidden_size + 2 * fig.intermediate_size)
+    if eager(st):
+        w += b * fig.num_heads * s * s * 4  # fp32 gradient of the softmax
+    return w
+
+
+def shared_per_device_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
+    """RoPE cos/sin (shared by the batch, in the residual dtype) and the attention mask every layer
+    reads (none for SDPA without padding at b=1)."""
+    fig, s = st.fig, st.seq_len
+    c, r, _ = act_dtypes(st, on_cpu)
+    rope = 2 * s * fig.head_dim * r
+    if eager(st):
+        mask = b * s * s * c
+    else:
+        mask = b * s * s if b > 1 else 0
+    return rope + mask
+
+
+def logits_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
+    """Around the loss, T*V*(c + 8) and a little: c-byte logits (kept in the model output), their
+    fp32 upcast and fp32 log-softmax kept for backward (transformers ForCausalLMLoss; no fused or
+    chunked loss is counted), the final norm's fp32 input, the lm_head input cast and, for an fp32
+    lm_head under autocast, its c-byte weight copy."""
+    fig = st.fig
+    c, r, _ = act_dtypes(st, on_cpu)
+    per = c + 8 + (2 * c if fig.architecture == "gemma2" else 0)  # Gemma 2 final-logit soft-capping
+    total = b * st.seq_len * (fig.vocab_size * per + (4 + 4) * fig.hidden_size + (c if r != c else 0) * fig.hidden_size)
+    if st.quantized and c < 4:
+        total += c * fig.vocab_size * fig.hidden_size  # prepare_model_for_kbit_training made lm_head fp32
+    return total
+
+
+def eval_layer_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
+    """One layer's forward without grad: residual, normed input, Q/K/V/out, gate/up/act."""
+    fig, s = st.fig, st.seq_len
+    c, r, _ = act_dtypes(st, on_cpu)
+    h, f, a, d = fig.hidden_size, fig.intermediate_size, fig.num_heads, fig.head_dim
+    w = b * s * (2 * r * h + 4 * h + c * (4 * a * d) + 3 * r * f)
+    if eager(st):
+        w += b * a * s * s * (4 + c)
+    return w

@@ -1,0 +1,54 @@
+"""The planner's documented constants and the choices it knows: measured or sourced byte figures
+(CUDA context, process baseline, allocator slack, bitsandbytes block sizes) and the names of the
+architectures, quantization and PEFT methods, device-map strategies and optimizers it can plan.
+"""
+
+from __future__ import annotations
+
+from ..units import GiB
+
+# CUDA context of a process that imports torch, bitsandbytes and runs cuBLAS/flash kernels: the
+# driver context with lazy module loading (CUDA >= 11.7) is 0.3-0.6 GiB on A100/H100, cuBLAS and
+# cuBLASLt workspaces up to 32 MiB per handle on Hopper, plus the kernel images of bitsandbytes and
+# the attention kernels that get loaded. Not visible to torch.cuda.memory_allocated(); nvidia-smi
+# shows it. 1 GiB is the round, slightly conservative figure.
+CUDA_CONTEXT_BYTES = 1 * GiB
+# RSS of the training process before any model: python + torch + transformers + peft + trl +
+# bitsandbytes imported measured 0.51 GiB here (2-core CPU box, torch 2.13); + tokenizer and data.
+CPU_PROCESS_BASELINE_BYTES = int(0.6 * GiB)
+# Caching allocator (torch CUDA allocator; glibc malloc on CPU): long-lived tensors waste little
+# (512-byte rounding, 2 MiB / 20 MiB segments); the per-step tensors of varying size fragment
+# segments. Rules of thumb: 1 % of static bytes, 15 % of the dynamic (per-step) bytes.
+ALLOCATOR_STATIC_FRACTION = 0.01
+ALLOCATOR_DYNAMIC_FRACTION = 0.15
+# The ladder aims for at least this much headroom on every device; a plan with less gets one.
+HEADROOM_TARGET = 0.05
+# bitsandbytes constants (bitsandbytes/functional.py, optim/optimizer.py, 0.50).
+BNB_4BIT_BLOCKSIZE = 64
+BNB_DQ_BLOCKSIZE = 256
+BNB_4BIT_CODE_ELEMENTS = 16
+BNB_DYNAMIC_CODE_ELEMENTS = 256
+BNB_MIN_8BIT_SIZE = 4096
+BNB_OPTIM_BLOCKSIZE = 256
+BNB_PAGED_MIN_ELEMENTS = 100_000
+# transformers' bnb quantizers shrink max_memory by 10 % before placing layers (adjust_max_memory).
+BNB_MAX_MEMORY_FACTOR = 0.90
+
+KNOWN_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma2")
+QUANT_METHODS = ("nf4", "fp4", "int8", "none")
+PEFT_METHODS = ("lora", "dora", "rslora")
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+
+# transformers `optim` strings -> how the optimizer keeps state.
+OPTIMIZERS = {
+    "adamw_torch": "adam32_torch",
+    "adamw_torch_fused": "adam32_torch_fused",
+    "adamw_bnb_8bit": "adam8_bnb",
+    "adamw_8bit": "adam8_bnb",
+    "paged_adamw_8bit": "adam8_bnb_paged",
+    "paged_adamw_32bit": "adam32_bnb_paged",
+    "paged_adamw": "adam32_bnb_paged",
+    "adafactor": "adafactor",
+    "sgd": "sgd",
+}

@@ -1,0 +1,329 @@
+"""Model figures and the parameter inventory: the architecture numbers of `cfg.model` (from its
+conf/model option or a local `config.json`), the blocks the loader places (decoder layers,
+embeddings, norms, lm_head) with their linears, and, for device maps and unknown families, the
+model on the meta device as from_pretrained builds it (torch + transformers + accelerate, ~5 s to
+import; the known families are inventoried analytically without importing torch).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserError
+from ..units import cfg_get, torch_dtype
+from .constants import KNOWN_ARCHITECTURES
+
+
+@dataclass(frozen=True)
+class Figures:
+    """The architecture numbers the planner sizes everything from."""
+
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    max_position_embeddings: int = 4096
+    source: str = "conf/model"
+    config_dir: str | None = None  # a local dir with config.json (used for the meta model)
+    trust_remote_code: bool = False
+
+
+_FIGURE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
+
+
+def _arch_biases(arch: str, cfg_json: Mapping[str, Any] | None = None) -> tuple[bool, bool, bool]:
+    cj = cfg_json or {}
+    if arch == "qwen2":
+        return True, False, False
+    if arch in ("llama", "gemma2"):
+        ab = bool(cj.get("attention_bias", False))
+        return ab, ab, bool(cj.get("mlp_bias", False))
+    return False, False, False
+
+
+def model_figures(model_cfg: Any) -> Figures:
+    """Figures of cfg.model: from `<name_or_path>/config.json` if that is a local dir, else the yaml."""
+    name = cfg_get(model_cfg, "name_or_path")
+    trust = bool(cfg_get(model_cfg, "trust_remote_code", False))
+    if name and Path(str(name)).expanduser().is_dir() and (Path(str(name)).expanduser() / "config.json").is_file():
+        return _figures_from_config_json(Path(str(name)).expanduser(), trust)
+    missing = [k for k in _FIGURE_FIELDS if cfg_get(model_cfg, k) is None]
+    if missing:
+        raise UserError(
+            f"model {name or '<unnamed>'!s}: no architecture figures ({', '.join('model.' + k for k in missing)} "
+            "unset) and no local config.json; pick a conf/model option, add one with the figures, "
+            "or point model.name_or_path at a local model dir"
+        )
+    arch = str(cfg_get(model_cfg, "architecture", "llama")).lower()
+    heads = int(cfg_get(model_cfg, "num_heads"))
+    hidden = int(cfg_get(model_cfg, "hidden_size"))
+    head_dim = cfg_get(model_cfg, "head_dim")
+    qkv_bias, o_bias, mlp_bias = _arch_biases(arch)
+    fig = Figures(
+        architecture=arch,
+        hidden_size=hidden,
+        num_layers=int(cfg_get(model_cfg, "num_layers")),
+        num_heads=heads,
+        num_kv_heads=int(cfg_get(model_cfg, "num_kv_heads")),
+        head_dim=int(head_dim) if head_dim else (hidden // heads if heads else 0),
+        intermediate_size=int(cfg_get(model_cfg, "intermediate_size")),
+        vocab_size=int(cfg_get(model_cfg, "vocab_size")),
+        tie_embeddings=bool(cfg_get(model_cfg, "tie_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
+        max_position_embeddings=int(cfg_get(model_cfg, "max_position_embeddings", 4096) or 4096),
+        source="conf/model",
+        trust_remote_code=trust,
+    )
+    _check_figures(fig, f"model {name}")
+    return fig
+
+
+def _figures_from_config_json(path: Path, trust: bool) -> Figures:
+    try:
+        cj = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path / 'config.json'}: cannot read it ({e}); fix or remove the file") from None
+    if "text_config" in cj and "hidden_size" not in cj:
+        cj = {**cj["text_config"], "model_type": cj["text_config"].get("model_type", cj.get("model_type"))}
+    arch = str(cj.get("model_type", "")).lower()
+    hidden = cj.get("hidden_size", cj.get("n_embd"))
+    layers = cj.get("num_hidden_layers", cj.get("n_layer"))
+    heads = cj.get("num_attention_heads", cj.get("n_head"))
+    inter = cj.get("intermediate_size", cj.get("n_inner"))
+    vocab = cj.get("vocab_size")
+    missing = [
+        k
+        for k, v in [
+            ("hidden_size", hidden),
+            ("num_hidden_layers", layers),
+            ("num_attention_heads", heads),
+            ("intermediate_size", inter),
+            ("vocab_size", vocab),
+        ]
+        if v is None
+    ]
+    if missing or not arch:
+        raise UserError(
+            f"{path / 'config.json'}: lacks {', '.join(missing) or 'model_type'}; the planner needs them "
+            "(or a conf/model option with the figures)"
+        )
+    kv = cj.get("num_key_value_heads") or heads
+    head_dim = cj.get("head_dim") or hidden // heads
+    # Per-class defaults of tie_word_embeddings when config.json leaves it out.
+    tie_default = arch not in ("llama", "mistral", "qwen2")
+    qkv_bias, o_bias, mlp_bias = _arch_biases(arch, cj)
+    fig = Figures(
+        architecture=arch,
+        hidden_size=int(hidden),
+        num_layers=int(layers),
+        num_heads=int(heads),
+        num_kv_heads=int(kv),
+        head_dim=int(head_dim),
+        intermediate_size=int(inter),
+        vocab_size=int(vocab),
+        tie_embeddings=bool(cj.get("tie_word_embeddings", tie_default)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
+        max_position_embeddings=int(cj.get("max_position_embeddings", 4096) or 4096),
+        source=str(path / "config.json"),
+        config_dir=str(path),
+        trust_remote_code=trust,
+    )
+    _check_figures(fig, str(path / "config.json"))
+    return fig
+
+
+def _check_figures(fig: Figures, where: str) -> None:
+    for k in _FIGURE_FIELDS + ("head_dim",):
+        v = getattr(fig, k)
+        if not isinstance(v, int) or v <= 0:
+            raise UserError(f"{where}: {k}={v!r} must be a positive integer")
+    if fig.num_heads % fig.num_kv_heads:
+        raise UserError(f"{where}: num_heads={fig.num_heads} is not a multiple of num_kv_heads={fig.num_kv_heads}")
+
+
+@dataclass(frozen=True)
+class Linear:
+    name: str  # full module name, e.g. model.layers.3.self_attn.q_proj
+    in_features: int
+    out_features: int
+    bias: bool
+
+    @property
+    def numel(self) -> int:
+        return self.in_features * self.out_features
+
+
+@dataclass(frozen=True)
+class Block:
+    """A module the loader places as a whole: a decoder layer, the embeddings, a norm, lm_head."""
+
+    name: str
+    linears: tuple[Linear, ...] = ()
+    params: tuple[tuple[str, int], ...] = ()  # non-linear params: (full name, numel)
+    buffers: tuple[tuple[str, int, int], ...] = ()  # (full name, numel, bytes/elem; 0 = load dtype)
+    embeddings: tuple[tuple[str, int, int], ...] = ()  # (module name, num_embeddings, dim)
+    is_layer: bool = False
+    tied_to: str | None = None  # lm_head of a tied model: its weight is the embedding's
+
+
+def inventory(fig: Figures) -> tuple[Block, ...]:
+    """The blocks of the model: analytic for the known families, from a meta model otherwise."""
+    if fig.architecture in KNOWN_ARCHITECTURES:
+        return _analytic_inventory(fig)
+    return _meta_inventory(fig)
+
+
+@functools.lru_cache(maxsize=32)
+def _analytic_inventory(fig: Figures) -> tuple[Block, ...]:
+    h, f, d = fig.hidden_size, fig.intermediate_size, fig.head_dim
+    qd, kvd = fig.num_heads * d, fig.num_kv_heads * d
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if fig.architecture == "gemma2":
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    blocks: list[Block] = []
+    embed_buffers: tuple = ()
+    if fig.architecture == "gemma2":
+        embed_buffers = (("model.embed_tokens.embed_scale", 1, 0),)  # 0-dim, in the load dtype
+    blocks.append(
+        Block(
+            "model.embed_tokens",
+            params=(("model.embed_tokens.weight", fig.vocab_size * h),),
+            buffers=embed_buffers,
+            embeddings=(("model.embed_tokens", fig.vocab_size, h),),
+        )
+    )
+    for i in range(fig.num_layers):
+        p = f"model.layers.{i}"
+        linears = (
+            Linear(f"{p}.self_attn.q_proj", h, qd, fig.qkv_bias),
+            Linear(f"{p}.self_attn.k_proj", h, kvd, fig.qkv_bias),
+            Linear(f"{p}.self_attn.v_proj", h, kvd, fig.qkv_bias),
+            Linear(f"{p}.self_attn.o_proj", qd, h, fig.o_bias),
+            Linear(f"{p}.mlp.gate_proj", h, f, fig.mlp_bias),
+            Linear(f"{p}.mlp.up_proj", h, f, fig.mlp_bias),
+            Linear(f"{p}.mlp.down_proj", f, h, fig.mlp_bias),
+        )
+        blocks.append(Block(p, linears=linears, params=tuple((f"{p}.{n}.weight", h) for n in norms), is_layer=True))
+    blocks.append(Block("model.norm", params=(("model.norm.weight", h),)))
+    half = d // 2
+    blocks.append(
+        Block(
+            "model.rotary_emb",
+            buffers=(("model.rotary_emb.inv_freq", half, 4), ("model.rotary_emb.original_inv_freq", half, 4)),
+        )
+    )
+    if fig.tie_embeddings:
+        blocks.append(Block("lm_head", tied_to="model.embed_tokens"))
+    else:
+        blocks.append(Block("lm_head", linears=(Linear("lm_head", h, fig.vocab_size, False),)))
+    return tuple(blocks)
+
+
+def _hf_config(fig: Figures):
+    from transformers import AutoConfig
+
+    try:
+        if fig.config_dir:
+            return AutoConfig.from_pretrained(fig.config_dir, trust_remote_code=fig.trust_remote_code)
+        kwargs = dict(
+            hidden_size=fig.hidden_size,
+            num_hidden_layers=fig.num_layers,
+            num_attention_heads=fig.num_heads,
+            num_key_value_heads=fig.num_kv_heads,
+            intermediate_size=fig.intermediate_size,
+            vocab_size=fig.vocab_size,
+            tie_word_embeddings=fig.tie_embeddings,
+            max_position_embeddings=fig.max_position_embeddings,
+            head_dim=fig.head_dim,
+        )
+        return AutoConfig.for_model(fig.architecture, **kwargs)
+    except (ValueError, KeyError, OSError) as e:
+        raise UserError(
+            f"model.architecture={fig.architecture!r}: transformers cannot build it ({str(e).splitlines()[0]}); "
+            f"use one of {', '.join(KNOWN_ARCHITECTURES)} or a local dir with config.json"
+        ) from None
+
+
+@functools.lru_cache(maxsize=4)
+def meta_model(fig: Figures, dtype: str):
+    """The model on the meta device, as from_pretrained builds it before loading (no weights)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # pragma: no cover - older transformers
+        from transformers.modeling_utils import no_init_weights
+    config = _hf_config(fig)
+    with init_empty_weights(), no_init_weights():
+        return AutoModelForCausalLM.from_config(
+            config, dtype=torch_dtype(dtype), trust_remote_code=fig.trust_remote_code
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_inventory(fig: Figures) -> tuple[Block, ...]:
+    import torch
+
+    model = meta_model(fig, "bfloat16")
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    tied = dict(getattr(model, "all_tied_weights_keys", {}) or {})
+    blocks: list[Block] = []
+
+    def visit(name: str, module) -> None:
+        children = list(module.named_children())
+        if module.__class__.__name__ in no_split or not children or list(module.named_parameters(recurse=False)):
+            blocks.append(_block_from_module(name, module, tied, module.__class__.__name__ in no_split, torch))
+            return
+        for child, sub in children:
+            visit(f"{name}.{child}" if name else child, sub)
+
+    visit("", model)
+    return tuple(blocks)
+
+
+def _block_from_module(name: str, module, tied: dict, is_layer: bool, torch) -> Block:
+    prefix = f"{name}." if name else ""
+    linears, params, buffers, embeddings = [], [], [], []
+    linear_params = set()
+    for sub_name, sub in module.named_modules():
+        full = prefix + sub_name if sub_name else name
+        if isinstance(sub, torch.nn.Linear):
+            linears.append(Linear(full, sub.in_features, sub.out_features, sub.bias is not None))
+            linear_params.add(f"{full}.weight")
+            if sub.bias is not None:
+                params.append((f"{full}.bias", sub.bias.numel()))
+                linear_params.add(f"{full}.bias")
+        elif isinstance(sub, torch.nn.Embedding):
+            embeddings.append((full, sub.num_embeddings, sub.embedding_dim))
+    for pname, p in module.named_parameters():
+        full = prefix + pname
+        if full in linear_params:
+            continue
+        params.append((full, p.numel()))
+    for bname, b in module.named_buffers():
+        size = 0 if b.is_floating_point() and b.dtype != torch.float32 else b.element_size()
+        buffers.append((prefix + bname, b.numel(), size))
+    tied_to = None
+    if f"{name}.weight" in tied:
+        tied_to = tied[f"{name}.weight"].rsplit(".", 1)[0]
+        linears = []
+        params = [p for p in params if p[0] != f"{name}.weight"]
+    return Block(name, tuple(linears), tuple(params), tuple(buffers), tuple(embeddings), is_layer, tied_to)

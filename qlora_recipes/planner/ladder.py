@@ -1,0 +1,239 @@
+"""The OOM ladder: when a plan leaves less than HEADROOM_TARGET headroom on a device, cumulative
+overrides, cheapest first (eval batch, micro-batch, checkpointing, 8-bit optimizer, sequence
+length, rank, then CPU and disk offload), each re-planned, with the Hydra overrides that make the
+stack fit and what each costs in speed or quality; for an FSDP plan, offloading the shards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+from .. import devices as _dev
+from ..errors import UserError
+from ..units import GiB
+from .constants import DEVICE_MAP_STRATEGIES, HEADROOM_TARGET, OPTIMIZERS
+from .peaks import device_peak, ok, pressure, worst_device
+from .sharded import plan_sharded
+from .single import plan_single
+from .spec import StackSpec
+
+COSTS = {
+    "eval_batch": ("none", "evaluation runs in smaller batches"),
+    "micro_batch": ("small", "same effective batch; lower GPU utilisation, ~5-20 % slower"),
+    "checkpointing": ("moderate", "recomputes each layer's forward in backward, ~20-35 % slower"),
+    "optimizer": ("none", "8-bit paged AdamW: same speed, no quality loss (QLoRA paper)"),
+    "seq_len": ("quality", "examples longer than the new length are truncated"),
+    "rank": ("quality", "fewer adapter parameters"),
+    "cpu_offload": ("large", "offloaded layers cross PCIe every step: several times slower"),
+    "disk_offload": ("severe", "offloaded layers are read from disk every step: 10x or more slower"),
+}
+LADDER_ORDER = ("micro_batch", "checkpointing", "optimizer", "seq_len", "rank", "cpu_offload", "disk_offload")
+
+
+def _candidates(kind: str, st: StackSpec, hw: _dev.Hardware, plan: dict) -> list[tuple[StackSpec, dict[str, Any]]]:
+    """Changes of one kind, mildest first, each as (new spec, override key -> value)."""
+    out: list[tuple[StackSpec, dict[str, Any]]] = []
+    if kind == "eval_batch":
+        e = st.eval_batch // 2
+        while st.evaluates and e >= 1:
+            out.append((replace(st, eval_batch=e), {"trainer.eval_batch_size": e}))
+            e //= 2
+    elif kind == "micro_batch":
+        total = st.micro_batch * st.grad_accum
+        for m in range(st.micro_batch - 1, 0, -1):
+            if total % m == 0:
+                out.append(
+                    (
+                        replace(st, micro_batch=m, grad_accum=total // m),
+                        {"trainer.micro_batch_size": m, "trainer.grad_accum": total // m},
+                    )
+                )
+    elif kind == "checkpointing":
+        if not st.checkpointing:
+            out.append((replace(st, checkpointing=True), {"trainer.gradient_checkpointing": "true"}))
+    elif kind == "optimizer":
+        if OPTIMIZERS[st.optim] in ("adam32_torch", "adam32_torch_fused", "adam32_bnb_paged"):
+            if hw.has_gpu and st.device_map != "cpu":
+                out.append((replace(st, optim="paged_adamw_8bit"), {"optim": "paged8bit"}))
+            else:
+                out.append((replace(st, optim="adamw_bnb_8bit"), {"optim": "adamw8bit"}))
+    elif kind == "seq_len":
+        s = st.seq_len // 2
+        while s >= 128:
+            out.append((replace(st, seq_len=s), {"trainer.seq_len": s}))
+            s //= 2
+    elif kind == "rank":
+        r = st.r // 2
+        while r >= 4:
+            ratio = r / st.r
+            alpha = st.alpha * (math.sqrt(ratio) if st.peft == "rslora" else ratio)
+            alpha_v = int(alpha) if float(alpha).is_integer() else round(alpha, 4)
+            out.append((replace(st, r=r, alpha=alpha), {"peft.r": r, "peft.alpha": alpha_v}))
+            r //= 2
+    return out
+
+
+def _offloaded(st: StackSpec, option: str, gpu: str | None, cpu: str) -> tuple[StackSpec, dict[str, Any]]:
+    """The spec with layers offloaded (device_map auto) under these budgets, and its overrides."""
+    mm = dict(st.max_memory) if st.device_map in DEVICE_MAP_STRATEGIES else {}
+    ov: dict[str, Any] = {}
+    if st.offload_option != option and not (option == "cpu" and st.offload_option == "disk"):
+        ov["offload"] = option  # conf/offload/{cpu,disk}.yaml: device_map auto, gpu and cpu budgets auto
+        mm = {"gpu": "auto", "cpu": "auto"}
+    present = set(mm)
+    changes: dict[str, str] = {}
+    if gpu is not None:
+        for k in [k for k in mm if k.isdigit()] + ["gpu"]:
+            changes[k] = gpu  # an explicit per-GPU budget would win over "gpu"
+    if cpu != "auto" or "cpu" not in mm:
+        changes["cpu"] = cpu
+    for k, v in changes.items():
+        mm[k] = v
+        # max_memory is a typed dict in struct mode: a key it lacks needs Hydra's ++ (add or override)
+        ov[f"{'' if k in present else '++'}offload.max_memory.{k}"] = v
+    folder = st.offload_folder or ("offload" if option == "disk" else None)
+    if option == "disk" and not st.offload_folder and "offload" not in ov:
+        ov["offload.folder"] = folder
+    new = replace(
+        st,
+        device_map="auto",
+        max_memory=tuple(mm.items()),
+        offload_folder=folder,
+        offload_option="disk" if folder else "cpu",
+    )
+    return new, ov
+
+
+def _largest(lo: int, hi: int, good) -> int | None:
+    """Largest x in [lo, hi] with good(x), assuming good is monotone (true below some x)."""
+    if hi < lo or not good(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if good(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _offload_rung(st: StackSpec, hw: _dev.Hardware, option: str):
+    """Largest GPU budget (whole GiB) at which the GPUs fit with headroom; for disk offload then the
+    largest CPU budget at which host RAM does too. Each probe is a full re-plan."""
+    cache: dict = {}
+
+    def plan_at(gpu: int | None, cpu: int | None):
+        key = (gpu, cpu)
+        if key not in cache:
+            new, ov = _offloaded(st, option, f"{gpu}GiB" if gpu else None, f"{cpu}GiB" if cpu else "auto")
+            cache[key] = (new, ov, _try_plan(new, hw))
+        return cache[key]
+
+    def gpus_ok(p) -> bool:
+        return p is not None and all(
+            device_peak(d, False) <= d["budget"] * (1 - HEADROOM_TARGET)
+            for d in p["devices"]
+            if d["device"].startswith("cuda")
+        )
+
+    gpu = None
+    if hw.has_gpu:
+        if st.device_map == "cpu":
+            return None
+        gpu = _largest(1, int(min(hw.gpus) // GiB), lambda x: gpus_ok(plan_at(x, None)[2]))
+        if gpu is None:
+            return None
+    if option == "cpu":
+        new, ov, p = plan_at(gpu, None)
+        return (new, ov, p) if p is not None and ok(p, False) else None
+    cpu_top = int(hw.host_ram * _dev.AUTO_CPU_FRACTION // GiB)
+    cpu = _largest(1, cpu_top, lambda y: (lambda p: p is not None and ok(p, False))(plan_at(gpu, y)[2]))
+    if cpu is None:
+        return None
+    return plan_at(gpu, cpu)
+
+
+def ladder_rungs(st: StackSpec, hw: _dev.Hardware, plan: dict) -> list[dict]:
+    """Cumulative rungs, cheapest first, until every device has HEADROOM_TARGET headroom.
+
+    Training-phase rungs are judged on the training phases (an oversized eval batch must not make
+    the ladder shrink the training micro-batch); a too-large eval batch gets its own free rung."""
+    rungs: list[dict] = []
+    cum: dict[str, Any] = {}
+    state = {"st": st, "plan": plan}
+
+    def add(kind: str, new_st: StackSpec, ov: dict, p: dict, with_eval: bool) -> None:
+        if pressure(p, with_eval) >= pressure(state["plan"], with_eval) * 0.999:
+            return  # costs something, gains nothing
+        cum.update(ov)
+        rungs.append(_rung(kind, ov, cum, p))
+        state["st"], state["plan"] = new_st, p
+
+    def eval_rung() -> None:
+        if ok(state["plan"]) or not ok(state["plan"], with_eval=False):
+            return
+        chosen = _first_ok(_candidates("eval_batch", state["st"], hw, state["plan"]), hw, True)
+        if chosen:
+            add("eval_batch", *chosen, with_eval=True)
+
+    eval_rung()
+    for kind in LADDER_ORDER:
+        if ok(state["plan"], with_eval=False):
+            break
+        if kind in ("cpu_offload", "disk_offload"):
+            chosen = _offload_rung(state["st"], hw, "cpu" if kind == "cpu_offload" else "disk")
+        else:
+            chosen = _first_ok(_candidates(kind, state["st"], hw, state["plan"]), hw, False)
+            if chosen and kind in ("seq_len", "rank") and not ok(chosen[2], False):
+                continue  # costs quality and still does not fit: leave it to the offload rungs
+        if chosen:
+            add(kind, *chosen, with_eval=False)
+    eval_rung()
+    return rungs
+
+
+def offload_params_rungs(base: dict, st: StackSpec, dist: Any, ws: int, ranks_here: int, host_ram: int | None):
+    """The FSDP ladder: the plan with `dist.offload_params=true` (shards and optimizer step in host RAM)."""
+    alt = plan_sharded(base, st, dist, ws, ranks_here, offload=True, host_ram=host_ram)
+    ov = {"dist.offload_params": "true"}
+    return [_rung("cpu_offload", ov, ov, alt)]
+
+
+def _rung(kind: str, adds: dict[str, Any], overrides: dict[str, Any], p: dict) -> dict:
+    """A rung of plan.json's ladder: what it adds, the overrides so far, and the plan they give."""
+    cost, why = COSTS[kind]
+    worst = worst_device(p["devices"])
+    return {
+        "change": kind,
+        "adds": " ".join(f"{k}={v}" for k, v in adds.items()),
+        "overrides": " ".join(f"{k}={v}" for k, v in overrides.items()),
+        "peak_gib": p["peak_gib"],
+        "worst_device": worst["device"],
+        "worst_peak_gib": round(worst["peak"] / GiB, 3),
+        "headroom_pct": worst["headroom_pct"],
+        "fits": p["fits"],
+        "cost": cost,
+        "cost_note": why,
+    }
+
+
+def _first_ok(cands: list, hw: _dev.Hardware, with_eval: bool):
+    """The mildest candidate that is ok, else the one with the least pressure."""
+    tried = []
+    for new_st, ov in cands:
+        p = _try_plan(new_st, hw)
+        if p is None:
+            continue
+        tried.append((new_st, ov, p))
+        if ok(p, with_eval):
+            return tried[-1]
+    return min(tried, key=lambda t: pressure(t[2], with_eval)) if tried else None
+
+
+def _try_plan(st: StackSpec, hw: _dev.Hardware) -> dict | None:
+    try:
+        return plan_single(st, hw)
+    except UserError:
+        return None

@@ -1,0 +1,92 @@
+"""How a device's rows add up to its peak. The rows of plan.json are static (weights, adapters,
+gradients, optimizer state), fixed (CUDA context, process baseline, offload staging) or transient;
+the transient rows do not coexist: a device's peak is its fixed and static rows plus the largest
+phase - train (activations + max(logits_loss, layer_working + dequant_scratch)), optimizer step
+(optimizer_scratch) or eval (eval_transient) - plus allocator overhead. Also the pressure of a plan
+(peak over budget on its tightest device), which the ladder and the report read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from .constants import ALLOCATOR_DYNAMIC_FRACTION, ALLOCATOR_STATIC_FRACTION, HEADROOM_TARGET
+
+COMPONENTS = (
+    "quantized_weights",
+    "other_params",
+    "buffers",
+    "lora_weights",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "layer_working",
+    "logits_loss",
+    "dequant_scratch",
+    "optimizer_scratch",
+    "eval_transient",
+    "offload_staging",
+    "cuda_context",
+    "process_baseline",
+    "allocator_overhead",
+)
+STATIC = ("quantized_weights", "other_params", "buffers", "lora_weights", "gradients", "optimizer_state")
+FIXED = ("cuda_context", "process_baseline", "offload_staging")
+TRANSIENT = ("activations", "layer_working", "logits_loss", "dequant_scratch", "optimizer_scratch", "eval_transient")
+
+
+def phase_peaks(row: Callable[[str], int]) -> tuple[int, dict[str, int], dict[str, int]]:
+    """(static bytes, transient bytes per phase, peak per phase) of one device; `row(component)`
+    gives the device's bytes of that component."""
+    static = sum(row(k) for k in STATIC)
+    fixed = sum(row(k) for k in FIXED)
+    act = row("activations")
+    phases = {
+        "train: loss": act + row("logits_loss"),
+        "train: layer backward": act + row("layer_working") + row("dequant_scratch"),
+        "optimizer step": row("optimizer_scratch"),
+        "eval": row("eval_transient"),
+    }
+    by_phase = {
+        k: int(fixed + static + v + ALLOCATOR_STATIC_FRACTION * static + ALLOCATOR_DYNAMIC_FRACTION * v)
+        for k, v in phases.items()
+    }
+    return static, phases, by_phase
+
+
+def allocator_bytes(static: int, transient: int) -> float:
+    """The caching allocator's slack over the static bytes and one phase's transient bytes."""
+    return ALLOCATOR_STATIC_FRACTION * static + ALLOCATOR_DYNAMIC_FRACTION * transient
+
+
+def device_entry(device: str, budget: int, peak: int, phase: str) -> dict:
+    """A device of plan.json: its budget, peak, headroom and the phase that peaks."""
+    return {
+        "device": device,
+        "budget": int(budget),
+        "peak": int(peak),
+        "headroom": int(budget - peak),
+        "headroom_pct": round(100.0 * (budget - peak) / budget, 2) if budget else 0.0,
+        "peak_phase": phase,
+    }
+
+
+def worst_device(devices: list[dict]) -> dict:
+    """The device with the highest peak / budget."""
+    return max(devices, key=lambda d: d["peak"] / d["budget"] if d["budget"] else math.inf)
+
+
+def device_peak(d: dict, with_eval: bool) -> int:
+    if with_eval or "peak_by_phase" not in d:
+        return d["peak"]
+    return max(v for k, v in d["peak_by_phase"].items() if k != "eval")
+
+
+def pressure(plan: dict, with_eval: bool = True) -> float:
+    return max(device_peak(d, with_eval) / d["budget"] if d["budget"] else math.inf for d in plan["devices"])
+
+
+def ok(plan: dict, with_eval: bool = True) -> bool:
+    """Every device at or under (1 - HEADROOM_TARGET) of its budget (eval phase optional)."""
+    return pressure(plan, with_eval) <= 1 - HEADROOM_TARGET

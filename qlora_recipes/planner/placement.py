@@ -1,0 +1,169 @@
+"""Where the loader puts each block: the execution device of a one-device plan, or the device map
+from_pretrained infers under `offload.max_memory` (transformers' own inference, run on a meta
+model, skipped when the whole model provably fits one device), and that budget map in the form the
+loader takes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+from .. import devices as _dev
+from ..errors import UserError
+from .components import BlockBytes, should_convert, skip_patterns
+from .constants import BNB_MAX_MEMORY_FACTOR
+from .figures import Block, inventory, meta_model
+from .spec import StackSpec
+
+
+def on_one_device(st: StackSpec) -> bool:
+    """No device map to infer: the default (this rank's GPU, else the CPU), cpu or cuda:N."""
+    return st.device_map is None or st.device_map == "cpu" or bool(re.fullmatch(r"(cuda:)?\d+", st.device_map))
+
+
+def resolve_placement(
+    st: StackSpec, hw: _dev.Hardware, bbs: list[tuple[Block, BlockBytes]], notes: list[str]
+) -> tuple[str, dict, dict | None]:
+    """(execution device, device map, resolved max_memory or None) for the stack on `hw`."""
+    if st.device_map is None:
+        if hw.has_gpu:
+            rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+            if rank >= len(hw.gpus):
+                rank = 0
+            return f"cuda:{rank}", {"": rank}, None
+        return "cpu", {"": "cpu"}, None
+    if st.device_map == "cpu":
+        return "cpu", {"": "cpu"}, None
+    if re.fullmatch(r"(cuda:)?\d+", st.device_map):
+        idx = int(st.device_map.split(":")[-1])
+        if idx >= len(hw.gpus):
+            raise UserError(
+                f"offload.device_map={st.device_map} names GPU {idx} but there are {len(hw.gpus)} GPU(s) here; "
+                "declare them with --gpus or use auto"
+            )
+        return f"cuda:{idx}", {"": idx}, None
+    max_memory = _dev.resolve_max_memory(dict(st.max_memory), hw, notes)
+    dmap = infer_device_map(st, max_memory, bbs)
+    gpu_ids = sorted(v for v in dmap.values() if isinstance(v, int))
+    exec_dev = f"cuda:{gpu_ids[0]}" if gpu_ids else ("cuda:0" if hw.has_gpu else "cpu")
+    if "disk" in dmap.values() and not st.offload_folder:
+        n_disk = sum(1 for v in dmap.values() if v == "disk")
+        raise UserError(
+            f"offload: {n_disk} module(s) would be placed on disk but offload.folder is not set; "
+            "use offload=disk (folder: offload), set offload.folder=<dir>, or raise offload.max_memory.cpu"
+        )
+    return exec_dev, dmap, max_memory
+
+
+class _PlannedQuantizer:
+    """Stands in for transformers' Bnb4BitHfQuantizer / Bnb8BitHfQuantizer inside the loader's
+    device-map inference: quantized linear weights count 0.5 (4-bit) or 1 (int8) byte per element
+    (`quantized_element_size`), max_memory shrinks by 10 % (`adjust_max_memory`). It avoids
+    importing bitsandbytes (7 s) just to size things."""
+
+    def __init__(self, element_size: float, names: frozenset[str]):
+        self.element_size = element_size
+        self.names = names
+
+    def param_element_size(self, model, param_name: str, param) -> float:
+        return self.element_size if param_name in self.names else param.element_size()
+
+    def adjust_max_memory(self, max_memory):
+        return {k: v * BNB_MAX_MEMORY_FACTOR for k, v in max_memory.items()}
+
+    def validate_environment(self, *args, **kwargs) -> None:
+        return None
+
+
+def infer_device_map(
+    st: StackSpec, max_memory: dict, blocks_bytes: list[tuple[Block, BlockBytes]], shortcut: bool = True
+) -> OrderedDict[str, Any]:
+    """The device map from_pretrained(device_map=st.device_map, max_memory=...) builds for this model.
+
+    transformers 5 computes it with its port of accelerate's infer_auto_device_map
+    (transformers.integrations.accelerate._get_device_map: get_balanced_memory, the quantizer's 10 %
+    max_memory cut, infer_auto_device_map with quantized element sizes); we call that very function
+    on a meta-device model from AutoModelForCausalLM.from_config under accelerate.init_empty_weights.
+    """
+    trivial = _whole_model_fits_one_device(st, max_memory, blocks_bytes) if shortcut else None
+    if trivial is not None:
+        return OrderedDict([("", trivial)])
+    from transformers.integrations.accelerate import _get_device_map
+
+    model = meta_model(st.fig, st.dtype)
+    hf_quantizer = None
+    if st.quantized:
+        patterns = skip_patterns(st, inventory(st.fig))
+        names = frozenset(
+            f"{lin.name}.weight" for blk, _ in blocks_bytes for lin in blk.linears if should_convert(lin.name, patterns)
+        )
+        hf_quantizer = _PlannedQuantizer(0.5 if st.quant in ("nf4", "fp4") else 1.0, names)
+    quiet = [logging.getLogger(n) for n in ("accelerate.utils.modeling", "transformers.integrations.accelerate")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.ERROR)  # "Device 0 is not available" when planning declared GPUs
+    try:
+        dmap = _get_device_map(model, st.device_map, dict(max_memory), hf_quantizer)
+    finally:
+        for lg, lv in zip(quiet, levels, strict=True):
+            lg.setLevel(lv)
+    return OrderedDict(dmap)
+
+
+def _whole_model_fits_one_device(st: StackSpec, max_memory: dict, blocks_bytes: list[tuple[Block, BlockBytes]]):
+    """The map {"": device} without building a meta model, when that is provably what the loader
+    builds: one accelerator (or none), and the whole model fits its budget with the room the
+    loader keeps for the largest layer. In _get_device_map a single device keeps the user's budget
+    (get_balanced_memory changes only all but the last GPU), the bnb quantizer takes 10 % off, and
+    infer_auto_device_map puts a module on the main device while used + size <= budget - largest
+    layer; the root's children ("model", "lm_head") then all land there. The sizes are the loader's
+    (quantized weights at 0.5 / 1 byte per element, everything else as loaded, buffers included).
+    tests/test_memory.py checks this against _get_device_map on both sides of the boundary.
+    Saves importing torch + transformers (~5 s) for the common single-GPU recipe."""
+    gpus = [k for k, v in max_memory.items() if isinstance(k, int) and v > 0]
+    if len(gpus) > 1 or any(isinstance(k, int) and v <= 0 for k, v in max_memory.items()):
+        return None
+    device = gpus[0] if gpus else "cpu"
+    if device not in max_memory:
+        return None
+    budget = max_memory[device] * (BNB_MAX_MEMORY_FACTOR if st.quantized else 1.0)
+    sizes = [bb.placed_bytes for _, bb in blocks_bytes]
+    if sum(sizes) + max(sizes) <= 0.999 * budget:
+        return device
+    return None
+
+
+def place(name: str, dmap: Mapping[str, Any]) -> Any:
+    """The device the map gives the block `name` (its longest matching prefix)."""
+    best = None
+    for key, dev in dmap.items():
+        if key == "" or name == key or name.startswith(key + "."):
+            if best is None or len(key) > len(best[0]):
+                best = (key, dev)
+    if best is not None:
+        return best[1]
+    for key, dev in dmap.items():  # a block the map split further: where its first part went
+        if key.startswith(name + "."):
+            return dev
+    return "cpu"
+
+
+def dev_name(dev: Any) -> str:
+    """A device map value as a plan device name: 0 -> cuda:0, "cpu", "disk"."""
+    if isinstance(dev, int):
+        return f"cuda:{dev}"
+    s = str(dev)
+    return f"cuda:{s}" if s.isdigit() else s
+
+
+def loader_max_memory(plan: dict) -> dict | None:
+    """The resolved max_memory in from_pretrained's form ({0: bytes, ..., "cpu": bytes}), or None."""
+    mm = plan.get("max_memory")
+    if not mm:
+        return None
+    return {(int(k) if k.isdigit() else k): int(v) for k, v in mm.items()}

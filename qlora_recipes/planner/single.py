@@ -1,0 +1,313 @@
+"""The plan of one process: every block placed on its device (one GPU, the CPU, or a device map
+across GPUs, CPU and disk), each component's bytes summed per device, each device's peak against
+its budget, and the notes a reader needs; the content of plan.json before the ladder. A full
+replica per GPU, which is right for a single process, DDP and ZeRO-2 (sharded.py rewrites it for
+FSDP / ZeRO-3). Pure arithmetic unless a device map has to be inferred (placement.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import devices as _dev
+from ..units import GiB
+from .components import (
+    BlockBytes,
+    act_dtypes,
+    backward_working_bytes,
+    block_bytes,
+    eager,
+    eval_layer_bytes,
+    layer_saved_bytes,
+    logits_bytes,
+    optimizer_bytes,
+    optimizer_shared_bytes,
+    shared_per_device_bytes,
+)
+from .constants import (
+    ALLOCATOR_DYNAMIC_FRACTION,
+    ALLOCATOR_STATIC_FRACTION,
+    CPU_PROCESS_BASELINE_BYTES,
+    CUDA_CONTEXT_BYTES,
+    HEADROOM_TARGET,
+    OPTIMIZERS,
+)
+from .peaks import COMPONENTS, allocator_bytes, device_entry, phase_peaks
+from .placement import dev_name, on_one_device, place, resolve_placement
+from .spec import StackSpec
+
+
+def _rows() -> defaultdict[str, defaultdict[str, int]]:
+    return defaultdict(lambda: defaultdict(int))
+
+
+@dataclass
+class _Tally:
+    """Bytes per component and device, and what the later rows need to know about the blocks."""
+
+    lm_dev: str  # where lm_head computes: the logits and loss live there
+    comp: defaultdict[str, defaultdict[str, int]] = field(default_factory=_rows)
+    placed: dict[str, str] = field(default_factory=dict)
+    layers_on: defaultdict[str, list[BlockBytes]] = field(default_factory=lambda: defaultdict(list))
+    dequant_on: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    dora_on: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    offloaded_max: int = 0  # the largest block computed away from where it is stored
+    disk_max: int = 0
+    trainable_shapes: defaultdict[str, list] = field(default_factory=lambda: defaultdict(list))
+    counts: dict[str, int] = field(
+        default_factory=lambda: dict(
+            params_total=0, params_quantized=0, lora_params=0, footprint_at_load=0, quant_state_bytes=0
+        )
+    )
+
+
+def plan_single(st: StackSpec, hw: _dev.Hardware) -> dict:
+    """The plan of `st` on `hw` (plan.json without its ladder)."""
+    notes: list[str] = []
+    bbs = block_bytes(st)
+    exec_dev, dmap, max_memory = resolve_placement(st, hw, bbs, notes)
+    t = _tally_blocks(st, hw, bbs, dmap, exec_dev)
+    comp = t.comp
+    disk_bytes = sum(comp[k].get("disk", 0) for k in ("quantized_weights", "other_params", "buffers"))
+    paged_total = _optimizer_rows(st, t)
+    _activation_rows(st, t)
+    # offload staging: room on the execution device for one offloaded layer
+    if t.offloaded_max and hw.has_gpu:
+        comp["offload_staging"][exec_dev] += t.offloaded_max
+    if t.disk_max:
+        comp["offload_staging"]["cpu"] += t.disk_max
+    if on_one_device(st):
+        dev_names = [exec_dev]
+    else:
+        dev_names = [f"cuda:{i}" for i in range(len(hw.gpus))] + ["cpu"]
+        if st.offload_folder or disk_bytes:
+            dev_names.append("disk")
+    for d in dev_names:
+        if d.startswith("cuda"):
+            comp["cuda_context"][d] += CUDA_CONTEXT_BYTES
+        elif d == "cpu":
+            comp["process_baseline"][d] += CPU_PROCESS_BASELINE_BYTES
+    devices = [_device(st, hw, comp, d, disk_bytes, max_memory) for d in dev_names]
+    _notes(st, hw, t.placed, paged_total, notes)
+    return _plan_dict(st, hw, t, devices, dmap, max_memory, paged_total, notes)
+
+
+def _tally_blocks(st: StackSpec, hw: _dev.Hardware, bbs: list, dmap: dict, exec_dev: str) -> _Tally:
+    """Static rows per block's device. Gradients are fp32, one per trainable element, and like the
+    adapters they stay in host RAM for a block on disk (trainable tensors cannot live on disk)."""
+    t = _Tally(lm_dev=exec_dev)
+    comp, counts = t.comp, t.counts
+    for blk, bb in bbs:
+        where = dev_name(place(blk.name, dmap))
+        t.placed[blk.name] = where
+        compute = where if where.startswith("cuda") or not hw.has_gpu else exec_dev
+        if where == "disk" and not hw.has_gpu:
+            compute = "cpu"
+        holder = "cpu" if where == "disk" else where
+        comp["quantized_weights"][where] += bb.quant_data + bb.quant_state
+        comp["other_params"][where] += bb.other_at_load if where == "disk" else bb.other  # stored as loaded
+        comp["buffers"][where] += bb.buffers
+        if where == "disk":
+            t.disk_max = max(t.disk_max, bb.placed_bytes)
+        if where in ("cpu", "disk") and compute != where:
+            t.offloaded_max = max(t.offloaded_max, bb.placed_bytes)
+        if bb.lora_numel:
+            comp["lora_weights"][holder] += 4 * bb.lora_numel
+            comp["gradients"][holder] += 4 * bb.lora_numel
+            t.trainable_shapes[holder] += bb.lora_tensors
+        if blk.is_layer:
+            t.layers_on[compute].append(bb)
+        # dequant scratch: the largest quantized weight dequantized to the compute dtype (forward
+        # and backward of a 4-bit/8-bit linear); DoRA adds its weight-norm temporaries
+        t.dequant_on[compute] = max(t.dequant_on[compute], bb.max_dequant * st.act_bytes if st.quantized else 0)
+        t.dora_on[compute] = max(t.dora_on[compute], bb.max_dora)
+        if blk.name == "lm_head":
+            t.lm_dev = compute
+        counts["params_total"] += bb.params_total
+        counts["params_quantized"] += bb.params_quantized
+        counts["lora_params"] += bb.lora_numel
+        counts["footprint_at_load"] += bb.quant_data + bb.other_at_load + bb.buffers
+        counts["quant_state_bytes"] += bb.quant_state
+    return t
+
+
+def _optimizer_rows(st: StackSpec, t: _Tally) -> int:
+    """Optimizer state, with its parameters; the optimizer step's scratch (foreach torch AdamW's
+    sqrt(exp_avg_sq) temporary, 4 bytes per trainable element). Returns the paged bytes on GPUs."""
+    paged_total = 0
+    for holder, shapes in t.trainable_shapes.items():
+        state, paged = optimizer_bytes(st.optim, shapes)
+        t.comp["optimizer_state"][holder] += state + optimizer_shared_bytes(st.optim)
+        paged_total += paged if holder.startswith("cuda") else 0
+        if OPTIMIZERS[st.optim] == "adam32_torch":
+            t.comp["optimizer_scratch"][holder] += 4 * sum(math.prod(s) for s in shapes)
+        elif OPTIMIZERS[st.optim] == "adafactor":
+            t.comp["optimizer_scratch"][holder] += 8 * max((math.prod(s) for s in shapes), default=0)
+    return paged_total
+
+
+def _activation_rows(st: StackSpec, t: _Tally) -> None:
+    """Activations kept for backward and the transients of a step, by the device each layer
+    computes on; micro-batch b, sequence s, tokens T = b*s.
+
+    With gradient checkpointing (HF, reentrant or not: transformers wraps each decoder layer in
+    torch.utils.checkpoint, which saves only the layer's inputs) every decoder layer keeps its
+    input, T*h elements, and one layer at a time recomputes its saved tensors in backward - fp32 in
+    a quantized model, because
+    prepare_model_for_kbit_training leaves the embeddings in fp32 and bitsandbytes linears return
+    their input's dtype, so the residual stream is fp32 (4*T*h bytes, not 2*T*h). Without it each
+    layer keeps what autograd saves (components.layer_saved_bytes). The layer working set adds the
+    gradient buffers T*(2h + 2f); an evaluation batch (no grad) keeps its logits/loss or one layer's
+    forward.
+    """
+    comp, b, s = t.comp, st.micro_batch, st.seq_len
+    for dev, layer_bbs in t.layers_on.items():
+        if not layer_bbs:
+            continue
+        cpu = dev == "cpu"
+        worst = max(layer_bbs, key=lambda x: layer_saved_bytes(st, x, b, cpu))
+        if st.checkpointing:
+            _, r, _ = act_dtypes(st, cpu)
+            stored = len(layer_bbs) * b * s * st.fig.hidden_size * r  # each layer's input
+            working = layer_saved_bytes(st, worst, b, cpu) + backward_working_bytes(st, b, cpu)
+        else:
+            stored = sum(layer_saved_bytes(st, x, b, cpu) for x in layer_bbs)
+            working = backward_working_bytes(st, b, cpu)
+        comp["activations"][dev] += stored + shared_per_device_bytes(st, b, cpu)
+        comp["layer_working"][dev] += working
+        comp["dequant_scratch"][dev] += t.dequant_on[dev] + t.dora_on[dev]
+        if st.evaluates:
+            comp["eval_transient"][dev] = max(
+                comp["eval_transient"][dev], eval_layer_bytes(st, st.eval_batch, cpu) + t.dequant_on[dev]
+            )
+    lm_cpu = t.lm_dev == "cpu"
+    comp["logits_loss"][t.lm_dev] += logits_bytes(st, b, lm_cpu)
+    if st.evaluates:
+        comp["eval_transient"][t.lm_dev] = max(
+            comp["eval_transient"][t.lm_dev], logits_bytes(st, st.eval_batch, lm_cpu)
+        )
+
+
+def _device(st: StackSpec, hw: _dev.Hardware, comp: dict, d: str, disk_bytes: int, max_memory: dict | None) -> dict:
+    """One device of the plan: its budget, its peak phase and, with a device map, its max_memory."""
+    if d == "disk":
+        return device_entry(d, _dev.disk_free(st.offload_folder), disk_bytes, "offloaded weights")
+    static, phases, by_phase = phase_peaks(lambda k: comp[k].get(d, 0))
+    phase = max(by_phase, key=lambda k: by_phase[k])
+    comp["allocator_overhead"][d] = int(allocator_bytes(static, phases[phase]))
+    peak = by_phase[phase]
+    if not any(phases.values()):
+        phase = "static"  # nothing computes here: weights and adapters only
+    entry = device_entry(d, hw.gpus[int(d.split(":")[1])] if d.startswith("cuda") else hw.host_ram, peak, phase)
+    entry["peak_by_phase"] = by_phase
+    if max_memory is not None:
+        key: Any = int(d.split(":")[1]) if d.startswith("cuda") else "cpu"
+        entry["max_memory"] = int(max_memory.get(key, 0))
+    return entry
+
+
+def _notes(st: StackSpec, hw: _dev.Hardware, placed: dict[str, str], paged_total: int, notes: list[str]) -> None:
+    if OPTIMIZERS[st.optim].endswith("_paged") and not hw.has_gpu:
+        notes.append("paged optimizers fall back to unpaged on CPU (bitsandbytes): same bytes, no spill")
+    if paged_total:
+        notes.append(
+            f"{paged_total / 2**20:,.0f} MiB of optimizer state is paged (CUDA managed memory): under pressure it "
+            "spills to host RAM instead of failing"
+        )
+    if st.device_map is None and hw.has_gpu and len(hw.gpus) > 1:
+        notes.append("offload.device_map null: every data-parallel rank holds a full copy; planned for one rank's GPU")
+    if st.quantized and any(v in ("cpu", "disk") for v in placed.values()) and hw.has_gpu:
+        notes.append(
+            "layers on cpu/disk with a bitsandbytes model need "
+            "BitsAndBytesConfig(llm_int8_enable_fp32_cpu_offload=True); "
+            "their LoRA adapters, gradients and optimizer state are planned on cpu"
+        )
+    if not st.quantized:
+        notes.append("quant=none: no prepare_model_for_kbit_training, weights stay in the precision dtype")
+
+
+def _plan_dict(
+    st: StackSpec,
+    hw: _dev.Hardware,
+    t: _Tally,
+    devices: list[dict],
+    dmap: dict,
+    max_memory: dict | None,
+    paged_total: int,
+    notes: list[str],
+) -> dict:
+    comp, counts = t.comp, t.counts
+    gpu_peaks = [x["peak"] for x in devices if x["device"].startswith("cuda")]
+    worst = max(gpu_peaks) if gpu_peaks else max(x["peak"] for x in devices if x["device"] == "cpu")
+    quantized_bytes = sum(comp["quantized_weights"].values())
+    return {
+        "version": 1,
+        "model": _model_section(st),
+        "stack": _stack_section(st, hw),
+        "counts": {
+            **counts,
+            "trainable_params": counts["lora_params"],
+            "quantized_bytes_per_param": round(quantized_bytes / counts["params_quantized"], 6)
+            if counts["params_quantized"]
+            else None,
+            "paged_optimizer_bytes": paged_total,
+        },
+        "components": {k: {d: int(v) for d, v in comp[k].items() if v} for k in COMPONENTS if any(comp[k].values())},
+        "devices": devices,
+        "device_map": {k: v for k, v in dmap.items()},
+        "max_memory": {str(k): int(v) for k, v in max_memory.items()} if max_memory else None,
+        "fits": all(x["peak"] <= x["budget"] for x in devices),
+        "peak_gib": round(worst / GiB, 3),
+        "tokens_per_step": st.micro_batch * st.seq_len * st.grad_accum * st.world_size,
+        "effective_batch": st.micro_batch * st.grad_accum * st.world_size,
+        "ladder": [],
+        "notes": notes,
+        "constants": {
+            "cuda_context_bytes": CUDA_CONTEXT_BYTES,
+            "cpu_process_baseline_bytes": CPU_PROCESS_BASELINE_BYTES,
+            "allocator_static_fraction": ALLOCATOR_STATIC_FRACTION,
+            "allocator_dynamic_fraction": ALLOCATOR_DYNAMIC_FRACTION,
+            "headroom_target": HEADROOM_TARGET,
+        },
+    }
+
+
+def _model_section(st: StackSpec) -> dict:
+    fig = st.fig
+    return {
+        "name_or_path": st.name_or_path,
+        "architecture": fig.architecture,
+        "figures_from": fig.source,
+        "hidden_size": fig.hidden_size,
+        "num_layers": fig.num_layers,
+        "num_heads": fig.num_heads,
+        "num_kv_heads": fig.num_kv_heads,
+        "head_dim": fig.head_dim,
+        "intermediate_size": fig.intermediate_size,
+        "vocab_size": fig.vocab_size,
+        "tie_embeddings": fig.tie_embeddings,
+    }
+
+
+def _stack_section(st: StackSpec, hw: _dev.Hardware) -> dict:
+    return {
+        "quant": st.quant + ("+dq" if st.quantized and st.quant != "int8" and st.double_quant else ""),
+        "peft": st.peft,
+        "r": st.r,
+        "alpha": st.alpha,
+        "target_modules": list(st.target_modules) if isinstance(st.target_modules, tuple) else st.target_modules,
+        "optim": st.optim,
+        "dtype": st.dtype,
+        "micro_batch_size": st.micro_batch,
+        "grad_accum": st.grad_accum,
+        "eval_batch_size": st.eval_batch if st.evaluates else None,
+        "seq_len": st.seq_len,
+        "gradient_checkpointing": st.checkpointing,
+        "attention": "eager" if eager(st) else st.attn,
+        "device_map": st.device_map,
+        "world_size": st.world_size,
+        "hardware": {"gpus": list(hw.gpus), "host_ram": hw.host_ram, "declared": hw.declared},
+    }

@@ -1,0 +1,162 @@
+"""The planner's numeric view of a composed stack: `StackSpec` holds only the choices that change
+memory (quantization, adapters, optimizer, batch, sequence, checkpointing, placement, ranks), read
+from the config groups and checked, so every other planner room works on plain numbers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import UserError
+from ..units import DTYPE_BYTES, cfg_get, dtype_bytes, dtype_name
+from .constants import COMPUTE_DTYPES, DEVICE_MAP_STRATEGIES, OPTIMIZERS, PEFT_METHODS, QUANT_METHODS
+from .figures import Figures, model_figures
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """What of a composed stack the planner sizes; the ladder's rungs are changed copies of it."""
+
+    fig: Figures
+    name_or_path: str
+    quant: str = "nf4"
+    double_quant: bool = True
+    quant_storage_bytes: int = 1
+    skip_modules: tuple[str, ...] = ()
+    peft: str = "lora"
+    r: int = 16
+    alpha: float = 32
+    lora_dropout: float = 0.05
+    target_modules: Any = "all-linear"  # "all-linear", a regex string, or a tuple of names
+    modules_to_save: tuple[str, ...] = ()
+    optim: str = "paged_adamw_8bit"
+    dtype: str = "bfloat16"
+    micro_batch: int = 4
+    grad_accum: int = 4
+    eval_batch: int = 16
+    evaluates: bool = True
+    seq_len: int = 2048
+    checkpointing: bool = True
+    checkpointing_mode: str = "non_reentrant"
+    attn: str = "sdpa"
+    device_map: str | None = None
+    max_memory: tuple[tuple[str, str], ...] = ()
+    offload_folder: str | None = None
+    offload_option: str = "none"  # the conf/offload option this looks like (for ladder overrides)
+    world_size: int = 1
+
+    @property
+    def act_bytes(self) -> int:
+        return dtype_bytes(self.dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return self.quant != "none"
+
+
+def spec_from_cfg(cfg: Any, world_size: int) -> StackSpec:
+    """Read the memory-relevant choices from a composed config; UserError on values it cannot plan."""
+    model, quant, peft, trainer = (cfg_get(cfg, k) for k in ("model", "quant", "peft", "trainer"))
+    if model is None:
+        raise UserError("config has no model group; compose conf/train.yaml (config_name train)")
+    fig = model_figures(model)
+    method, pmethod, oname, dtype, storage_bytes = _methods(
+        quant, peft, cfg_get(cfg, "optim"), cfg_get(cfg, "precision")
+    )
+    ints = _sizes(trainer, peft)
+    mode = str(cfg_get(trainer, "checkpointing_mode", "non_reentrant"))
+    if mode not in ("non_reentrant", "reentrant"):
+        raise UserError(f"trainer.checkpointing_mode={mode!r} is not one of non_reentrant, reentrant")
+    placement = _offload(cfg_get(cfg, "offload"))
+    targets = cfg_get(peft, "target_modules", "all-linear")
+    if isinstance(targets, (list, tuple)):
+        targets = tuple(str(t) for t in targets)
+    elif targets is None:
+        raise UserError("peft.target_modules is null; use all-linear or a list like [q_proj, v_proj]")
+    data = cfg_get(cfg, "data")
+    evaluates = bool(cfg_get(data, "eval_path")) or float(cfg_get(data, "eval_fraction", 0.0) or 0.0) > 0
+    return StackSpec(
+        fig=fig,
+        name_or_path=str(cfg_get(model, "name_or_path", "")),
+        quant=method,
+        double_quant=bool(cfg_get(quant, "double_quant", True)),
+        quant_storage_bytes=storage_bytes,
+        skip_modules=tuple(cfg_get(quant, "skip_modules", []) or []),
+        peft=pmethod,
+        r=ints["r"],
+        alpha=float(cfg_get(peft, "alpha", 2 * ints["r"])),
+        lora_dropout=float(cfg_get(peft, "dropout", 0.0) or 0.0),
+        target_modules=targets,
+        modules_to_save=tuple(cfg_get(peft, "modules_to_save", None) or ()),
+        optim=oname,
+        dtype=dtype,
+        micro_batch=ints["micro_batch"],
+        grad_accum=ints["grad_accum"],
+        eval_batch=ints["eval_batch"],
+        evaluates=evaluates,
+        seq_len=ints["seq_len"],
+        checkpointing=bool(cfg_get(trainer, "gradient_checkpointing", True)),
+        checkpointing_mode=mode,
+        attn=str(cfg_get(model, "attn_implementation", "sdpa") or "sdpa"),
+        **placement,
+        world_size=max(1, int(world_size)),
+    )
+
+
+def _methods(quant: Any, peft: Any, optim: Any, precision: Any) -> tuple[str, str, str, str, int]:
+    """(quant method, peft method, optimizer, compute dtype, bytes per quantized storage element)."""
+    method = str(cfg_get(quant, "method", "nf4")).lower()
+    if method not in QUANT_METHODS:
+        raise UserError(f"quant.method={method!r} is not one of {', '.join(QUANT_METHODS)}")
+    pmethod = str(cfg_get(peft, "method", "lora")).lower()
+    if pmethod not in PEFT_METHODS:
+        raise UserError(f"peft.method={pmethod!r} is not one of {', '.join(PEFT_METHODS)}")
+    oname = str(cfg_get(optim, "name", "paged_adamw_8bit"))
+    if oname not in OPTIMIZERS:
+        raise UserError(f"optim.name={oname!r}: the planner knows {', '.join(OPTIMIZERS)}; pick one of those")
+    dtype = str(cfg_get(precision, "dtype", "bfloat16"))
+    if dtype_name(dtype) not in COMPUTE_DTYPES:
+        raise UserError(f"precision.dtype={dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+    storage = str(cfg_get(quant, "storage_dtype", "uint8"))
+    storage_bytes = DTYPE_BYTES.get(storage)
+    if storage_bytes is None:
+        raise UserError(f"quant.storage_dtype={storage!r} is not one of uint8, bfloat16, float16, float32")
+    return method, pmethod, oname, dtype, storage_bytes
+
+
+def _sizes(trainer: Any, peft: Any) -> dict[str, int]:
+    ints = {}
+    for key, node, name, lo in [
+        ("micro_batch", trainer, "micro_batch_size", 1),
+        ("grad_accum", trainer, "grad_accum", 1),
+        ("eval_batch", trainer, "eval_batch_size", 1),
+        ("seq_len", trainer, "seq_len", 1),
+        ("r", peft, "r", 1),
+    ]:
+        group = "peft" if node is peft else "trainer"
+        value = cfg_get(node, name)
+        if value is None or int(value) < lo:
+            raise UserError(f"{group}.{name}={value!r} must be an integer >= {lo}")
+        ints[key] = int(value)
+    return ints
+
+
+def _offload(offload: Any) -> dict[str, Any]:
+    """The placement fields of the spec from the offload group."""
+    device_map = cfg_get(offload, "device_map")
+    if device_map is not None:
+        device_map = str(device_map)
+        if not (device_map in DEVICE_MAP_STRATEGIES or device_map == "cpu" or re.fullmatch(r"(cuda:)?\d+", device_map)):
+            raise UserError(
+                f"offload.device_map={device_map!r} is not one of null, {', '.join(DEVICE_MAP_STRATEGIES)}, cpu, cuda:N"
+            )
+    max_memory = cfg_get(offload, "max_memory") or {}
+    folder = cfg_get(offload, "folder")
+    return {
+        "device_map": device_map,
+        "max_memory": tuple((str(k), str(v)) for k, v in dict(max_memory).items()),
+        "offload_folder": str(folder) if folder else None,
+        "offload_option": "none" if device_map is None else ("disk" if folder else "cpu"),
+    }

@@ -1,0 +1,186 @@
+"""One training run end to end: `train(cfg, run_dir)` is what `qlora train` and `python train.py` call.
+
+Order: validate -> plan (refuse before loading what cannot fit) -> tokenizer -> data -> model
+(quantized, device map) -> k-bit prep + adapters -> TRL SFTTrainer, guarded (atomic checkpoints,
+NaN stop, OOM ladder, preemption) -> eval -> adapter + metrics.json. Tests call `train` in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from . import data, lifecycle, metrics, modeling, planner, stack
+from .console import print_stack
+from .validate import validate
+
+log = logging.getLogger("train")
+
+
+def _main_rank() -> bool:
+    return int(os.environ.get("RANK", 0)) == 0  # under torchrun only rank 0 writes the run dir
+
+
+@dataclass
+class _Fitted:
+    """What the guarded trainer leaves: the trainer, its result, the config that fit, seconds spent."""
+
+    trainer: Any
+    result: Any
+    cfg: DictConfig
+    seconds: float
+
+
+def train(cfg: DictConfig, run_dir: Path, choices: dict | None = None) -> dict:
+    """Run one stack end to end; returns the metrics also written to run_dir/metrics.json."""
+    from transformers import set_seed
+
+    started = time.time()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    gpu = modeling.on_gpu()
+    plan, resume_from = _check_and_plan(cfg, run_dir, choices, gpu)
+
+    set_seed(cfg.seed)
+    tokenizer = modeling.load_tokenizer(cfg)
+    train_ds, eval_ds, data_stats = data.load_splits(cfg.data, tokenizer, cfg.trainer.seq_len, cfg.seed)
+    model = modeling.make_trainable(cfg, modeling.load_model(cfg, run_dir, planner.loader_max_memory(plan)))
+    trainable, total = model.get_nb_trainable_parameters()
+    log.info("trainable params: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
+
+    want_em = cfg.data.metric == "exact_match" and eval_ds is not None
+    pairs = data.generation_pairs(eval_ds, data_stats["format"], cfg.data.metric_examples) if want_em else []
+    em_before = metrics.exact_match(model, tokenizer, pairs, cfg.data.max_new_tokens)
+
+    tb = _tensorboard(run_dir)
+    try:
+        fitted = _fit(cfg, run_dir, model, tokenizer, (train_ds, eval_ds), data_stats["format"], plan, resume_from, tb)
+        eval_loss = fitted.trainer.evaluate()["eval_loss"] if eval_ds is not None else None
+        scores = _scores(cfg, model, tokenizer, pairs, eval_loss, em_before)
+        _save_adapter(fitted.trainer, tokenizer, run_dir)
+        out = {**_run_figures(fitted, plan, resume_from), **scores, "wall_s": time.time() - started, "data": data_stats}
+        out["adapter_sha256"] = metrics.trainable_digest(model)  # equal on every DDP rank
+        rank = int(os.environ.get("RANK", 0))
+        metrics.write_metrics(run_dir, out, name="metrics.json" if _main_rank() else f"metrics.rank{rank}.json")
+    finally:
+        if tb is not None:
+            tb.close()
+    log.info("metrics: %s", {k: v for k, v in out.items() if k not in ("data", "train_losses")})
+    return out
+
+
+def _check_and_plan(cfg: DictConfig, run_dir: Path, choices: dict | None, gpu: bool) -> tuple[dict, str | None]:
+    """Everything that can refuse a run, before any weight is loaded; writes config.yaml and plan.json."""
+    validate(cfg, gpu_available=gpu)
+    resume_from = lifecycle.resume_checkpoint(cfg, run_dir)  # checks the saved config first
+    plan = planner.plan(cfg)  # one rank's share under FSDP/ZeRO-3, the whole stack otherwise
+    if _main_rank():
+        print_stack(cfg, choices)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        planner.write_plan(plan, run_dir)
+    planner.refuse_unless_fits(plan, force=cfg.force)
+    return plan, resume_from
+
+
+def _tensorboard(run_dir: Path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(run_dir / "tb")) if _main_rank() else None
+
+
+def _fit(cfg, run_dir, model, tokenizer, splits, data_format, plan, resume_from, tb) -> _Fitted:
+    """Train under the guards; a preemption writes its metrics and raises lifecycle.Preempted."""
+    from transformers.integrations import TensorBoardCallback
+
+    from .callbacks import MemoryLogger
+
+    train_ds, eval_ds = splits
+    gpu = modeling.on_gpu()
+    preemption = lifecycle.PreemptionCallback()
+
+    def make_trainer(c: DictConfig):
+        tb_callback = TensorBoardCallback(tb_writer=tb)
+        tb_callback.logging_dir = str(run_dir / "tb")  # where it reopens after train() closes it
+        return lifecycle.GuardedTrainer(
+            model=model,
+            args=stack.sft_config(c, run_dir, data_format, gpu, eval_ds is not None),
+            train_dataset=train_ds,
+            eval_dataset=eval_ds,
+            processing_class=tokenizer,
+            callbacks=[MemoryLogger(run_dir, c.trainer.memory_log_steps, tb), tb_callback, preemption],
+        )
+
+    started = time.time()
+    preemption.install()
+    try:
+        trainer, result, fit_cfg = lifecycle.train_with_oom_ladder(
+            cfg, model, make_trainer, run_dir, resume_from, [rung["overrides"] for rung in plan.get("ladder", [])]
+        )
+    finally:
+        preemption.uninstall()
+    if preemption.received:
+        step = trainer.state.global_step
+        checkpoint = lifecycle.find_checkpoint(run_dir / "checkpoints")
+        status = {"status": "preempted", "signal": preemption.received, "steps": step, "checkpoint": checkpoint}
+        metrics.write_metrics(run_dir, status)
+        raise lifecycle.Preempted(preemption.received, step, checkpoint)
+    return _Fitted(trainer, result, fit_cfg, time.time() - started)
+
+
+def _scores(cfg, model, tokenizer, pairs, eval_loss, em_before) -> dict:
+    """Eval loss, perplexity, the task metric before and after, and lm-eval tasks when asked for."""
+    t = cfg.trainer
+    lm_eval = (
+        metrics.lm_eval_scores(model, tokenizer, t.lm_eval_tasks, t.lm_eval_limit, t.eval_batch_size)
+        if t.lm_eval_tasks
+        else None
+    )
+    return {
+        "eval_loss": eval_loss,
+        "eval_perplexity": metrics.perplexity(eval_loss),
+        "eval_exact_match_before": em_before,
+        "eval_exact_match": metrics.exact_match(model, tokenizer, pairs, cfg.data.max_new_tokens),
+        "lm_eval": lm_eval,
+    }
+
+
+def _run_figures(fitted: _Fitted, plan: dict, resume_from: str | None) -> dict:
+    """Loss curve, throughput, memory (measured and planned) and the batch shape that fit."""
+    import torch
+
+    history = fitted.trainer.state.log_history
+    loss_curve = metrics.losses(history)
+    tokens = max((float(e.get("num_tokens", 0)) for e in history), default=0.0)
+    return {
+        "status": "ok",
+        "train_loss_first": loss_curve[0] if loss_curve else None,
+        "train_loss_last": loss_curve[-1] if loss_curve else None,
+        "train_loss_mean": fitted.result.training_loss,
+        "train_losses": loss_curve,  # every logged training loss, in order
+        "tokens_per_s": tokens / fitted.seconds if fitted.seconds > 0 else None,
+        "peak_mem_gib": metrics.peak_memory_gib(),
+        "planned_peak_gib": plan["peak_gib"],
+        "device": modeling.device_name(),
+        "steps": fitted.trainer.state.global_step,
+        "micro_batch_size": fitted.cfg.trainer.micro_batch_size,
+        "grad_accum": fitted.cfg.trainer.grad_accum,
+        "resumed_from": resume_from,
+        "train_s": fitted.seconds,
+        "torch": torch.__version__,
+    }
+
+
+def _save_adapter(trainer, tokenizer, run_dir: Path) -> None:
+    """The adapter dir appears complete or not at all (written aside, then renamed)."""
+    staging = run_dir / "adapter.partial"
+    trainer.save_model(str(staging))  # gathers a full state dict under FSDP; rank 0 writes
+    if _main_rank():
+        tokenizer.save_pretrained(staging)
+        shutil.rmtree(run_dir / "adapter", ignore_errors=True)
+        staging.rename(run_dir / "adapter")

@@ -39,6 +39,15 @@ def groups_help() -> str:
     return "\n".join(lines)
 
 
+def recipes_help() -> str:
+    """The recipes, each with the first line of its header (what it is, the hardware it is sized for)."""
+    lines = ["recipes:"]
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        about = next((ln[2:].strip() for ln in path.read_text().splitlines()[1:] if ln.startswith("# ")), "")
+        lines.append(f"  {path.stem:<22}  {about}")
+    return "\n".join(lines)
+
+
 def hydra_help(usage: str, flags: str = "") -> str:
     parts = [usage.strip(), "", groups_help(), ""]
     if flags:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..cli import ArgumentParser, run_plain
 from ..schema import compose
+from .helptext import recipes_help
 
 
 def plan(recipe: str, overrides: list[str], check: bool) -> int:
@@ -56,7 +57,7 @@ def launch(recipe: str, overrides: list[str], dry_run: bool) -> int:
 
 
 def run(argv: list[str], prog: str = "qlora launch") -> None:
-    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1])
+    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1], epilog=recipes_help())
     parser.add_argument("--plan", action="store_true", help="print the plan for the recipe's hardware; train nothing")
     parser.add_argument("--check", action="store_true", help="with --plan: exit 1 when the plan does not fit")
     parser.add_argument("--dry-run", action="store_true", help="print the command it would run; start nothing")

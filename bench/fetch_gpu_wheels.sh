@@ -4,7 +4,7 @@
 # pinned transformers/peft (the image's are older), trl, datasets and its dill/multiprocess, and
 # hydra-core/omegaconf/antlr4 (antlr4 4.9.3 is an sdist: built here into a pure-Python wheel).
 # Versions are the ones requirements.txt pins. Output: .whl/ (git-ignored), ~58 MiB of the 64 MiB
-# a device call may carry. LIGER=1 adds liger-kernel (useful once the stack has a key for it).
+# a device call may carry. LIGER=1 adds liger-kernel (for trainer.liger=true).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}

@@ -84,11 +84,15 @@ def generate(
     temperature: float | None = None,
     top_p: float = 1.0,
     batch_size: int = 1,
+    max_batch_tokens: int | None = None,
 ) -> list[str]:
     """One completion per prompt (greedy unless `temperature` is given), without the prompt.
 
     Prompts go `batch_size` at a time, left-padded (generation continues on the right); a batch is
-    tokenized with the special-token choice of its first prompt (a batch holds one data format)."""
+    tokenized with the special-token choice of its first prompt (a batch holds one data format).
+    With `max_batch_tokens`, a batch also holds at most that many positions (prompts padded to the
+    longest, plus max_new_tokens each), so its KV cache and prefill are bounded whatever the prompt
+    lengths (the memory planner counts that bound); a longer prompt goes alone."""
     import torch
 
     device = next(p.device for p in model.parameters() if p.device.type != "meta")
@@ -96,8 +100,8 @@ def generate(
     outputs: list[str] = []
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     try:
-        for start in range(0, len(prompts), batch_size):
-            rendered = [render(tokenizer, prompt, style) for prompt in prompts[start : start + batch_size]]
+        texts = [render(tokenizer, prompt, style) for prompt in prompts]
+        for rendered in _batches(tokenizer, texts, batch_size, max_batch_tokens, max_new_tokens):
             batch = tokenizer(
                 [text for text, _ in rendered], return_tensors="pt", padding=True, add_special_tokens=rendered[0][1]
             )
@@ -115,3 +119,22 @@ def generate(
     finally:
         tokenizer.padding_side = side
     return outputs
+
+
+def _batches(tokenizer, rendered: list, size: int, max_tokens: int | None, new: int) -> list[list]:
+    """Consecutive rendered prompts, `size` at a time and, with `max_tokens`, no more than keep
+    len(batch) * (longest prompt + new) <= max_tokens."""
+    if not max_tokens:
+        return [rendered[i : i + size] for i in range(0, len(rendered), size)]
+    out: list[list] = []
+    longest = 0
+    for text, special in rendered:
+        n = len(tokenizer(text, add_special_tokens=special)["input_ids"])
+        grown = max(longest, n)
+        if out and len(out[-1]) < size and (len(out[-1]) + 1) * (grown + new) <= max_tokens:
+            out[-1].append((text, special))
+            longest = grown
+        else:
+            out.append([(text, special)])
+            longest = n
+    return out

@@ -45,6 +45,7 @@ RESUME_SAFE_PREFIXES = (
     "trainer.memory_log_steps",
     "trainer.progress_bar",
     "trainer.eval_batch_size",
+    "trainer.activation_offloading",  # where activations wait for backward, not what is trained
     "data.metric_examples",
     "data.max_new_tokens",
     "offload.",

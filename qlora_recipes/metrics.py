@@ -21,16 +21,21 @@ def peak_memory_gib() -> float:
 
 
 @torch.no_grad()
-def exact_match(model, tokenizer, pairs: list, max_new_tokens: int, batch_size: int = 32) -> float | None:
+def exact_match(
+    model, tokenizer, pairs: list, max_new_tokens: int, batch_size: int = 32, max_batch_tokens: int | None = None
+) -> float | None:
     """Fraction of (prompt, reference) pairs whose greedy continuation equals the reference
-    (surrounding whitespace ignored). None when there is nothing to score."""
+    (surrounding whitespace ignored). None when there is nothing to score. `max_batch_tokens`
+    bounds each generation batch's positions (generation.generate)."""
     if not pairs:
         return None
     was_training = model.training
     model.eval()
     try:
         prompts = [data_prompt(prompt) for prompt, _ in pairs]  # already formatted: the style is not used
-        new = generate(model, tokenizer, prompts, "plain", max_new_tokens, batch_size=batch_size)
+        new = generate(
+            model, tokenizer, prompts, "plain", max_new_tokens, batch_size=batch_size, max_batch_tokens=max_batch_tokens
+        )
     finally:
         model.train(was_training)
     return sum(g.strip() == ref.strip() for g, (_, ref) in zip(new, pairs, strict=True)) / len(pairs)

@@ -113,19 +113,35 @@ def _keep_4bit_layout_trainable(model) -> None:
 
 
 def make_trainable(cfg: DictConfig, model):
-    """prepare_model_for_kbit_training for quantized bases, then the adapters from `peft`."""
+    """prepare_model_for_kbit_training for quantized bases (unless precision.upcast_frozen=false),
+    then the adapters from `peft`."""
     from peft import get_peft_model, prepare_model_for_kbit_training
 
     t = cfg.trainer
     ckpt_kwargs = {"use_reentrant": t.checkpointing_mode == "reentrant"}
-    if cfg.quant.method != "none":
+    if cfg.quant.method != "none" and cfg.precision.upcast_frozen:
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=t.gradient_checkpointing, gradient_checkpointing_kwargs=ckpt_kwargs
         )
     elif t.gradient_checkpointing:
+        # Also upcast_frozen=false: k-bit prep is freeze + fp32 upcast + these two calls (peft
+        # utils/other.py). Not prep-then-cast-back: that would hold the fp32 copies of embeddings and
+        # lm_head at load, the very bytes this option saves. Freezing is get_peft_model's (only the
+        # adapters train); the adapters are fp32 either way (peft autocast_adapter_dtype).
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
         model.enable_input_require_grads()
     try:
-        return get_peft_model(model, lora_config(cfg))
+        model = get_peft_model(model, lora_config(cfg))
     except ValueError as err:  # e.g. target modules not found in the base
         raise UserError(f"peft: {str(err).splitlines()[0]} (check peft.target_modules)") from None
+    _trainable_in_fp32(model)
+    return model
+
+
+def _trainable_in_fp32(model) -> None:
+    """peft upcasts the adapters to fp32, not the `peft.modules_to_save` copies: without k-bit prep's
+    upcast (quant=none, precision.upcast_frozen=false) those would train in bf16/fp16. Every
+    trainable tensor is fp32, as the planner counts it; a no-op after prep."""
+    for param in model.parameters():
+        if param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
+            param.data = param.data.float()

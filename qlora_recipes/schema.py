@@ -97,6 +97,10 @@ class OffloadConfig:
 class PrecisionConfig:
     name: str = "bf16"
     dtype: str = "bfloat16"  # compute dtype and the dtype non-quantized weights load in
+    # A quantized base: true keeps prepare_model_for_kbit_training's fp32 copy of the frozen
+    # non-quantized params (embeddings, lm_head, norms); false keeps them in `dtype` (torchtune,
+    # unsloth). No effect with quant=none or precision=fp32: they are in `dtype` already.
+    upcast_frozen: bool = True
 
 
 @dataclass
@@ -109,6 +113,8 @@ class TrainerConfig:
     epochs: float = 1.0
     gradient_checkpointing: bool = True
     checkpointing_mode: str = "non_reentrant"  # non_reentrant | reentrant
+    activation_offloading: bool = False  # TRL: saved activations to pinned host RAM (CUDA only)
+    liger: bool = False  # Liger kernels through TRL/transformers' use_liger_kernel (Triton: CUDA only)
     logging_steps: int = 10
     eval_steps: int = 0  # 0: evaluate at the end only
     save_steps: int = 0  # 0: save the adapter at the end only

@@ -85,6 +85,8 @@ def sft_config(cfg: DictConfig, run_dir: Path, data_format: str, on_gpu: bool, h
         use_cpu=not on_gpu,
         gradient_checkpointing=t.gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": t.checkpointing_mode == "reentrant"},
+        activation_offloading=t.activation_offloading,  # saved activations to pinned host RAM (CUDA)
+        use_liger_kernel=t.liger,
         max_length=t.seq_len,
         logging_steps=t.logging_steps,
         logging_first_step=True,

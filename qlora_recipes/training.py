@@ -56,7 +56,7 @@ def train(cfg: DictConfig, run_dir: Path, choices: dict | None = None) -> dict:
 
     want_em = cfg.data.metric == "exact_match" and eval_ds is not None
     pairs = data.generation_pairs(eval_ds, data_stats["format"], cfg.data.metric_examples) if want_em else []
-    em_before = metrics.exact_match(model, tokenizer, pairs, cfg.data.max_new_tokens)
+    em_before = _exact_match(cfg, model, tokenizer, pairs)
 
     tb = _tensorboard(run_dir)
     try:
@@ -133,6 +133,15 @@ def _fit(cfg, run_dir, model, tokenizer, splits, data_format, plan, resume_from,
     return _Fitted(trainer, result, fit_cfg, time.time() - started)
 
 
+def _exact_match(cfg, model, tokenizer, pairs) -> float | None:
+    """The task metric, its generation batches no larger than an eval batch (eval_batch_size x
+    seq_len positions), the bound the memory plan counts (planner/loss.py)."""
+    t = cfg.trainer
+    return metrics.exact_match(
+        model, tokenizer, pairs, cfg.data.max_new_tokens, max_batch_tokens=t.eval_batch_size * t.seq_len
+    )
+
+
 def _scores(cfg, model, tokenizer, pairs, eval_loss, em_before) -> dict:
     """Eval loss, perplexity, the task metric before and after, and lm-eval tasks when asked for."""
     t = cfg.trainer
@@ -145,7 +154,7 @@ def _scores(cfg, model, tokenizer, pairs, eval_loss, em_before) -> dict:
         "eval_loss": eval_loss,
         "eval_perplexity": metrics.perplexity(eval_loss),
         "eval_exact_match_before": em_before,
-        "eval_exact_match": metrics.exact_match(model, tokenizer, pairs, cfg.data.max_new_tokens),
+        "eval_exact_match": _exact_match(cfg, model, tokenizer, pairs),
         "lm_eval": lm_eval,
     }
 
@@ -166,6 +175,7 @@ def _run_figures(fitted: _Fitted, plan: dict, resume_from: str | None) -> dict:
         "tokens_per_s": tokens / fitted.seconds if fitted.seconds > 0 else None,
         "peak_mem_gib": metrics.peak_memory_gib(),
         "planned_peak_gib": plan["peak_gib"],
+        "planned_peak_allocated_gib": plan.get("peak_allocated_gib"),  # comparable with peak_mem_gib on a GPU
         "device": modeling.device_name(),
         "steps": fitted.trainer.state.global_step,
         "micro_batch_size": fitted.cfg.trainer.micro_batch_size,

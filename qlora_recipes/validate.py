@@ -82,6 +82,13 @@ def validate(cfg: DictConfig, gpu_available: bool, world_size: int | None = None
 
         if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
             raise UserError("precision=bf16: this GPU has no bfloat16 support (pre-Ampere); use precision=fp16")
+    if t.activation_offloading and not gpu_available:
+        # TRL's offloader asks torch for the accelerator and fails in SFTTrainer's __init__ without one
+        raise UserError(
+            "trainer.activation_offloading=true needs a CUDA GPU (it moves saved activations from the GPU to "
+            "host RAM); drop it on this machine"
+        )
+    _check_liger(t.liger, gpu_available)
     o = cfg.offload
     if o.device_map == "auto" and not o.max_memory:
         raise UserError("offload.device_map=auto without offload.max_memory: use offload=cpu or set budgets")
@@ -122,6 +129,18 @@ def validate(cfg: DictConfig, gpu_available: bool, world_size: int | None = None
 DIST_STRATEGIES = ("none", "ddp", "fsdp", "zero2", "zero3")
 DIST_LAUNCHERS = ("accelerate", "torchrun")
 FSDP_STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+
+
+def _check_liger(wanted: bool, gpu_available: bool) -> None:
+    """Liger's kernels are Triton: CUDA only, and an optional package (requirements-gpu.txt)."""
+    if not wanted:
+        return
+    if not gpu_available:
+        raise UserError("trainer.liger=true needs a CUDA GPU (Liger's kernels are Triton); drop it on this machine")
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise UserError("trainer.liger=true needs liger-kernel: pip install -r requirements-gpu.txt")
 
 
 def _bnb_optimizer(name: str) -> bool:

@@ -122,6 +122,8 @@ def test_wrong_type_is_rejected():
         (["data.metric=bleu"], False, "data.metric=bleu"),
         (["quant=none", "quant.storage_dtype=bfloat16"], False, "storage_dtype only applies"),
         (["peft=dora", "quant=int8"], False, "peft=dora does not work over quant=int8"),
+        (["trainer.activation_offloading=true"], False, "trainer.activation_offloading=true needs a CUDA GPU"),
+        (["trainer.liger=true"], False, "trainer.liger=true needs a CUDA GPU"),
     ],
 )
 def test_impossible_combinations_are_rejected(overrides, gpu, message):

@@ -200,3 +200,14 @@ def test_make_plan_target_prints_the_plan_for_the_declared_hardware():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "planned for 2 x 23.5 GiB GPUs" in proc.stdout and "FITS" in proc.stdout
     assert "dist=fsdp: one rank of 2" in proc.stdout
+
+
+@pytest.mark.parametrize("name,target_gib", [("llama3.1-8b-8gb", 7.0), ("llama2-70b-a100", 41.0)])
+def test_lean_recipes_meet_their_allocated_targets(name, target_gib):
+    """What torch.cuda.max_memory_allocated would see (peers publish that figure): the 8B on an
+    8 GB card at 1 x 2048 under 7 GiB, the 70B at 1 x 2048 under 41 GiB; and no full logits."""
+    cfg = compose_cfg(f"recipe={name}")
+    plan = planner.plan(cfg, gpus=devices.declared_gpus(cfg), host_ram=devices.declared_host_ram(cfg))
+    assert plan["fits"] and plan["peak_allocated_gib"] <= target_gib, plan["peak_allocated_gib"]
+    assert cfg.trainer.seq_len == 2048 and cfg.trainer.micro_batch_size == 1
+    assert not any("logits" in name for name in plan["components"])

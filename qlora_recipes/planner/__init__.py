@@ -7,8 +7,9 @@ GPU, no network and no model weights: architecture figures come from the model o
 local `config.json`. The one-device path is pure arithmetic and never imports torch; only a plan
 with `offload.device_map` set builds a meta-device model to ask the loader's own device-map
 inference where each layer goes. Rooms: figures (model figures, blocks), spec (the stack as
-numbers), components (bytes per component), placement (device map, max_memory), peaks (phases and
-pressure), single (one process), sharded (one rank under FSDP / ZeRO-3), ladder, report.
+numbers), components (bytes per component), loss (TRL's fused LM head, eval, the generation
+metric), placement (device map, max_memory), peaks (phases, pressure, the allocated peak), single
+(one process), sharded (one rank under FSDP / ZeRO-3), ladder, report.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from .. import devices as _dev
 from .figures import model_figures
 from .ladder import ladder_rungs, offload_params_rungs
+from .loss import with_metric
 from .peaks import ok
 from .placement import loader_max_memory
 from .report import DoesNotFit, refuse_unless_fits, render_table, write_plan
@@ -56,7 +58,7 @@ def plan(
     if world_size is None:
         env_ws = int(os.environ.get("WORLD_SIZE", "0") or 0)
         world_size = env_ws or _dev.ranks(cfg)
-    st = spec_from_cfg(cfg, world_size)
+    st = with_metric(spec_from_cfg(cfg, world_size), cfg.data)
     hw = _dev.hardware(gpus, host_ram)
     base = plan_single(st, hw)
     if strategy not in SHARDED or world_size <= 1:

@@ -1,7 +1,7 @@
 """Bytes per component of a QLoRA stack, per model block and per micro-batch: quantized weights
 and their quantization state, the other parameters, buffers, adapter weights (fp32), optimizer
-state, and the activations, backward working set, logits and loss, evaluation and dequantization
-temporaries of one step. Pure arithmetic on a `StackSpec`; each figure is what the real objects
+state, and the activations, backward working set, evaluation and dequantization temporaries of
+one step (the loss, through TRL's fused LM head, and the generation metric: loss.py). Pure arithmetic on a `StackSpec`; each figure is what the real objects
 hold (bitsandbytes `Params4bit`/`Int8Params`, peft adapters, torch/bitsandbytes optimizers, the
 tensors autograd saves), and tests/test_memory.py checks them against those objects on CPU.
 """
@@ -24,6 +24,8 @@ from .constants import (
     BNB_OPTIM_BLOCKSIZE,
     BNB_PAGED_MIN_ELEMENTS,
     OPTIMIZERS,
+    TRL_OFFLOAD_FWD_STASH,
+    TRL_OFFLOAD_MIN_BYTES,
 )
 from .figures import Block, inventory
 from .spec import StackSpec
@@ -106,7 +108,8 @@ class BlockBytes:
     quant_data/quant_state: its bitsandbytes Linear4bit / Linear8bitLt weights (quantized_linear_bytes).
     other: embeddings, norms, biases, lm_head and any linear left unquantized, at the dtype they have
     after `prepare_model_for_kbit_training` (it casts fp16/bf16 params that are not Params4bit to
-    fp32; peft/utils/other.py); without quantization they keep the precision dtype.
+    fp32; peft/utils/other.py); without quantization, or with precision.upcast_frozen=false, they
+    keep the precision dtype (StackSpec.frozen_bytes).
     buffers: rotary inv_freq tables and the like (counted by `get_memory_footprint`).
     lora_tensors: r*(in+out) per targeted linear (+ out for DoRA's magnitude), kept in fp32 (peft
     upcasts adapters: autocast_adapter_dtype=True); r*(V+h) per targeted embedding; modules_to_save
@@ -135,8 +138,9 @@ def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
     """Every block of the model with its static bytes under this stack."""
     blocks = inventory(st.fig)
     load = dtype_bytes(st.dtype)
-    # prepare_model_for_kbit_training upcasts fp16/bf16 non-quantized params to fp32 (quantized models only)
-    after = 4 if st.quantized else load
+    # prepare_model_for_kbit_training upcasts fp16/bf16 non-quantized params to fp32 (quantized
+    # models, unless precision.upcast_frozen=false)
+    after = st.frozen_bytes
     patterns = skip_patterns(st, blocks)
     lora_lin, lora_emb = _lora_targets(st, blocks)
     mts = st.modules_to_save
@@ -256,11 +260,13 @@ def act_dtypes(st: StackSpec, on_cpu: bool) -> tuple[int, int, int]:
 
     prepare_model_for_kbit_training leaves embeddings and norm weights in fp32, so in a quantized
     model the hidden states are fp32 end to end (bitsandbytes linears return their input's dtype);
-    without quantization they stay in the precision dtype. On CUDA dropout keeps a bool mask; on
-    CPU peft upcasts the LoRA input to fp32 (CUDA autocast is off) and dropout keeps an fp32 noise.
+    without quantization, or with precision.upcast_frozen=false (frozen parts in the precision
+    dtype), they stay in the precision dtype: r is StackSpec.frozen_bytes. On CUDA dropout keeps a
+    bool mask; on CPU peft upcasts the LoRA input to fp32 (CUDA autocast is off) and dropout keeps
+    an fp32 noise.
     """
     c = st.act_bytes
-    r = 4 if st.quantized else c
+    r = st.frozen_bytes
     return c, r, (4 if on_cpu else 1)
 
 
@@ -337,24 +343,38 @@ def shared_per_device_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
     return rope + mask
 
 
-def logits_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
-    """Around the loss, T*V*(c + 8) and a little: c-byte logits (kept in the model output), their
-    fp32 upcast and fp32 log-softmax kept for backward (transformers ForCausalLMLoss; no fused or
-    chunked loss is counted), the final norm's fp32 input, the lm_head input cast and, for an fp32
-    lm_head under autocast, its c-byte weight copy."""
-    fig = st.fig
-    c, r, _ = act_dtypes(st, on_cpu)
-    per = c + 8 + (2 * c if fig.architecture == "gemma2" else 0)  # Gemma 2 final-logit soft-capping
-    total = b * st.seq_len * (fig.vocab_size * per + (4 + 4) * fig.hidden_size + (c if r != c else 0) * fig.hidden_size)
-    if st.quantized and c < 4:
-        total += c * fig.vocab_size * fig.hidden_size  # prepare_model_for_kbit_training made lm_head fp32
-    return total
+def offloaded_activations(st: StackSpec, per_layer: list[int]) -> tuple[int, int]:
+    """(bytes left on the GPU, bytes in pinned host RAM) of what the decoder layers keep for
+    backward (`per_layer`: one figure per layer) under TRL's activation offloading (SFTConfig
+    activation_offloading=True, trl/models/activation_offloading.py, torchtune's OffloadActivations).
+
+    Every saved tensor of >= 1 KiB that is not a parameter is copied to pinned host RAM in forward
+    and back in backward. With checkpointing that is one tensor per layer, its input: non-reentrant
+    torch.utils.checkpoint saves the layer's positional inputs under the outer saved-tensor hooks,
+    while the recompute's tensors stay inside the checkpoint (RoPE cos/sin and the mask are keyword
+    arguments, kept; shared_per_device_bytes). Left on the GPU: the forward stash, the last
+    TRL_OFFLOAD_FWD_STASH offloaded tensors, alive until their copy completes and the newest until
+    backward starts - the inputs of the last 5 layers (without checkpointing, at most the last
+    layer's tensors). Pinned blocks come from torch's CachingHostAllocator, which rounds each to a
+    power of two and caches it; without checkpointing the sum is unrounded (tensor sizes not tallied).
+    The saved tensors of the final norm and the loss move too; they stay counted on the GPU.
+    """
+    if not per_layer:
+        return 0, 0
+    if not st.checkpointing:
+        return max(per_layer), sum(per_layer)
+    moved = [x for x in per_layer if x >= TRL_OFFLOAD_MIN_BYTES]
+    kept = sum(per_layer) - sum(moved) + sum(sorted(moved)[-TRL_OFFLOAD_FWD_STASH:])
+    return kept, sum(1 << (x - 1).bit_length() for x in moved)
 
 
-def eval_layer_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
-    """One layer's forward without grad: residual, normed input, Q/K/V/out, gate/up/act."""
-    fig, s = st.fig, st.seq_len
+def eval_layer_bytes(st: StackSpec, b: int, on_cpu: bool = False, s: int | None = None, autocast: bool = True) -> int:
+    """One layer's forward without grad over b x s tokens (s: seq_len unless given): residual,
+    normed input, Q/K/V/out, gate/up/act. Without autocast (generation outside the trainer) the
+    projections come out in the residual dtype."""
+    fig, s = st.fig, s or st.seq_len
     c, r, _ = act_dtypes(st, on_cpu)
+    c = c if autocast else r
     h, f, a, d = fig.hidden_size, fig.intermediate_size, fig.num_heads, fig.head_dim
     w = b * s * (2 * r * h + 4 * h + c * (4 * a * d) + 3 * r * f)
     if eager(st):

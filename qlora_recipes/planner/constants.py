@@ -31,6 +31,10 @@ BNB_DYNAMIC_CODE_ELEMENTS = 256
 BNB_MIN_8BIT_SIZE = 4096
 BNB_OPTIM_BLOCKSIZE = 256
 BNB_PAGED_MIN_ELEMENTS = 100_000
+# TRL activation offloading (trl/models/activation_offloading.py, get_act_offloading_ctx_manager
+# defaults): offloaded tensors the forward stash keeps alive on the GPU, and the smallest offloaded.
+TRL_OFFLOAD_FWD_STASH = 5
+TRL_OFFLOAD_MIN_BYTES = 1024
 # transformers' bnb quantizers shrink max_memory by 10 % before placing layers (adjust_max_memory).
 BNB_MAX_MEMORY_FACTOR = 0.90
 

@@ -1,7 +1,8 @@
 """The OOM ladder: when a plan leaves less than HEADROOM_TARGET headroom on a device, cumulative
-overrides, cheapest first (eval batch, micro-batch, checkpointing, 8-bit optimizer, sequence
-length, rank, then CPU and disk offload), each re-planned, with the Hydra overrides that make the
-stack fit and what each costs in speed or quality; for an FSDP plan, offloading the shards.
+overrides, cheapest first (eval batch, frozen parts in the compute dtype, micro-batch,
+checkpointing, 8-bit optimizer, activation offloading, sequence length, rank, then CPU and disk
+offload), each re-planned, with the Hydra overrides that make the stack fit and what each costs in
+speed or quality; for an FSDP plan, offloading the shards.
 """
 
 from __future__ import annotations
@@ -21,15 +22,34 @@ from .spec import StackSpec
 
 COSTS = {
     "eval_batch": ("none", "evaluation runs in smaller batches"),
+    "frozen_dtype": (
+        "none",
+        "frozen parts in bf16: embeddings, lm_head and norms in the compute dtype, not fp32 (torchtune, "
+        "unsloth); no slower, norms and the residual stream round to bf16/fp16: a small numeric change",
+    ),
     "micro_batch": ("small", "same effective batch; lower GPU utilisation, ~5-20 % slower"),
     "checkpointing": ("moderate", "recomputes each layer's forward in backward, ~20-35 % slower"),
     "optimizer": ("none", "8-bit paged AdamW: same speed, no quality loss (QLoRA paper)"),
+    "activation_offload": (
+        "small",
+        "checkpointed layer inputs go to pinned host RAM and back over PCIe, overlapped on a side stream",
+    ),
     "seq_len": ("quality", "examples longer than the new length are truncated"),
     "rank": ("quality", "fewer adapter parameters"),
     "cpu_offload": ("large", "offloaded layers cross PCIe every step: several times slower"),
     "disk_offload": ("severe", "offloaded layers are read from disk every step: 10x or more slower"),
 }
-LADDER_ORDER = ("micro_batch", "checkpointing", "optimizer", "seq_len", "rank", "cpu_offload", "disk_offload")
+LADDER_ORDER = (
+    "frozen_dtype",
+    "micro_batch",
+    "checkpointing",
+    "optimizer",
+    "activation_offload",
+    "seq_len",
+    "rank",
+    "cpu_offload",
+    "disk_offload",
+)
 
 
 def _candidates(kind: str, st: StackSpec, hw: _dev.Hardware, plan: dict) -> list[tuple[StackSpec, dict[str, Any]]]:
@@ -50,6 +70,12 @@ def _candidates(kind: str, st: StackSpec, hw: _dev.Hardware, plan: dict) -> list
                         {"trainer.micro_batch_size": m, "trainer.grad_accum": total // m},
                     )
                 )
+    elif kind == "frozen_dtype":
+        if st.upcast_frozen and st.frozen_bytes > st.act_bytes:  # k-bit prep's fp32 upcast is on and does something
+            out.append((replace(st, upcast_frozen=False), {"precision.upcast_frozen": "false"}))
+    elif kind == "activation_offload":
+        if hw.has_gpu and st.device_map != "cpu" and st.checkpointing and not st.activation_offloading:
+            out.append((replace(st, activation_offloading=True), {"trainer.activation_offloading": "true"}))
     elif kind == "checkpointing":
         if not st.checkpointing:
             out.append((replace(st, checkpointing=True), {"trainer.gradient_checkpointing": "true"}))

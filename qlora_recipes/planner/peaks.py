@@ -1,9 +1,11 @@
 """How a device's rows add up to its peak. The rows of plan.json are static (weights, adapters,
 gradients, optimizer state), fixed (CUDA context, process baseline, offload staging) or transient;
 the transient rows do not coexist: a device's peak is its fixed and static rows plus the largest
-phase - train (activations + max(logits_loss, layer_working + dequant_scratch)), optimizer step
-(optimizer_scratch) or eval (eval_transient) - plus allocator overhead. Also the pressure of a plan
-(peak over budget on its tightest device), which the ladder and the report read.
+phase - train (activations + max(lm_head_loss, layer_working + dequant_scratch)), optimizer step
+(optimizer_scratch) or eval (eval_transient) - plus allocator overhead. The allocated peak leaves
+out what torch's allocator does not hand out (CUDA context, process baseline, allocator slack): it is
+what torch.cuda.max_memory_allocated reports. Also the pressure of a plan (peak over budget on its
+tightest device), which the ladder and the report read.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from ..units import GiB
 from .constants import ALLOCATOR_DYNAMIC_FRACTION, ALLOCATOR_STATIC_FRACTION, HEADROOM_TARGET
 
 COMPONENTS = (
@@ -22,7 +25,7 @@ COMPONENTS = (
     "optimizer_state",
     "activations",
     "layer_working",
-    "logits_loss",
+    "lm_head_loss",
     "dequant_scratch",
     "optimizer_scratch",
     "eval_transient",
@@ -33,7 +36,18 @@ COMPONENTS = (
 )
 STATIC = ("quantized_weights", "other_params", "buffers", "lora_weights", "gradients", "optimizer_state")
 FIXED = ("cuda_context", "process_baseline", "offload_staging")
-TRANSIENT = ("activations", "layer_working", "logits_loss", "dequant_scratch", "optimizer_scratch", "eval_transient")
+TRANSIENT = ("activations", "layer_working", "lm_head_loss", "dequant_scratch", "optimizer_scratch", "eval_transient")
+
+
+def _phases(row: Callable[[str], int]) -> dict[str, int]:
+    """Transient bytes per phase of one device."""
+    act = row("activations")
+    return {
+        "train: loss": act + row("lm_head_loss"),
+        "train: layer backward": act + row("layer_working") + row("dequant_scratch"),
+        "optimizer step": row("optimizer_scratch"),
+        "eval": row("eval_transient"),
+    }
 
 
 def phase_peaks(row: Callable[[str], int]) -> tuple[int, dict[str, int], dict[str, int]]:
@@ -41,18 +55,29 @@ def phase_peaks(row: Callable[[str], int]) -> tuple[int, dict[str, int], dict[st
     gives the device's bytes of that component."""
     static = sum(row(k) for k in STATIC)
     fixed = sum(row(k) for k in FIXED)
-    act = row("activations")
-    phases = {
-        "train: loss": act + row("logits_loss"),
-        "train: layer backward": act + row("layer_working") + row("dequant_scratch"),
-        "optimizer step": row("optimizer_scratch"),
-        "eval": row("eval_transient"),
-    }
+    phases = _phases(row)
     by_phase = {
         k: int(fixed + static + v + ALLOCATOR_STATIC_FRACTION * static + ALLOCATOR_DYNAMIC_FRACTION * v)
         for k, v in phases.items()
     }
     return static, phases, by_phase
+
+
+def allocated_peak(row: Callable[[str], int], load: int = 0) -> int:
+    """The most bytes torch's allocator hands out on one device at once (comparable with
+    torch.cuda.max_memory_allocated): static rows, offload staging (gathered / staged weights are
+    tensors too) and the largest phase's transient rows, or `load` bytes while loading; no CUDA
+    context, process baseline or allocator slack."""
+    held = sum(row(k) for k in STATIC) + row("offload_staging")
+    return int(max(held + max(_phases(row).values()), load))
+
+
+def peak_allocated_gib(devices: list[dict]) -> float | None:
+    """plan.json's peak_allocated_gib: the largest allocated peak of the GPUs (the CPU without)."""
+    gpus = [d["peak_allocated"] for d in devices if d["device"].startswith("cuda") and "peak_allocated" in d]
+    cpu = [d["peak_allocated"] for d in devices if d["device"] == "cpu" and "peak_allocated" in d]
+    found = gpus or cpu
+    return round(max(found) / GiB, 3) if found else None
 
 
 def allocator_bytes(static: int, transient: int) -> float:

@@ -23,7 +23,7 @@ _LABELS = {
     "optimizer_state": "optimizer state",
     "activations": "activations kept",
     "layer_working": "* layer working set",
-    "logits_loss": "* logits + loss",
+    "lm_head_loss": "* loss (fused LM head)",
     "dequant_scratch": "* dequant scratch",
     "optimizer_scratch": "* optimizer step",
     "eval_transient": "* eval batch",
@@ -107,6 +107,11 @@ def _grid(plan: dict) -> list[str]:
     lines.append("-" * len(head))
     by = {d["device"]: d for d in plan["devices"]}
     lines.append(f"{'peak':<26}" + "".join(f"{_g(by[d]['peak']):>{width}}" for d in devs))
+    if any("peak_allocated" in by[d] for d in devs):
+        lines.append(
+            f"{'peak allocated':<26}"
+            + "".join(f"{_g(by[d]['peak_allocated']) if 'peak_allocated' in by[d] else '-':>{width}}" for d in devs)
+        )
     lines.append(f"{'budget':<26}" + "".join(f"{_g(by[d]['budget']):>{width}}" for d in devs))
     if any("max_memory" in by[d] for d in devs):
         lines.append(
@@ -135,7 +140,7 @@ def _footer(plan: dict) -> list[str]:
     worst = worst_device(plan["devices"])
     verdict = "FITS" if plan["fits"] else "DOES NOT FIT"
     lines.append(
-        f"{verdict}: peak {plan['peak_gib']:.2f} GiB; tightest {worst['device']} "
+        f"{verdict}: peak {plan['peak_gib']:.2f} GiB{_allocated(plan)}; tightest {worst['device']} "
         f"{_g(worst['peak'])} of {_g(worst['budget'])} GiB ({worst['headroom_pct']:.1f} % headroom)"
     )
     if plan["ladder"]:
@@ -146,6 +151,16 @@ def _footer(plan: dict) -> list[str]:
                 f" {'fits' if r['fits'] else 'no fit'}  cost {r['cost']:<8} {r['overrides']}"
             )
     return lines
+
+
+def _allocated(plan: dict) -> str:
+    """The allocated peak for the verdict line, named by what measures it on that device."""
+    allocated = plan.get("peak_allocated_gib")
+    if allocated is None:
+        return ""
+    if any(d["device"].startswith("cuda") for d in plan["devices"]):
+        return f" (allocated {allocated:.2f} GiB: what torch.cuda.max_memory_allocated measures)"
+    return f" (allocated {allocated:.2f} GiB by torch; RSS adds the process baseline)"
 
 
 class DoesNotFit(UserError):

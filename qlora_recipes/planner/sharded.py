@@ -13,7 +13,7 @@ from ..errors import UserError
 from ..units import GiB
 from .components import block_bytes
 from .constants import CPU_PROCESS_BASELINE_BYTES, CUDA_CONTEXT_BYTES
-from .peaks import COMPONENTS, TRANSIENT, allocator_bytes, device_entry, phase_peaks
+from .peaks import COMPONENTS, TRANSIENT, allocated_peak, allocator_bytes, device_entry, peak_allocated_gib, phase_peaks
 from .spec import StackSpec
 
 SHARDED = ("fsdp", "zero3")  # strategies that shard the (4-bit) parameters across ranks
@@ -51,6 +51,7 @@ def plan_sharded(
     plan["devices"] = devices
     plan["fits"] = all(d["peak"] <= d["budget"] for d in devices)
     plan["peak_gib"] = round(devices[0]["peak"] / GiB, 3)
+    plan["peak_allocated_gib"] = peak_allocated_gib(devices)
     plan["ladder"] = []
     plan["device_map"] = {"": f"{dist.strategy} shard {ws} ways"}
     where = "host RAM (offload_params)" if offload else dev
@@ -114,6 +115,8 @@ def _rank_rows(comps: dict, sizes: dict[str, int], dev: str, ws: int, ranks_here
             _put(rows, row, holder, comps.get(row, {}).get(dev, 0) / ws * k)
         else:
             _put(rows, row, dev, comps.get(row, {}).get(dev, 0))
+    # trainer.activation_offloading: every rank of the node keeps its saved activations in host RAM
+    _put(rows, "activations", "cpu", comps.get("activations", {}).get("cpu", 0) * ranks_here)
     _put(rows, "offload_staging", dev, sizes["gathered"])  # the all-gathered units
     _put(rows, "cuda_context", dev, CUDA_CONTEXT_BYTES)
     _put(rows, "process_baseline", "cpu", CPU_PROCESS_BASELINE_BYTES * ranks_here)
@@ -134,4 +137,6 @@ def _device(rows: dict, name: str, budget: int, ranks_here: int, load_on_cpu: bo
         _put(rows, "allocator_overhead", name, allocator_bytes(static, phases[phase]))
     entry = device_entry(name, budget, by_phase[phase], phase)
     entry["peak_by_phase"] = by_phase
+    loaded = full_at_load * (ranks_here if name == "cpu" else 1) if load_on_cpu == (name == "cpu") else 0
+    entry["peak_allocated"] = allocated_peak(lambda r: rows.get(r, {}).get(name, 0), loaded)
     return entry

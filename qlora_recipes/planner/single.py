@@ -22,7 +22,7 @@ from .components import (
     eager,
     eval_layer_bytes,
     layer_saved_bytes,
-    logits_bytes,
+    offloaded_activations,
     optimizer_bytes,
     optimizer_shared_bytes,
     shared_per_device_bytes,
@@ -35,7 +35,8 @@ from .constants import (
     HEADROOM_TARGET,
     OPTIMIZERS,
 )
-from .peaks import COMPONENTS, allocator_bytes, device_entry, phase_peaks
+from .loss import eval_loss_bytes, generation_bytes, train_loss_bytes
+from .peaks import COMPONENTS, allocated_peak, allocator_bytes, device_entry, peak_allocated_gib, phase_peaks
 from .placement import dev_name, on_one_device, place, resolve_placement
 from .spec import StackSpec
 
@@ -81,6 +82,8 @@ def plan_single(st: StackSpec, hw: _dev.Hardware) -> dict:
         comp["offload_staging"]["cpu"] += t.disk_max
     if on_one_device(st):
         dev_names = [exec_dev]
+        if exec_dev != "cpu" and comp["activations"].get("cpu"):
+            dev_names.append("cpu")  # activation offloading: the layer inputs in pinned host RAM
     else:
         dev_names = [f"cuda:{i}" for i in range(len(hw.gpus))] + ["cpu"]
         if st.offload_folder or disk_bytes:
@@ -156,12 +159,13 @@ def _activation_rows(st: StackSpec, t: _Tally) -> None:
     With gradient checkpointing (HF, reentrant or not: transformers wraps each decoder layer in
     torch.utils.checkpoint, which saves only the layer's inputs) every decoder layer keeps its
     input, T*h elements, and one layer at a time recomputes its saved tensors in backward - fp32 in
-    a quantized model, because
+    a quantized model (unless precision.upcast_frozen=false), because
     prepare_model_for_kbit_training leaves the embeddings in fp32 and bitsandbytes linears return
     their input's dtype, so the residual stream is fp32 (4*T*h bytes, not 2*T*h). Without it each
     layer keeps what autograd saves (components.layer_saved_bytes). The layer working set adds the
-    gradient buffers T*(2h + 2f); an evaluation batch (no grad) keeps its logits/loss or one layer's
-    forward.
+    gradient buffers T*(2h + 2f). The loss is TRL's fused LM head (loss.py: tiles, no logits);
+    the eval phase is _eval_rows. With trainer.activation_offloading the kept tensors go to host RAM
+    (components.offloaded_activations), which then is a device of the plan.
     """
     comp, b, s = t.comp, st.micro_batch, st.seq_len
     for dev, layer_bbs in t.layers_on.items():
@@ -171,31 +175,47 @@ def _activation_rows(st: StackSpec, t: _Tally) -> None:
         worst = max(layer_bbs, key=lambda x: layer_saved_bytes(st, x, b, cpu))
         if st.checkpointing:
             _, r, _ = act_dtypes(st, cpu)
-            stored = len(layer_bbs) * b * s * st.fig.hidden_size * r  # each layer's input
+            per_layer = [b * s * st.fig.hidden_size * r] * len(layer_bbs)  # each layer's input
             working = layer_saved_bytes(st, worst, b, cpu) + backward_working_bytes(st, b, cpu)
         else:
-            stored = sum(layer_saved_bytes(st, x, b, cpu) for x in layer_bbs)
+            per_layer = [layer_saved_bytes(st, x, b, cpu) for x in layer_bbs]
             working = backward_working_bytes(st, b, cpu)
+        stored = sum(per_layer)
+        if st.activation_offloading and not cpu:  # TRL: to pinned host RAM but the forward stash
+            stored, host = offloaded_activations(st, per_layer)
+            comp["activations"]["cpu"] += host
         comp["activations"][dev] += stored + shared_per_device_bytes(st, b, cpu)
         comp["layer_working"][dev] += working
         comp["dequant_scratch"][dev] += t.dequant_on[dev] + t.dora_on[dev]
-        if st.evaluates:
-            comp["eval_transient"][dev] = max(
-                comp["eval_transient"][dev], eval_layer_bytes(st, st.eval_batch, cpu) + t.dequant_on[dev]
-            )
-    lm_cpu = t.lm_dev == "cpu"
-    comp["logits_loss"][t.lm_dev] += logits_bytes(st, b, lm_cpu)
+    comp["lm_head_loss"][t.lm_dev] += train_loss_bytes(st, b, t.lm_dev == "cpu")
     if st.evaluates:
-        comp["eval_transient"][t.lm_dev] = max(
-            comp["eval_transient"][t.lm_dev], logits_bytes(st, st.eval_batch, lm_cpu)
-        )
+        _eval_rows(st, t)
+
+
+def _eval_rows(st: StackSpec, t: _Tally) -> None:
+    """The eval phase per device, the largest of: one layer's forward of an eval batch (no grad),
+    the fused head's forward on it (where lm_head computes), and the exact-match metric's generation
+    (its KV cache for the layers computing there); a layer's forward adds the dequantization scratch."""
+    for dev in dict.fromkeys([*t.layers_on, t.lm_dev]):
+        cpu, layers = dev == "cpu", len(t.layers_on.get(dev, ()))
+        dequant = t.dequant_on.get(dev, 0) if layers else 0
+        here = [generation_bytes(st, layers, dev == t.lm_dev, cpu) + dequant]
+        if layers:
+            here.append(eval_layer_bytes(st, st.eval_batch, cpu) + dequant)
+        if dev == t.lm_dev:
+            here.append(eval_loss_bytes(st, st.eval_batch, cpu))
+        t.comp["eval_transient"][dev] = max(here)
 
 
 def _device(st: StackSpec, hw: _dev.Hardware, comp: dict, d: str, disk_bytes: int, max_memory: dict | None) -> dict:
     """One device of the plan: its budget, its peak phase and, with a device map, its max_memory."""
     if d == "disk":
         return device_entry(d, _dev.disk_free(st.offload_folder), disk_bytes, "offloaded weights")
-    static, phases, by_phase = phase_peaks(lambda k: comp[k].get(d, 0))
+
+    def row(k: str) -> int:
+        return comp[k].get(d, 0)
+
+    static, phases, by_phase = phase_peaks(row)
     phase = max(by_phase, key=lambda k: by_phase[k])
     comp["allocator_overhead"][d] = int(allocator_bytes(static, phases[phase]))
     peak = by_phase[phase]
@@ -203,6 +223,7 @@ def _device(st: StackSpec, hw: _dev.Hardware, comp: dict, d: str, disk_bytes: in
         phase = "static"  # nothing computes here: weights and adapters only
     entry = device_entry(d, hw.gpus[int(d.split(":")[1])] if d.startswith("cuda") else hw.host_ram, peak, phase)
     entry["peak_by_phase"] = by_phase
+    entry["peak_allocated"] = allocated_peak(row)
     if max_memory is not None:
         key: Any = int(d.split(":")[1]) if d.startswith("cuda") else "cpu"
         entry["max_memory"] = int(max_memory.get(key, 0))
@@ -227,6 +248,11 @@ def _notes(st: StackSpec, hw: _dev.Hardware, placed: dict[str, str], paged_total
         )
     if not st.quantized:
         notes.append("quant=none: no prepare_model_for_kbit_training, weights stay in the precision dtype")
+    if hw.has_gpu:
+        notes.append(
+            "loss: TRL's fused LM head, planned for every position of a micro-batch (labels are unknown "
+            "here); it scores only positions with a label, so masked prompts and padding need less"
+        )
 
 
 def _plan_dict(
@@ -261,6 +287,7 @@ def _plan_dict(
         "max_memory": {str(k): int(v) for k, v in max_memory.items()} if max_memory else None,
         "fits": all(x["peak"] <= x["budget"] for x in devices),
         "peak_gib": round(worst / GiB, 3),
+        "peak_allocated_gib": peak_allocated_gib(devices),
         "tokens_per_step": st.micro_batch * st.seq_len * st.grad_accum * st.world_size,
         "effective_batch": st.micro_batch * st.grad_accum * st.world_size,
         "ladder": [],

@@ -33,6 +33,7 @@ class StackSpec:
     modules_to_save: tuple[str, ...] = ()
     optim: str = "paged_adamw_8bit"
     dtype: str = "bfloat16"
+    upcast_frozen: bool = True  # precision.upcast_frozen: k-bit prep's fp32 copy of the frozen non-quantized params
     micro_batch: int = 4
     grad_accum: int = 4
     eval_batch: int = 16
@@ -40,6 +41,7 @@ class StackSpec:
     seq_len: int = 2048
     checkpointing: bool = True
     checkpointing_mode: str = "non_reentrant"
+    activation_offloading: bool = False  # trainer.activation_offloading (TRL): saved activations in host RAM
     attn: str = "sdpa"
     device_map: str | None = None
     max_memory: tuple[tuple[str, str], ...] = ()
@@ -54,6 +56,13 @@ class StackSpec:
     @property
     def quantized(self) -> bool:
         return self.quant != "none"
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes per element of the frozen non-quantized params (embeddings, lm_head, norms) as they
+        train: prepare_model_for_kbit_training casts fp16/bf16 ones to fp32 (quantized bases, unless
+        precision.upcast_frozen=false); otherwise they keep the precision dtype they loaded in."""
+        return 4 if self.quantized and self.upcast_frozen else dtype_bytes(self.dtype)
 
 
 def spec_from_cfg(cfg: Any, world_size: int) -> StackSpec:
@@ -92,6 +101,7 @@ def spec_from_cfg(cfg: Any, world_size: int) -> StackSpec:
         modules_to_save=tuple(cfg_get(peft, "modules_to_save", None) or ()),
         optim=oname,
         dtype=dtype,
+        upcast_frozen=bool(cfg_get(cfg, "precision.upcast_frozen", True)),
         micro_batch=ints["micro_batch"],
         grad_accum=ints["grad_accum"],
         eval_batch=ints["eval_batch"],
@@ -99,6 +109,7 @@ def spec_from_cfg(cfg: Any, world_size: int) -> StackSpec:
         seq_len=ints["seq_len"],
         checkpointing=bool(cfg_get(trainer, "gradient_checkpointing", True)),
         checkpointing_mode=mode,
+        activation_offloading=bool(cfg_get(trainer, "activation_offloading", False)),
         attn=str(cfg_get(model, "attn_implementation", "sdpa") or "sdpa"),
         **placement,
         world_size=max(1, int(world_size)),

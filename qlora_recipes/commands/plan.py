@@ -35,7 +35,8 @@ FLAGS = """flags:
   --gpus SIZES     the GPUs to plan for: 80GB, 80GiB, 2x80GB, 24GB,24GB or none (env QLORA_PLAN_GPUS);
                    default: this machine's GPUs; without one, the recipe's hardware node, else the CPU
   --host-ram SIZE  host RAM to plan with, e.g. 256GiB (env QLORA_PLAN_HOST_RAM); default: this machine's
-  --check          exit 1 when the plan does not fit (0 otherwise; 2 on bad input)"""
+  --check          exit 1 when the plan does not fit (0 otherwise; 2 on bad input)
+  --longest-seq    also print the longest trainer.seq_len (a multiple of 64) at which the stack fits"""
 
 
 def _take_flag(argv: list[str], name: str) -> str | None:
@@ -59,10 +60,11 @@ def parse_hardware_flags(argv: list[str]) -> dict:
 
     gpus = _take_flag(argv, "--gpus") or os.environ.get("QLORA_PLAN_GPUS")
     ram = _take_flag(argv, "--host-ram") or os.environ.get("QLORA_PLAN_HOST_RAM")
-    out: dict = {"check": False}
-    if "--check" in argv:
-        argv.remove("--check")
-        out["check"] = True
+    out: dict = {}
+    for flag in ("--check", "--longest-seq"):
+        out[flag.strip("-").split("-")[0]] = flag in argv
+        if flag in argv:
+            argv.remove(flag)
     if gpus is not None:
         out["gpus"] = parse_gpus(gpus)
     if ram is not None:
@@ -111,6 +113,10 @@ def main(cfg: DictConfig) -> None:
     print(planner.render_table(plan))
     print(f"plan: {path}  (planned in {plan_s:.2f} s, {time.perf_counter() - _STARTED:.2f} s since start)")
     _RESULT["fits"] = plan["fits"]
+    if _HARDWARE["longest"]:
+        longest = planner.longest_seq_len(cfg, gpus=gpus, host_ram=host_ram)
+        fit = f"trainer.seq_len={longest}" if longest else "none (not even 64 tokens fit)"
+        print(f"longest sequence that fits {planned_for}: {fit} (micro-batch {cfg.trainer.micro_batch_size})")
 
 
 def run(argv: list[str], prog: str = "qlora plan") -> None:

@@ -24,6 +24,7 @@ from .loss import with_metric
 from .peaks import ok
 from .placement import loader_max_memory
 from .report import DoesNotFit, refuse_unless_fits, render_table, write_plan
+from .search import longest_seq_len as _longest_seq_len
 from .sharded import SHARDED, plan_sharded
 from .single import plan_single
 from .spec import spec_from_cfg
@@ -31,6 +32,7 @@ from .spec import spec_from_cfg
 __all__ = [
     "DoesNotFit",
     "loader_max_memory",
+    "longest_seq_len",
     "model_figures",
     "plan",
     "refuse_unless_fits",
@@ -73,3 +75,8 @@ def plan(
     if ladder and not result["fits"] and not offload and strategy == "fsdp":
         result["ladder"] = offload_params_rungs(base, st, cfg.dist, world_size, per_node, host_ram)
     return result
+
+
+def longest_seq_len(cfg: Any, gpus: list[int] | None = None, host_ram: int | None = None, granularity: int = 64):
+    """The longest trainer.seq_len (a multiple of `granularity`) at which the stack fits, or None."""
+    return _longest_seq_len(cfg, plan, gpus, host_ram, granularity)

@@ -4,20 +4,31 @@ import hashlib
 import importlib.util
 import json
 import math
-import resource
 from pathlib import Path
 
 import torch
 
+from . import peak
 from .generation import generate
 from .prompts import data_prompt
 
 
-def peak_memory_gib() -> float:
-    """GPU: torch.cuda.max_memory_allocated. CPU: this process's peak RSS (ru_maxrss is KiB on Linux)."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+def memory_figures(measured_gib: float, plan: dict, gpu: bool) -> dict:
+    """Measured and planned peak of one quantity, the same on both sides (peak.py): on GPU
+    torch.cuda.max_memory_allocated vs plan.json's `peak_allocated_gib`, on CPU the process's RSS
+    vs the plan's cpu-device peak; `plan_ratio` = measured / planned."""
+    planned = peak.planned_peak_gib(plan, gpu)
+    out = {
+        "peak_quantity": peak.quantity(gpu),
+        "peak_mem_gib": measured_gib,
+        "planned_peak_gib": planned,
+        "plan_ratio": measured_gib / planned if planned else None,
+        "planned_peak_allocated_gib": plan.get("peak_allocated_gib"),
+        "planned_device_peak_gib": plan.get("peak_gib"),  # plan.json peak_gib: on GPU + CUDA context, reserve
+    }
+    if gpu:
+        out["measured_peak_allocated_gib"] = measured_gib
+    return out
 
 
 @torch.no_grad()

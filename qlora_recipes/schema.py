@@ -12,6 +12,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from .resources import shipped_path
+from .units import cfg_get
 
 
 @dataclass
@@ -44,10 +45,24 @@ class DataConfig:
     eval_path: str | None = None  # a separate eval file; otherwise eval_fraction of path
     eval_fraction: float = 0.1
     packing: bool = False
+    packing_strategy: str = "bfd"  # TRL's, with packing: bfd | bfd_split | wrapped (see padding_free_on)
+    padding_free: bool = False  # each micro-batch one flat row of real tokens, no pads (TRL padding_free)
     completion_only_loss: bool = True  # loss on completions / assistant turns only
     metric: str | None = None  # exact_match: greedy generations vs references on eval
     metric_examples: int = 64  # eval rows used for the generation metric
     max_new_tokens: int = 32
+
+
+PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # TRL 1.16 SFTConfig.packing_strategy
+
+
+def padding_free_on(data: Any) -> bool:
+    """Whether TRL trains padding-free: `padding_free`, or packing with a best-fit strategy, which
+    TRL 1.16 makes padding-free regardless (SFTTrainer.__init__: `args.padding_free or (args.packing
+    and args.packing_strategy in {"bfd", "bfd_split"})`)."""
+    packing = bool(cfg_get(data, "packing", False))
+    best_fit = cfg_get(data, "packing_strategy", "bfd") in ("bfd", "bfd_split")
+    return bool(cfg_get(data, "padding_free", False)) or (packing and best_fit)
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Attached as a Hydra callback in conf/train.yaml (SweepSummary); also run by
 scripts/summarize_sweep.py. Writes summary.csv, summary.md (one table row per job) and
 summary.png: final loss (eval loss, else the last training loss) against planned and measured
-peak memory and against tokens/s, with the Pareto front marked - the jobs no other job beats on
+peak memory (each job's own peak of the quantity its plan predicts: metrics.json `peak_mem_gib`
+and `planned_peak_gib`, peak.py) and against tokens/s, with the Pareto front marked - the jobs no other job beats on
 lower loss, lower peak memory and higher tokens/s at once. Jobs the planner skipped or that failed
 are listed with their reason and planned peak, never dropped.
 """
@@ -17,6 +18,8 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from . import peak
+
 log = logging.getLogger(__name__)
 
 COLUMNS = (
@@ -28,6 +31,8 @@ COLUMNS = (
     "eval_exact_match",
     "peak_mem_gib",
     "planned_peak_gib",
+    "plan_ratio",
+    "peak_quantity",
     "tokens_per_s",
     "wall_s",
     "pareto",
@@ -35,13 +40,17 @@ COLUMNS = (
 )
 
 
-def _planned_peak(job_dir: Path) -> float | None:
-    """plan.json is written before training starts, so skipped and failed jobs have one too."""
-    plan = job_dir / "plan.json"
+def _planned_peak(job_dir: Path) -> tuple[float | None, str | None]:
+    """The planned peak and the quantity it predicts (peak.py: what a run measures on that device).
+    plan.json is written before training starts, so skipped and failed jobs have one too."""
+    path = job_dir / "plan.json"
     try:
-        return json.loads(plan.read_text()).get("peak_gib") if plan.is_file() else None
+        plan = json.loads(path.read_text()) if path.is_file() else None
     except (OSError, ValueError):
-        return None
+        plan = None
+    if not plan:
+        return None, None
+    return peak.planned_peak_gib(plan), peak.quantity(peak.plan_on_gpu(plan))
 
 
 def collect(sweep_dir: Path) -> list[dict]:
@@ -58,8 +67,8 @@ def collect(sweep_dir: Path) -> list[dict]:
         }
         row.update({k: metrics.get(k) for k in COLUMNS if k not in row})
         row["error"] = metrics.get("error") or metrics.get("reason")
-        if row["planned_peak_gib"] is None:
-            row["planned_peak_gib"] = _planned_peak(job_dir)
+        if row["planned_peak_gib"] is None:  # a job that did not run: its plan's figure
+            row["planned_peak_gib"], row["peak_quantity"] = _planned_peak(job_dir)
         rows.append(row)
     rows.sort(key=lambda r: (not r["job"].isdigit(), int(r["job"]) if r["job"].isdigit() else r["job"]))
     mark_pareto(rows)
@@ -161,7 +170,8 @@ def write_plot(rows: list[dict], path: Path, title: str = "") -> Path | None:
                     xytext=(3, -10),
                     textcoords="offset points",
                 )
-    ax_mem.set_xlabel("peak memory, GiB (o measured, [] planned, x planned but not run)")
+    quantities = ", ".join(sorted({r["peak_quantity"] for r in rows if r.get("peak_quantity")})) or "peak memory"
+    ax_mem.set_xlabel(f"{quantities}, GiB (o measured, [] planned, x planned but not run)")
     ax_mem.set_ylabel("final loss (eval, else last train)")
     ax_speed.set_xlabel("tokens/s")
     ax_speed.set_ylabel("final loss")

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import data, lifecycle, metrics, modeling, planner, stack
 from .console import print_stack
+from .peak import PeakTracker, planned_peak_gib
 from .validate import validate
 
 log = logging.getLogger("train")
@@ -39,7 +40,18 @@ class _Fitted:
 
 
 def train(cfg: DictConfig, run_dir: Path, choices: dict | None = None) -> dict:
-    """Run one stack end to end; returns the metrics also written to run_dir/metrics.json."""
+    """Run one stack end to end; returns the metrics also written to run_dir/metrics.json.
+
+    The run's memory peak is its own (peak.py): tracked from here, so loading counts, to the end,
+    so an earlier run in the same process (a Hydra multirun) does not leak into it."""
+    tracker = PeakTracker(modeling.on_gpu()).start()
+    try:
+        return _train(cfg, run_dir, choices, tracker)
+    finally:
+        tracker.stop()
+
+
+def _train(cfg: DictConfig, run_dir: Path, choices: dict | None, tracker: PeakTracker) -> dict:
     from transformers import set_seed
 
     started = time.time()
@@ -60,11 +72,13 @@ def train(cfg: DictConfig, run_dir: Path, choices: dict | None = None) -> dict:
 
     tb = _tensorboard(run_dir)
     try:
-        fitted = _fit(cfg, run_dir, model, tokenizer, (train_ds, eval_ds), data_stats["format"], plan, resume_from, tb)
+        splits = (train_ds, eval_ds)
+        fitted = _fit(cfg, run_dir, model, tokenizer, splits, data_stats["format"], plan, resume_from, (tb, tracker))
         eval_loss = fitted.trainer.evaluate()["eval_loss"] if eval_ds is not None else None
         scores = _scores(cfg, model, tokenizer, pairs, eval_loss, em_before)
         _save_adapter(fitted.trainer, tokenizer, run_dir)
         out = {**_run_figures(fitted, plan, resume_from), **scores, "wall_s": time.time() - started, "data": data_stats}
+        out.update(metrics.memory_figures(tracker.peak_gib(), plan, tracker.gpu))  # after eval and saving
         out["adapter_sha256"] = metrics.trainable_digest(model)  # equal on every DDP rank
         rank = int(os.environ.get("RANK", 0))
         metrics.write_metrics(run_dir, out, name="metrics.json" if _main_rank() else f"metrics.rank{rank}.json")
@@ -94,26 +108,30 @@ def _tensorboard(run_dir: Path):
     return SummaryWriter(log_dir=str(run_dir / "tb")) if _main_rank() else None
 
 
-def _fit(cfg, run_dir, model, tokenizer, splits, data_format, plan, resume_from, tb) -> _Fitted:
-    """Train under the guards; a preemption writes its metrics and raises lifecycle.Preempted."""
+def _fit(cfg, run_dir, model, tokenizer, splits, data_format, plan, resume_from, watch) -> _Fitted:
+    """Train under the guards; a preemption writes its metrics and raises lifecycle.Preempted.
+    `watch`: the TensorBoard writer (or None) and the run's PeakTracker, for the memory timeline."""
     from transformers.integrations import TensorBoardCallback
 
     from .callbacks import MemoryLogger
 
     train_ds, eval_ds = splits
+    tb, tracker = watch
     gpu = modeling.on_gpu()
+    planned = (planned_peak_gib(plan, gpu), tracker.quantity)  # memory.png's line to compare with
     preemption = lifecycle.PreemptionCallback()
 
     def make_trainer(c: DictConfig):
         tb_callback = TensorBoardCallback(tb_writer=tb)
         tb_callback.logging_dir = str(run_dir / "tb")  # where it reopens after train() closes it
+        memory_log = MemoryLogger(run_dir, c.trainer.memory_log_steps, tb, tracker, planned)
         return lifecycle.GuardedTrainer(
             model=model,
             args=stack.sft_config(c, run_dir, data_format, gpu, eval_ds is not None),
             train_dataset=train_ds,
             eval_dataset=eval_ds,
             processing_class=tokenizer,
-            callbacks=[MemoryLogger(run_dir, c.trainer.memory_log_steps, tb), tb_callback, preemption],
+            callbacks=[memory_log, tb_callback, preemption],
         )
 
     started = time.time()
@@ -173,9 +191,6 @@ def _run_figures(fitted: _Fitted, plan: dict, resume_from: str | None) -> dict:
         "train_loss_mean": fitted.result.training_loss,
         "train_losses": loss_curve,  # every logged training loss, in order
         "tokens_per_s": tokens / fitted.seconds if fitted.seconds > 0 else None,
-        "peak_mem_gib": metrics.peak_memory_gib(),
-        "planned_peak_gib": plan["peak_gib"],
-        "planned_peak_allocated_gib": plan.get("peak_allocated_gib"),  # comparable with peak_mem_gib on a GPU
         "device": modeling.device_name(),
         "steps": fitted.trainer.state.global_step,
         "micro_batch_size": fitted.cfg.trainer.micro_batch_size,

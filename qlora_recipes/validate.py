@@ -6,7 +6,7 @@ import os
 from omegaconf import DictConfig
 
 from .errors import UserError
-from .schema import TrainConfig
+from .schema import PACKING_STRATEGIES, TrainConfig, padding_free_on
 from .units import PRECISION_DTYPE, cfg_get
 
 CHOICES = {
@@ -16,6 +16,7 @@ CHOICES = {
     "precision.name": ("bf16", "fp16", "fp32"),
     "trainer.checkpointing_mode": ("non_reentrant", "reentrant"),
     "data.format": ("auto", "alpaca", "messages", "prompt_completion", "text"),
+    "data.packing_strategy": PACKING_STRATEGIES,
     "offload.device_map": (None, "auto"),
 }
 POSITIVE = (
@@ -68,6 +69,7 @@ def validate(cfg: DictConfig, gpu_available: bool, world_size: int | None = None
         raise UserError(f"data.eval_fraction={cfg.data.eval_fraction} must be in [0, 1)")
     if cfg.data.metric not in (None, "exact_match"):
         raise UserError(f"data.metric={cfg.data.metric} is not a metric; use exact_match or null")
+    _check_padding_free(cfg, gpu_available)
     p = cfg.precision
     if PRECISION_DTYPE[p.name] != p.dtype:
         raise UserError(
@@ -129,6 +131,38 @@ def validate(cfg: DictConfig, gpu_available: bool, world_size: int | None = None
 DIST_STRATEGIES = ("none", "ddp", "fsdp", "zero2", "zero3")
 DIST_LAUNCHERS = ("accelerate", "torchrun")
 FSDP_STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+
+
+# Attention implementations that keep the flattened sequences of a padding-free row apart: flash
+# kernels read the collator's cu_seq_lens; for these, transformers' create_causal_mask builds a
+# block-diagonal mask from position_ids (masking_utils.find_packed_sequence_indices; training only:
+# TRL's compute_loss passes use_cache=False and no attention_mask).
+POSITION_IDS_MASKED = ("sdpa", "eager", "flex_attention")
+
+
+def _check_padding_free(cfg: DictConfig, gpu_available: bool) -> None:
+    """data.padding_free / packing: what TRL 1.16 and the attention backend can train correctly."""
+    d, attn = cfg.data, str(cfg.model.attn_implementation)
+    if d.padding_free and not d.packing:
+        # SFTTrainer.__init__ raises: without packing max_length (= trainer.seq_len) is not enforced
+        raise UserError(
+            "data.padding_free=true without data.packing: TRL cannot cut rows to trainer.seq_len then; "
+            "add data.packing=true (data.packing_strategy=bfd is padding-free by itself)"
+        )
+    if not padding_free_on(d):
+        return
+    why = "data.padding_free" if d.padding_free else f"data.packing_strategy={d.packing_strategy}"
+    if "flash" in attn:
+        if not gpu_available:
+            raise UserError(
+                f"{why}: model.attn_implementation={attn} needs a CUDA GPU; use model.attn_implementation=sdpa "
+                "here (transformers masks the packed sequences apart from their position_ids)"
+            )
+    elif attn not in POSITION_IDS_MASKED:
+        raise UserError(
+            f"{why}: model.attn_implementation={attn} does not keep packed sequences apart (they would attend "
+            "to each other); use model.attn_implementation=flash_attention_2 (GPU) or sdpa"
+        )
 
 
 def _check_liger(wanted: bool, gpu_available: bool) -> None:

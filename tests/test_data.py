@@ -443,6 +443,8 @@ def test_sft_kwargs():
     off = DataConfig(path="x", completion_only_loss=False)
     assert format_kwargs(on, "prompt_completion") == {
         "packing": True,
+        "packing_strategy": "bfd",
+        "padding_free": False,
         "dataset_text_field": "text",
         "completion_only_loss": True,
         "assistant_only_loss": False,

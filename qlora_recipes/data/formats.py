@@ -197,12 +197,16 @@ def format_kwargs(data_cfg: Any, fmt: str) -> dict:
 
     prompt/completion and alpaca: `completion_only_loss` (loss on the completion only, the prompt's
     labels -100). messages: `assistant_only_loss` (loss on the `{% generation %}` spans of the chat
-    template, i.e. assistant turns). text: loss on every token. `packing` as configured.
+    template, i.e. assistant turns). text: loss on every token. `packing`, `packing_strategy` and
+    `padding_free` as configured (TRL trains padding-free with bfd/bfd_split packing whatever
+    `padding_free` says; validate.py refuses the combinations TRL or the attention cannot run).
     """
     fmt = check_format_name(fmt, allow_auto=False)
     only = bool(cfg_get(data_cfg, "completion_only_loss", True))
     kwargs: dict[str, Any] = {
         "packing": bool(cfg_get(data_cfg, "packing", False)),
+        "packing_strategy": str(cfg_get(data_cfg, "packing_strategy", "bfd")),
+        "padding_free": bool(cfg_get(data_cfg, "padding_free", False)),
         "dataset_text_field": "text",
         "completion_only_loss": None,
         "assistant_only_loss": False,

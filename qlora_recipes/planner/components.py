@@ -254,6 +254,18 @@ def eager(st: StackSpec) -> bool:
     return st.attn == "eager" or st.fig.architecture == "gemma2"
 
 
+def attention_rows(st: StackSpec, b: int) -> tuple[int, int]:
+    """(rows, row length) attention runs over: b rows of seq_len, or padding-free (TRL's collator
+    flattens the micro-batch) one row of b*seq_len tokens whose sequences position_ids keep apart."""
+    return (1, b * st.seq_len) if st.padding_free else (b, st.seq_len)
+
+
+def sdpa_masked(st: StackSpec, b: int) -> bool:
+    """SDPA gets a mask (and K/V repeated to all heads, no native GQA): padding at b > 1, or
+    padding-free's block-diagonal mask; flash kernels take cu_seq_lens instead."""
+    return "flash" not in st.attn if st.padding_free else b > 1
+
+
 def act_dtypes(st: StackSpec, on_cpu: bool) -> tuple[int, int, int]:
     """(c, r, mask): compute dtype bytes; bytes of the residual stream and of the quantized
     linears' outputs; bytes per element of a LoRA dropout mask.
@@ -304,7 +316,7 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
     if eager(st):
         per_token += 3 * c * qd
     else:
-        kv_saved = 2 * qd if fig.num_kv_heads < a and b > 1 else 2 * kvd
+        kv_saved = 2 * qd if fig.num_kv_heads < a and sdpa_masked(st, b) else 2 * kvd
         per_token += c * (2 * qd + kv_saved) + 4 * a
     per_token += (c + (mask if st.lora_dropout > 0 else 0)) * bb.lora_in
     per_token += 2 * c * bb.dora_out
@@ -316,7 +328,8 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
         # that matmul keeps the c-byte input and the whole dequantized weight of each linear
         total += b * s * c * bb.dora_in + c * bb.dora_weight
     if eager(st):
-        total += b * a * s * s * (4 + c + (c if fig.architecture == "gemma2" else 0))
+        rows, n = attention_rows(st, b)
+        total += rows * a * n * n * (4 + c + (c if fig.architecture == "gemma2" else 0))
     return total
 
 
@@ -326,20 +339,21 @@ def backward_working_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
     _, r, _ = act_dtypes(st, on_cpu)
     w = b * s * r * (2 * fig.hidden_size + 2 * fig.intermediate_size)
     if eager(st):
-        w += b * fig.num_heads * s * s * 4  # fp32 gradient of the softmax
+        rows, n = attention_rows(st, b)
+        w += rows * fig.num_heads * n * n * 4  # fp32 gradient of the softmax
     return w
 
 
 def shared_per_device_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
     """RoPE cos/sin (shared by the batch, in the residual dtype) and the attention mask every layer
-    reads (none for SDPA without padding at b=1)."""
-    fig, s = st.fig, st.seq_len
+    reads (none for SDPA without padding at b=1; padding-free: one row of b*s positions)."""
     c, r, _ = act_dtypes(st, on_cpu)
-    rope = 2 * s * fig.head_dim * r
+    rows, n = attention_rows(st, b)
+    rope = 2 * (b * st.seq_len if st.padding_free else st.seq_len) * st.fig.head_dim * r
     if eager(st):
-        mask = b * s * s * c
+        mask = rows * n * n * c
     else:
-        mask = b * s * s if b > 1 else 0
+        mask = rows * n * n if sdpa_masked(st, b) else 0
     return rope + mask
 
 
@@ -378,5 +392,6 @@ def eval_layer_bytes(st: StackSpec, b: int, on_cpu: bool = False, s: int | None 
     h, f, a, d = fig.hidden_size, fig.intermediate_size, fig.num_heads, fig.head_dim
     w = b * s * (2 * r * h + 4 * h + c * (4 * a * d) + 3 * r * f)
     if eager(st):
-        w += b * a * s * s * (4 + c)
+        rows, n = attention_rows(st, b) if s == st.seq_len and autocast else (b, s)  # generation: padded
+        w += rows * a * n * n * (4 + c)
     return w

@@ -38,7 +38,7 @@ from .constants import (
 from .loss import eval_loss_bytes, generation_bytes, train_loss_bytes
 from .peaks import COMPONENTS, allocated_peak, allocator_bytes, device_entry, peak_allocated_gib, phase_peaks
 from .placement import dev_name, on_one_device, place, resolve_placement
-from .spec import StackSpec
+from .spec import StackSpec, data_note
 
 
 def _rows() -> defaultdict[str, defaultdict[str, int]]:
@@ -248,6 +248,8 @@ def _notes(st: StackSpec, hw: _dev.Hardware, placed: dict[str, str], paged_total
         )
     if not st.quantized:
         notes.append("quant=none: no prepare_model_for_kbit_training, weights stay in the precision dtype")
+    if data_note(st):
+        notes.append(data_note(st))
     if hw.has_gpu:
         notes.append(
             "loss: TRL's fused LM head, planned for every position of a micro-batch (labels are unknown "

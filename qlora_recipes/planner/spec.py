@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UserError
+from ..schema import padding_free_on
 from ..units import DTYPE_BYTES, cfg_get, dtype_bytes, dtype_name
 from .constants import COMPUTE_DTYPES, DEVICE_MAP_STRATEGIES, OPTIMIZERS, PEFT_METHODS, QUANT_METHODS
 from .figures import Figures, model_figures
@@ -43,6 +44,8 @@ class StackSpec:
     checkpointing_mode: str = "non_reentrant"
     activation_offloading: bool = False  # trainer.activation_offloading (TRL): saved activations in host RAM
     attn: str = "sdpa"
+    packing: bool = False  # data.packing: micro-batches filled from the data, no pads
+    padding_free: bool = False  # schema.padding_free_on: one flat row of b*s tokens, position_ids apart
     device_map: str | None = None
     max_memory: tuple[tuple[str, str], ...] = ()
     offload_folder: str | None = None
@@ -111,8 +114,25 @@ def spec_from_cfg(cfg: Any, world_size: int) -> StackSpec:
         checkpointing_mode=mode,
         activation_offloading=bool(cfg_get(trainer, "activation_offloading", False)),
         attn=str(cfg_get(model, "attn_implementation", "sdpa") or "sdpa"),
+        packing=bool(cfg_get(data, "packing", False)),
+        padding_free=padding_free_on(data),
         **placement,
         world_size=max(1, int(world_size)),
+    )
+
+
+def data_note(st: StackSpec) -> str | None:
+    """What the planner can know of packed / padding-free micro-batches (it never sees the data)."""
+    if not (st.packing or st.padding_free):
+        return None
+    fill = "packing fills them from the data" if st.packing else "padding-free without packing holds fewer"
+    mask = ""
+    if st.padding_free:
+        flat = "no mask (flash kernels read cu_seq_lens)" if "flash" in st.attn else "a mask over that one row"
+        mask = f"; padding-free: one flat row of micro_batch_size x seq_len tokens, {flat}"
+    return (
+        f"data: planned at micro_batch_size x seq_len = {st.micro_batch * st.seq_len:,} tokens per micro-batch, "
+        f"an upper bound ({fill}); the same count a padded micro-batch is planned at, so no planned saving{mask}"
     )
 
 

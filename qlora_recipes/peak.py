@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import threading
 
-GiB = 2**30
+from .units import GiB
+
 GPU_QUANTITY = "cuda max_memory_allocated"
 CPU_QUANTITY = "process RSS"
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

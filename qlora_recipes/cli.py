@@ -74,10 +74,13 @@ def run_plain(command: Callable[[], int | None]) -> None:
     sys.exit(code or 0)
 
 
-def quiet_libraries() -> None:
-    """transformers' info lines, progress bars and deprecation warnings are noise in merge/generate."""
+def quiet_libraries(log_level: int) -> None:
+    """transformers' info lines, progress bars and deprecation warnings are noise in merge/generate;
+    our own log lines at `log_level` and above go to stderr."""
+    import logging
     import warnings
 
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore", category=FutureWarning)

@@ -19,7 +19,6 @@ from typing import Any
 
 from .errors import UserError
 
-STYLES = ("plain", "alpaca", "chat")
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 
 

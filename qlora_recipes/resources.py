@@ -19,8 +19,6 @@ def _root() -> Path:
 ROOT = _root()
 CONF_DIR = ROOT / "conf"
 RECIPES_DIR = ROOT / "recipes"
-LAUNCH_DIR = ROOT / "launch"
-ASSETS_DIR = ROOT / "assets"
 
 
 def shipped_path(rel: str = "") -> str:

@@ -53,6 +53,9 @@ class DataConfig:
     max_new_tokens: int = 32
 
 
+# The options of keys with a fixed set of values; validate.py and the planner both check against these.
+QUANT_METHODS = ("nf4", "fp4", "int8", "none")
+PEFT_METHODS = ("lora", "dora", "rslora")
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # TRL 1.16 SFTConfig.packing_strategy
 
 

@@ -6,13 +6,13 @@ import os
 from omegaconf import DictConfig
 
 from .errors import UserError
-from .schema import PACKING_STRATEGIES, TrainConfig, padding_free_on
+from .schema import PACKING_STRATEGIES, PEFT_METHODS, QUANT_METHODS, TrainConfig, padding_free_on
 from .units import PRECISION_DTYPE, cfg_get
 
 CHOICES = {
-    "quant.method": ("nf4", "fp4", "int8", "none"),
+    "quant.method": QUANT_METHODS,
     "quant.storage_dtype": ("uint8", "bfloat16", "float16", "float32"),
-    "peft.method": ("lora", "dora", "rslora"),
+    "peft.method": PEFT_METHODS,
     "precision.name": ("bf16", "fp16", "fp32"),
     "trainer.checkpointing_mode": ("non_reentrant", "reentrant"),
     "data.format": ("auto", "alpaca", "messages", "prompt_completion", "text"),

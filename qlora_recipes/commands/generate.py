@@ -50,8 +50,7 @@ def run(argv: list[str], prog: str = "qlora generate") -> None:
 
     def generate_run() -> int:
         args = parser.parse_args(argv)
-        quiet_libraries()
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        quiet_libraries(logging.WARNING)
         from ..generation import generate, load_for_generation
         from ..prompts import Prompt, read_prompts, unescape
 

@@ -42,8 +42,7 @@ def run(argv: list[str], prog: str = "qlora merge") -> None:
 
     def merge_run() -> int:
         args = parser.parse_args(argv)
-        quiet_libraries()
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        quiet_libraries(logging.INFO)
         from ..merge.pipeline import merge
         from ..merge.quality import quality_line
 

@@ -39,8 +39,6 @@ TRL_OFFLOAD_MIN_BYTES = 1024
 BNB_MAX_MEMORY_FACTOR = 0.90
 
 KNOWN_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma2")
-QUANT_METHODS = ("nf4", "fp4", "int8", "none")
-PEFT_METHODS = ("lora", "dora", "rslora")
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 

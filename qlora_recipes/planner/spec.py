@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UserError
-from ..schema import padding_free_on
+from ..schema import PEFT_METHODS, QUANT_METHODS, padding_free_on
 from ..units import DTYPE_BYTES, cfg_get, dtype_bytes, dtype_name
-from .constants import COMPUTE_DTYPES, DEVICE_MAP_STRATEGIES, OPTIMIZERS, PEFT_METHODS, QUANT_METHODS
+from .constants import COMPUTE_DTYPES, DEVICE_MAP_STRATEGIES, OPTIMIZERS
 from .figures import Figures, model_figures
 
 

@@ -21,7 +21,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-.PHONY: help setup train test test-all lint format smoke plan
+.PHONY: help setup train test test-all test-dist lint format smoke plan
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z0-9_.-]+:.*?## ' $(MAKEFILE_LIST) | sort | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-24s\033[0m %s\n", $$1, $$2}'
@@ -49,6 +49,13 @@ format: $(VENV)/.installed ## apply ruff's fixes and formatting
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# FSDP and DeepSpeed ZeRO-2/3 as 2 CPU ranks (gloo), slow tests included: installs the optional
+# requirements-dist.txt (DeepSpeed) and compiles DeepSpeed's CPU extensions once (a few minutes).
+test-dist: $(VENV)/.installed ## install DeepSpeed (requirements-dist.txt), then the multi-rank tests on CPU (FSDP, ZeRO-2/3), slow ones too
+	$(PY) -m pip install -q -r requirements-dist.txt
+	$(PY) -c "from qlora_recipes.dist import build_deepspeed_cpu_ops as b; b()"
+	$(PY) -m pytest -m 'not gpu' tests/test_dist.py tests/test_sharded.py --durations=0 $(ARGS)
+
 smoke: $(VENV)/.installed ## 3 steps of the default stack: checks an install works
 	$(PY) train.py trainer=smoke $(ARGS)
 
@@ -74,10 +81,13 @@ $(addprefix plan-,$(RECIPES)): plan-%: $(VENV)/.installed
 llama70b-a100: llama2-70b-a100
 plan-llama70b-a100: plan-llama2-70b-a100
 
-.PHONY: bench-cpu bench-gpu
+.PHONY: bench-cpu bench-gpu bench-planner-cpu
 
 bench-cpu: $(VENV)/.installed ## the CPU benchmark suite (ours vs the plain baseline, planner error); writes bench/results/
 	$(PY) -m bench cpu $(ARGS)
+
+bench-planner-cpu: $(VENV)/.installed ## the planner vs measured peak RSS: 36 CPU runs of 1M-600M models; writes bench/results/planner-cpu.*
+	$(PY) -m bench planner-cpu $(ARGS)
 
 bench-gpu: $(VENV)/.installed ## the GPU benchmark suite on the GPU here (8B and 70B shapes); writes bench/results/
 	$(PY) -m bench gpu $(ARGS)

@@ -6,6 +6,9 @@
     python -m bench gpu --shrink           # the GPU suite's code path on a CPU, small shapes
     python -m bench smoke                  # 3 steps of the harness itself (the tests run it)
     python -m bench report bench/results/X.json   # re-render X.md and bench/README.md
+    python -m bench trace recipe=NAME      # traced memory of a stack on fake tensors (no GPU needed)
+    python -m bench trace --suite          # traced vs planned for every single-GPU recipe and lean option
+    python -m bench planner-cpu            # planned vs measured peak RSS, 36 CPU runs (make bench-planner-cpu)
 
 Run from the repository root. A suite is a file in bench/suites/ (or a path). Each measured run is a
 fresh process (peak RSS and max_memory_allocated are per process): ours is `python train.py <job>
@@ -55,6 +58,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> None:
         from bench.models import build_main
 
         build_main(*argv[1:4])
+        return
+    if argv[:1] == ["trace"]:  # traced memory (bench/trace/): its own options
+        from bench.trace.cli import main as trace_main
+
+        trace_main(argv[1:], prog=f"{prog} trace")
+        return
+    if argv[:1] == ["planner-cpu"]:  # the planner against measured CPU peaks (bench/planner_cpu.py)
+        from bench.planner_cpu import main as planner_cpu
+
+        planner_cpu(argv[1:], f"{prog} planner-cpu")
         return
     args = parser(prog).parse_args(argv)
     if args.suite == "report":

@@ -1,17 +1,65 @@
 """Entry-point glue: Hydra's composition errors and our UserErrors become one line, no traceback.
 
 Hydra prints composition errors over several lines (search path, "set HYDRA_FULL_ERROR"); with
-HYDRA_FULL_ERROR=1 it raises them instead, and `run` condenses them here. Anything else is a bug in
-this repository and keeps its traceback.
+HYDRA_FULL_ERROR=1 it raises them instead, and `run` condenses them here. An exception escaping a
+Hydra task function gets an "Error executing job with overrides" line first, so a task carries its
+message out as a `Stop` (a BaseException, which Hydra lets pass). Ctrl-C anywhere is one line and
+exit 130. Anything else is a bug in this repository and keeps its traceback.
 """
 
 import argparse
+import contextlib
 import os
 import re
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 from .errors import UserError
+
+INTERRUPTED = "stopped by SIGINT (Ctrl-C) while starting; nothing was written"
+_COMMAND = ["qlora train"]
+
+
+def set_command(prog: str) -> None:
+    """How the user started this command (`python train.py`, `qlora train`), for copy-pasteable hints."""
+    _COMMAND[0] = f"python {prog}" if prog.endswith(".py") else prog
+
+
+def command() -> str:
+    return _COMMAND[0]
+
+
+class Stop(BaseException):
+    """A finished message and exit code carried out of a Hydra task function: Hydra catches
+    Exception (and prints its own line first), never a BaseException."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.message, self.code = message, code
+
+
+def _exit(message: str, code: int):
+    sys.stdout.flush()
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Hold Ctrl-C while a group of files is written, then deliver it: the group is all or nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        signal.raise_signal(signal.SIGINT)
 
 
 def one_line(err: Exception) -> str:
@@ -34,23 +82,35 @@ def one_line(err: Exception) -> str:
     ]
     message = "; ".join(dict.fromkeys(keep))  # unique, in order
     if "not in '" in message or "Could not override" in message:
-        message += " (check the spelling; `python train.py --cfg job` prints every key)"
+        message += f" (check the spelling; `{command()} --cfg job` prints every key)"
     return message
 
 
 def run(hydra_main: Callable[[], object]) -> None:
+    """Run a Hydra command: a user's mistake is one `error:` line on stderr and exit 2, Ctrl-C one
+    line and exit 130 (the imports of the command's heavy modules belong inside `hydra_main`)."""
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing; also when set to 0
+    try:
+        _hydra_errors_as_user_errors(hydra_main)
+    except Stop as stop:
+        _exit(stop.message, stop.code)
+    except UserError as err:
+        _exit(f"error: {err}", 2)
+    except KeyboardInterrupt:
+        _exit(INTERRUPTED, 130)
+
+
+def _hydra_errors_as_user_errors(hydra_main: Callable[[], object]) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
 
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:
         hydra_main()
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
     except (HydraException, OmegaConfBaseException) as err:
-        print(f"error: {one_line(err)}", file=sys.stderr)
-        sys.exit(2)
+        raise UserError(one_line(err)) from None
+    except YAMLError as err:  # a recipe or option file that is not YAML
+        raise UserError(f"not valid YAML: {one_line(err)}") from None
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -69,8 +129,9 @@ def run_plain(command: Callable[[], int | None]) -> None:
     try:
         code = command()
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _exit(f"error: {err}", 2)
+    except KeyboardInterrupt:
+        _exit("stopped by SIGINT (Ctrl-C)", 130)
     sys.exit(code or 0)
 
 

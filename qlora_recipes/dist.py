@@ -4,7 +4,10 @@ starts a recipe's ranks. `strategy_kwargs` gives the extra SFTConfig/TrainingArg
 DeepSpeed json); `launch_command` gives `python train.py ...` for one process, and `accelerate
 launch` (with the shipped config in launch/accelerate/) or `torchrun` for several, every rank in one
 run dir. What one rank holds in memory is the planner's (qlora_recipes/planner); the hardware node
-is read in devices.py. Nothing here imports torch, deepspeed or accelerate at import time.
+is read in devices.py. Inside the ranks (training.py calls them): CPU ranks for FSDP / ZeRO over
+gloo (`prepare_ranks`), every rank starting from rank 0's adapters (`sync_adapters`), the adapter
+gathered into one file (`save_gathered_adapter`) and what each rank holds, measured
+(`sharding_figures`). Nothing here imports torch, deepspeed or accelerate at import time.
 """
 
 from __future__ import annotations
@@ -111,3 +114,200 @@ def launch_command(cfg: Any, recipe: str, overrides: list[str], python: str | No
     if d.deepspeed_config:  # absolute, so the ranks need not start in the repository
         cmd += ["--deepspeed_config_file", str(d.deepspeed_config)]
     return cmd + train
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside the ranks: what training.py calls under a strategy. torch, accelerate and deepspeed are
+# imported here, at call time only.
+# ---------------------------------------------------------------------------------------------
+SHARDED = ("fsdp", "zero2", "zero3")  # strategies run by the trainer's FSDP / DeepSpeed integration
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def prepare_ranks(cfg: Any, on_gpu: bool) -> None:
+    """Before the trainer is built. On CPU ranks (no GPU, several processes, gloo) the sharded
+    strategies take the same trainer path as on GPUs: DeepSpeed gets its CPU accelerator
+    (DS_ACCELERATOR=cpu; it talks over the gloo group accelerate opens), and FSDP goes through
+    accelerate's FSDP branch (`admit_fsdp_on_cpu`). Nothing changes on GPUs or in one process."""
+    if on_gpu or _world_size() <= 1 or cfg.dist.strategy not in SHARDED:
+        return
+    if cfg.dist.strategy in ("zero2", "zero3"):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    else:
+        admit_fsdp_on_cpu()
+
+
+def build_deepspeed_cpu_ops() -> None:
+    """Compile, once per machine (torch's extension cache, ~/.cache/torch_extensions), the two C++
+    extensions DeepSpeed's CPU accelerator loads: CPU Adam (ZeRO-3's offloaded optimizer) and its
+    shared-memory collectives. Needs g++ and ninja; `make test-dist` and CI run it right after
+    installing requirements-dist.txt, so that no test pays for the build."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.accelerator import get_accelerator
+
+    for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and builder.is_compatible():
+            builder.load(verbose=False)
+
+
+def admit_fsdp_on_cpu() -> None:
+    """accelerate 1.15 takes its FSDP branch only for accelerator process groups
+    (AcceleratorState.__init__: distributed_type in MULTI_GPU, MULTI_XPU, ...): on CPU ranks
+    (MULTI_CPU, gloo) it drops the FSDP plugin without a word and the trainer wraps the model in
+    DDP instead. This admits MULTI_CPU to that branch, doing what the branch does (distributed
+    type FSDP, the plugin and its mixed precision); from there on it is accelerate's and the
+    trainer's own FSDP2 code: fully_shard per decoder layer and on the root, sharded checkpoints,
+    the gathered state dict. One more difference: dist.offload_params keeps FSDP2's
+    CPUOffloadPolicy but without pinned memory (pinning needs an accelerator: torch raises "Cannot
+    access accelerator device when none is available"). Idempotent; only called for CPU ranks."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    original = AcceleratorState.__init__
+    if getattr(original, "_qlora_cpu_fsdp", False):
+        return
+
+    def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            if self._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
+            self.fsdp_plugin = fsdp_plugin
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            if isinstance(fsdp_plugin.cpu_offload, CPUOffloadPolicy) and fsdp_plugin.cpu_offload.pin_memory:
+                fsdp_plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+
+    __init__._qlora_cpu_fsdp = True
+    AcceleratorState.__init__ = __init__
+
+
+def _digest(tensors: dict) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def sync_adapters(model) -> str | None:
+    """Every rank starts from rank 0's adapters: the trainable weights are broadcast from rank 0
+    (FSDP2 does not copy them for a 4-bit base, and ZeRO-2 and DDP trust every rank's own init),
+    then every rank's digest is compared; a mismatch raises. Returns the step-0 digest (in one
+    process too, to compare with; None when an earlier trainer already sharded them, as in an
+    out-of-memory retry). Call once the trainer is built (the process group is open) and before
+    train().
+
+    QLORA_RECIPES_FAULTS=adapter_skew_rank=R (tests) perturbs rank R's adapters first, as a rank
+    that drew another init would have them."""
+    import torch
+    import torch.distributed as tdist
+
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() <= 1:
+        return _digest(params)
+    if any(hasattr(p, "to_local") or hasattr(p, "ds_tensor") for p in params.values()):
+        return None  # FSDP2 / ZeRO-3 shards: synchronised when they were made
+    rank = tdist.get_rank()
+    if f"adapter_skew_rank={rank}" in os.environ.get("QLORA_RECIPES_FAULTS", "").split(","):
+        with torch.no_grad():
+            for p in params.values():
+                p.add_(1e-2 * (rank + 1))
+    nccl = tdist.get_backend() == "nccl"
+    with torch.no_grad():
+        for name in sorted(params):
+            p = params[name]
+            buf = p.data.to(f"cuda:{torch.cuda.current_device()}") if nccl and p.device.type != "cuda" else p.data
+            tdist.broadcast(buf, src=0)
+            if buf is not p.data:
+                p.data.copy_(buf)
+    digest = _digest(params)
+    digests: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(digests, digest)
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"adapters differ across ranks at step 0 after the broadcast: {digests}")
+    return digest
+
+
+def _zero_stage(trainer) -> int:
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return 0
+    return int(trainer.accelerator.state.deepspeed_plugin.zero_stage)
+
+
+def gathered_trainable(trainer) -> dict:
+    """Every trainable weight whole, on every rank (collectives: all ranks call it together):
+    FSDP2 DTensors are all-gathered, ZeRO-3 partitions gathered; otherwise the weights as they are."""
+    model = trainer.model
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    if _zero_stage(trainer) == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {name: p.detach().clone() for name, p in params.items()}
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for name, p in params.items()}
+
+
+def adapter_digest(trainer) -> str:
+    """sha256 of the whole trainable weights after training: equal on every rank when they agree."""
+    return _digest(gathered_trainable(trainer))
+
+
+def save_gathered_adapter(trainer, out_dir: str, main: bool) -> bool:
+    """Under FSDP the trainer saves no model with SHARDED_STATE_DICT (and a full state dict would
+    gather the whole base): the adapter weights are gathered here and rank 0 writes them as one
+    adapter_model.safetensors. False when the trainer's own save_model does it (one process, DDP,
+    ZeRO: ZeRO-3 gathers the 16-bit adapter with stage3_gather_16bit_weights_on_model_save)."""
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return False
+    full = gathered_trainable(trainer)
+    if main:
+        trainer.model.save_pretrained(out_dir, state_dict={k: v.cpu() for k, v in full.items()})
+    return True
+
+
+def sharding_figures(trainer) -> dict:
+    """What this rank holds, measured: the distributed type accelerate runs, and for the 4-bit base
+    and the adapters the elements of this rank's share vs the whole model (FSDP2 local shards,
+    ZeRO-3 partitions; ZeRO-2 partitions the optimizer state, the weights stay whole)."""
+    import bitsandbytes as bnb
+
+    state = trainer.accelerator.state
+    out: dict = {"distributed_type": str(state.distributed_type).split(".")[-1], "world_size": state.num_processes}
+    local = {"base_4bit": 0, "adapters": 0}
+    whole = {"base_4bit": 0, "adapters": 0}
+    stage = _zero_stage(trainer)
+    base = {id(m.weight) for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear4bit)}
+    for p in trainer.model.parameters():
+        key = "adapters" if p.requires_grad else ("base_4bit" if id(p) in base else None)
+        if key is None:
+            continue
+        if hasattr(p, "to_local"):  # FSDP2 DTensor
+            local[key] += p.to_local().numel()
+            whole[key] += p.numel()
+        elif hasattr(p, "ds_tensor"):  # ZeRO-3 partition
+            local[key] += p.ds_tensor.numel()
+            whole[key] += p.ds_numel
+        else:
+            local[key] += p.numel()
+            whole[key] += p.numel()
+    out.update({f"{k}_local": local[k] for k in local} | {f"{k}_whole": whole[k] for k in whole})
+    if out["distributed_type"] == "FSDP":
+        out["fsdp_offload"] = type(state.fsdp_plugin.cpu_offload).__name__  # CPUOffloadPolicy: offload_params
+    if stage:
+        out["zero_stage"] = stage
+        zero = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+        out["zero_offload"] = {k: zero.get(k, {}).get("device", "none") for k in ("offload_param", "offload_optimizer")}
+        opt = getattr(trainer.model_wrapped, "optimizer", None)
+        groups = getattr(opt, "single_partition_of_fp32_groups", None)  # ZeRO-2; ZeRO-3 below
+        groups = groups or getattr(opt, "fp32_partitioned_groups_flat", None)
+        if groups:
+            out["optimizer_partition_numel"] = int(sum(g.numel() for g in groups))
+    return out

@@ -1,55 +1,44 @@
-"""A training run that never loses work: atomic checkpoints, resume, preemption, NaN and OOM.
+"""A training run that never loses work and never claims what it did not do: atomic checkpoints,
+resume, preemption, NaN and OOM, one run per run dir.
 
-- `GuardedTrainer` is TRL's SFTTrainer with two changes: each checkpoint is written into a staging
-  dir and renamed into place only when complete (a crash or `kill -9` mid-save leaves the previous
-  checkpoint loadable), and a non-finite loss stops the run at the step it appears.
-- `find_checkpoint` / `check_resume_config` implement `resume=auto` and its stack check.
+- `GuardedTrainer` is TRL's SFTTrainer with these changes: each checkpoint is written into a staging
+  dir, sealed (its files fsynced and listed with size and sha256 in `qlora_state.json`, beside the
+  LR schedule, the data fingerprint and the step totals) and renamed into place only when complete:
+  a crash, `kill -9` or a full disk mid-save leaves the previous checkpoint loadable and no staging
+  dir. It records the best checkpoint by its final path, so rotation keeps protecting it after a
+  resume. A non-finite loss stops the run at the step it appears. A resumed run whose total steps
+  changed continues its LR schedule by the policy of `continue_schedule`.
 - `train_with_oom_ladder` catches out-of-memory during training and retries with the next rung
   that can be applied in-process (halve the micro-batch and double accumulation, then gradient
-  checkpointing), resuming from the newest checkpoint.
+  checkpointing), resuming from the newest checkpoint (or from the untrained start).
+
+Beside it, one concern each: `checkpoints` (checkpoint dirs, RECORD, fsync, the newest sound
+checkpoint), `schedule` (the LR schedule across a resume), `resume` (`resume_checkpoint`:
+`resume=auto` / `resume.checkpoint`, the data fingerprint) and `rundir_lock` (`RunDirLock`: one run
+per run dir). They never import this module.
 """
 
 import gc
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from transformers import TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 from trl import SFTTrainer
 
+from .checkpoints import RECORD, STAGING, _disk_full, _fsync_dir, _sync_file, _trainer_state, find_checkpoint
 from .errors import UserError
+from .resume import data_fingerprint
+from .schedule import continue_schedule, warped_scheduler
 
 log = logging.getLogger(__name__)
-CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-STAGING = ".partial"
-
-# Keys that may differ between a run and its resumption without changing what is trained.
-RESUME_SAFE_PREFIXES = (
-    "resume.",
-    "force",
-    "cache_dir",
-    "trainer.max_steps",
-    "trainer.epochs",
-    "trainer.logging_steps",
-    "trainer.eval_steps",
-    "trainer.save_steps",
-    "trainer.save_total_limit",
-    "trainer.memory_log_steps",
-    "trainer.progress_bar",
-    "trainer.eval_batch_size",
-    "trainer.activation_offloading",  # where activations wait for backward, not what is trained
-    "data.metric_examples",
-    "data.max_new_tokens",
-    "offload.",
-)
 
 
 class NonFiniteLoss(UserError):
@@ -79,6 +68,50 @@ class GuardedTrainer(SFTTrainer):
         for param in self.model.parameters():
             if param.requires_grad and param.dtype != torch.float32:
                 param.data = param.data.float()
+        self.data_fingerprint: dict | None = None  # recorded in each checkpoint (train_with_oom_ladder)
+        self._resumed_from: str | None = None
+        self._steps_per_epoch: int | None = None
+        self._schedule: dict | None = None
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        self._resumed_from = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+        if self._resumed_from is not None and self._no_step_left(self._resumed_from):
+            return self._finish_from(self._resumed_from)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _no_step_left(self, checkpoint: str) -> bool:
+        """Whether the checkpoint is at (or past) the run's total; transformers would train one
+        more step from there (it checks the total only after a step)."""
+        total = self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
+        return int(_trainer_state(checkpoint).get("global_step", 0)) >= total
+
+    def _finish_from(self, checkpoint: str):
+        """No step to train: the checkpoint's weights and state, as a train() that ran 0 steps."""
+        from transformers.trainer_callback import TrainerState
+        from transformers.trainer_utils import TrainOutput
+
+        self._load_from_checkpoint(checkpoint)
+        self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+        log.warning(
+            "resume: %s is at step %d, the run's total: no step left to train; finishing from it",
+            Path(checkpoint).name,
+            self.state.global_step,
+        )
+        losses = [e["loss"] for e in self.state.log_history if "loss" in e]
+        return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else 0.0, {})
+
+    def set_initial_training_values(self, args, dataloader):
+        values = super().set_initial_training_values(args, dataloader)
+        self._steps_per_epoch = values[1]  # optimizer steps per epoch: turns trainer.epochs into steps
+        return values
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None:
+            self._schedule = continue_schedule(self._resumed_from, self.args, num_training_steps)
+            if self._schedule["warps"]:  # the total changed on resume: the continued schedule
+                self.lr_scheduler = warped_scheduler(self._schedule, optimizer or self.optimizer)
+                self._created_lr_scheduler = True
+        return super().create_scheduler(num_training_steps, optimizer)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         injected = faults()
@@ -96,86 +129,83 @@ class GuardedTrainer(SFTTrainer):
             )
         return loss
 
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        # With save_total_limit=1 and a best checkpoint, transformers deletes every other checkpoint
+        # at the end, the newest too: a resume would then redo the steps after the best. We keep the
+        # newest plus the best, as rotation does during the run.
+        limit = self.args.save_total_limit
+        if limit == 1:
+            self.args.save_total_limit = 2
+        try:
+            return super()._finalize_training(trial, num_train_samples, start_time)
+        finally:
+            self.args.save_total_limit = limit
+
     def _save_checkpoint(self, model, trial):
         root = self.args.output_dir
         staging = os.path.join(root, STAGING)
-        shutil.rmtree(staging, ignore_errors=True)
+        name = f"checkpoint-{self.state.global_step}"
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.accelerator.wait_for_everyone()  # ranks: none writes into staging before it is cleared
         self.args.output_dir = staging  # HF writes checkpoint-N here ...
         try:
             super()._save_checkpoint(model, trial)
+            self.accelerator.wait_for_everyone()  # every rank's files (shards, rng_state_R) are in
+            self._final_best_path(staging, root)
+            if self.args.should_save:
+                self._seal(Path(staging) / name)
+        except BaseException as err:
+            self.args.output_dir = root
+            self._final_best_path(staging, root)
+            shutil.rmtree(staging, ignore_errors=True)  # nothing half-written stays behind
+            if _disk_full(err):
+                previous = find_checkpoint(Path(root))
+                raise UserError(
+                    f"disk full while saving {name} in {root}: nothing of it was kept and the previous checkpoint "
+                    f"({previous or 'none yet'}) is intact; free space (or lower trainer.save_total_limit) and "
+                    "relaunch with resume=auto"
+                ) from None
+            raise
         finally:
             self.args.output_dir = root
         if not self.args.should_save:
             return
-        name = f"checkpoint-{self.state.global_step}"
         target = os.path.join(root, name)
         if os.path.exists(target):
             shutil.rmtree(target)
         os.replace(os.path.join(staging, name), target)  # ... and it appears in one rename
+        _fsync_dir(root)
         shutil.rmtree(staging, ignore_errors=True)
-        if self.state.best_model_checkpoint:
-            self.state.best_model_checkpoint = self.state.best_model_checkpoint.replace(staging, root)
         rotate_checkpoints(root, self.args.save_total_limit, self.state.best_model_checkpoint)
 
+    def _final_best_path(self, staging: str, root: str) -> None:
+        """HF records the best checkpoint where it wrote it (the staging dir); it lives in root."""
+        best = self.state.best_model_checkpoint
+        if best and os.path.dirname(os.path.normpath(best)) == os.path.normpath(staging):
+            self.state.best_model_checkpoint = os.path.join(root, os.path.basename(os.path.normpath(best)))
 
-def find_checkpoint(checkpoints_dir: Path) -> str | None:
-    """The newest complete checkpoint (staging dirs are never complete)."""
-    if not checkpoints_dir.is_dir():
-        return None
-    found = [(int(m.group(1)), p) for p in checkpoints_dir.iterdir() if (m := CHECKPOINT.match(p.name)) and p.is_dir()]
-    return str(max(found)[1]) if found else None
-
-
-def _flatten(node, prefix="") -> dict:
-    if isinstance(node, dict):
-        out = {}
-        for k, v in node.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: node}
-
-
-def stack_changes(saved: DictConfig, current: DictConfig) -> list[str]:
-    """Keys whose change alters what is trained (micro-batch/accumulation may trade off when the
-    effective batch is kept: the data position stays exact)."""
-    a = _flatten(OmegaConf.to_container(saved, resolve=True))
-    b = _flatten(OmegaConf.to_container(current, resolve=True))
-    changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not k.startswith(RESUME_SAFE_PREFIXES)]
-    batch_keys = {"trainer.micro_batch_size", "trainer.grad_accum"}
-    same_effective = a.get("trainer.micro_batch_size", 0) * a.get("trainer.grad_accum", 0) == b.get(
-        "trainer.micro_batch_size", 0
-    ) * b.get("trainer.grad_accum", 0)
-    return [k for k in changed if not (k in batch_keys and same_effective)]
-
-
-def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
-    """The checkpoint to resume from (None: start fresh), after checking it belongs to this stack."""
-    r = cfg.resume
-    if not r.auto and not r.checkpoint:
-        return None
-    if r.checkpoint:
-        checkpoint = Path(r.checkpoint)
-        if not CHECKPOINT.match(checkpoint.name) or not (checkpoint / "trainer_state.json").is_file():
-            raise UserError(
-                f"resume.checkpoint={checkpoint}: not a complete checkpoint dir (checkpoint-N with trainer_state.json)"
-            )
-        owner = checkpoint.parent.parent
-    else:
-        found = find_checkpoint(run_dir / "checkpoints")
-        if found is None:
-            log.warning("resume=auto: no complete checkpoint in %s; starting fresh", run_dir / "checkpoints")
-            return None
-        checkpoint, owner = Path(found), run_dir
-    saved = owner / "config.yaml"
-    if not saved.is_file():
-        raise UserError(f"resume: {owner} has no config.yaml, so it is not a run dir of this repository")
-    changed = stack_changes(OmegaConf.load(saved), cfg)
-    if changed and not r.allow_changes:
-        raise UserError(
-            f"resume: this stack differs from the one that wrote {checkpoint} in {', '.join(changed)}; "
-            "relaunch with the original values, or set resume.allow_changes=true"
-        )
-    return str(checkpoint)
+    def _seal(self, folder: Path) -> None:
+        """Before the rename: trainer_state.json again (it names the best checkpoint by its final
+        path), every file fsynced and listed with its size and sha256 in RECORD, itself fsynced."""
+        self.state.save_to_json(str(folder / "trainer_state.json"))
+        files = {str(f.relative_to(folder)): _sync_file(f) for f in sorted(folder.rglob("*")) if f.is_file()}
+        record = {
+            "step": self.state.global_step,
+            "max_steps": self.args.max_steps,
+            "epochs": self.args.num_train_epochs,
+            "total_steps": self.state.max_steps,
+            "steps_per_epoch": self._steps_per_epoch,
+            "schedule": self._schedule,
+            "data": self.data_fingerprint,
+            "files": files,
+        }
+        with open(folder / RECORD, "w") as f:
+            f.write(json.dumps(record, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        for sub in sorted({f.parent for f in folder.rglob("*")} | {folder}, reverse=True):
+            _fsync_dir(sub)
 
 
 # ---------------------------------------------------------------- preemption
@@ -241,11 +271,17 @@ def train_with_oom_ladder(
     cfg: DictConfig, model, make_trainer, run_dir: Path, resume_from: str | None, relaunch_rungs: list[str]
 ):
     """Run make_trainer(cfg).train(); on out-of-memory apply the next in-process rung and go on
-    from the newest checkpoint. Returns (trainer, result, cfg that fit)."""
+    from the newest checkpoint; with none yet, from the start: every trainable tensor (adapters and
+    `peft.modules_to_save` copies) back to its initial value, and a new trainer brings a fresh
+    optimizer, scheduler, step count and seeded RNG. Returns (trainer, result, cfg that fit)."""
     record = OomRecord()
-    initial = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+    # A host copy: the restart must not hold a second device copy of large trainable tensors.
+    initial = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
+    fingerprint = data_fingerprint(cfg.data)
     while True:
         trainer = make_trainer(cfg)
+        if isinstance(trainer, GuardedTrainer):
+            trainer.data_fingerprint = fingerprint
         try:
             result = trainer.train(resume_from_checkpoint=resume_from)
             if record.attempts:
@@ -276,10 +312,18 @@ def train_with_oom_ladder(
             cfg, applied = rung
             log.warning("out of memory at step %d: retrying with %s", step, applied)
             resume_from = find_checkpoint(run_dir / "checkpoints")
-            if resume_from is None:  # nothing saved yet: restart from the untrained adapter
-                model.load_state_dict(initial, strict=False)
+            if resume_from is None:  # nothing saved yet: restart from the untrained start
+                _restore_trainable(model, initial)
             if cfg.trainer.gradient_checkpointing and not model.is_gradient_checkpointing:
                 model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": cfg.trainer.checkpointing_mode == "reentrant"}
                 )
                 model.enable_input_require_grads()
+
+
+def _restore_trainable(model, initial: dict) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in initial:
+                param.copy_(initial[name])
+            param.grad = None

@@ -33,19 +33,39 @@ def memory_figures(measured_gib: float, plan: dict, gpu: bool) -> dict:
 
 @torch.no_grad()
 def exact_match(
-    model, tokenizer, pairs: list, max_new_tokens: int, batch_size: int = 32, max_batch_tokens: int | None = None
+    model,
+    tokenizer,
+    pairs: list,
+    max_new_tokens: int,
+    batch_size: int = 32,
+    max_batch_tokens: int | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> float | None:
     """Fraction of (prompt, reference) pairs whose greedy continuation equals the reference
-    (surrounding whitespace ignored). None when there is nothing to score. `max_batch_tokens`
-    bounds each generation batch's positions (generation.generate)."""
+    (surrounding whitespace ignored). None when there is nothing to score.
+
+    Bounded whatever the eval rows hold: each prompt is cut to its last `max_prompt_tokens` tokens (pass
+    trainer.seq_len; without it, to what one batch of `max_batch_tokens` positions leaves beside
+    max_new_tokens), at most `max_new_tokens` are generated, and `max_batch_tokens` bounds each
+    generation batch's positions (generation.generate). Generation stops on every stop token of the
+    model and tokenizer (generation.stop_token_ids)."""
     if not pairs:
         return None
+    if max_prompt_tokens is None and max_batch_tokens:
+        max_prompt_tokens = max(1, int(max_batch_tokens) - int(max_new_tokens))
     was_training = model.training
     model.eval()
     try:
         prompts = [data_prompt(prompt) for prompt, _ in pairs]  # already formatted: the style is not used
         new = generate(
-            model, tokenizer, prompts, "plain", max_new_tokens, batch_size=batch_size, max_batch_tokens=max_batch_tokens
+            model,
+            tokenizer,
+            prompts,
+            "plain",
+            max_new_tokens,
+            batch_size=batch_size,
+            max_batch_tokens=max_batch_tokens,
+            max_prompt_tokens=max_prompt_tokens,
         )
     finally:
         model.train(was_training)

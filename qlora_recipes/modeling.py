@@ -77,25 +77,91 @@ def _planned_budgets(cfg: DictConfig) -> dict | None:
     return loader_max_memory(plan(cfg, world_size=1, ladder=False))
 
 
+# Attention per family. `model.attn_implementation` defaults to sdpa; a family whose transformers class
+# has no sdpa path says so (`_supports_sdpa = False`; transformers 5.23: Gemma 2, whose attention-logit
+# soft-capping sdpa cannot apply) and gets eager instead (conf/model/gemma2-9b.yaml names it too; the
+# planner counts gemma2 as eager by architecture, planner/components.eager). Other values are taken as
+# given; when transformers refuses one, the error names model.attn_implementation.
+_ATTENTION_WORDS = (
+    "attn_implementation",
+    "attention implementation",
+    "scaled_dot_product_attention",
+    "flashattention",
+    "flash_attn",
+    "flash attention",
+    "flex_attention",
+    "sdpa",
+)
+
+
+def _model_class(cfg: DictConfig):
+    """The transformers causal-LM class model.name_or_path loads as, or None when its config cannot be
+    read here (a hub id offline: loading reports that itself)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        config = AutoConfig.from_pretrained(**_source(cfg))
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except Exception:  # unreachable hub, unknown model type, remote code: from_pretrained says what is wrong
+        return None
+
+
+def attention_for(cfg: DictConfig) -> str:
+    """The attention implementation to load with: model.attn_implementation, except that the sdpa
+    default becomes eager for a family that has no sdpa path (logged)."""
+    requested = str(cfg.model.attn_implementation)
+    if requested != "sdpa":
+        return requested
+    cls = _model_class(cfg)
+    if cls is not None and not getattr(cls, "_supports_sdpa", True):
+        log.info(
+            "attention: eager for %s (transformers has no sdpa path for it; set model.attn_implementation to "
+            "choose another)",
+            cls.__name__,
+        )
+        return "eager"
+    return requested
+
+
+def _attention_error(err: Exception) -> bool:
+    text = str(err).lower()
+    return any(word in text for word in _ATTENTION_WORDS)
+
+
+def _attention_failed(cfg: DictConfig, attn: str, err: Exception) -> UserError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    first = first if len(first) <= 240 else first[:237] + "..."
+    return UserError(
+        f"model.attn_implementation={attn}: {cfg.model.name_or_path} cannot load with this attention ({first}); "
+        "set model.attn_implementation=eager (any model, any device) or sdpa where the model supports it"
+    )
+
+
 def load_model(cfg: DictConfig, run_dir: Path, max_memory: dict | None = None):
     """The base as the run trains it. `max_memory` is the planner's resolved budget map
     (planner.loader_max_memory); without one, offloading stacks plan it here."""
     from transformers import AutoModelForCausalLM
 
+    attn = attention_for(cfg)
     kwargs = dict(
         quantization_config=bnb_config(cfg),
         dtype=torch_dtype(cfg.precision.dtype),
         device_map=device_map(cfg),
         max_memory=max_memory if max_memory is not None else _planned_budgets(cfg),
         use_safetensors=True,
-        attn_implementation=cfg.model.attn_implementation,
+        attn_implementation=attn,
     )
     if cfg.offload.folder:
         folder = Path(cfg.offload.folder)
         kwargs["offload_folder"] = str(folder if folder.is_absolute() else run_dir / folder)
     try:
         model = AutoModelForCausalLM.from_pretrained(**_source(cfg), **kwargs)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, ImportError) as err:
+        if _attention_error(err):
+            raise _attention_failed(cfg, attn, err) from None
+        if isinstance(err, ImportError):
+            raise
         raise _load_failed(cfg, "weights", err) from None
     model.config.use_cache = False  # the KV cache only costs memory while training
     _keep_4bit_layout_trainable(model)

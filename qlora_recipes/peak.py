@@ -1,8 +1,11 @@
 """One run's own memory peak, the quantity the plan predicts for the device it runs on.
 
 GPU: `torch.cuda.max_memory_allocated`, its counter reset when the run starts (the plan's
-`peak_allocated_gib`). CPU: the process's resident set (RSS), sampled by a background thread from
-the run's start (so the load-time peak counts) to its end (the plan's cpu-device peak).
+`peak_allocated_gib`). CPU: the process's peak resident set (RSS) from the run's start (so the
+load-time peak counts) to its end (the plan's cpu-device peak). On Linux that is the kernel's own
+high-water mark (VmHWM in /proc/self/status), reset to the current RSS at the start by writing 5 to
+/proc/self/clear_refs: exact, however short the spike. Elsewhere (or where clear_refs is not
+writable) a background thread samples the RSS, which can miss a spike shorter than its interval.
 `ru_maxrss` is not used: it never resets within a process, so in an in-process multirun every job
 would report the cumulative maximum of the jobs before it. Light on imports: the sweep summary
 reads `planned_peak_gib` without torch.
@@ -31,6 +34,55 @@ def rss_bytes() -> int:
         return psutil.Process().memory_info().rss
 
 
+def reset_rss_high_water_mark() -> bool:
+    """Sets this process's VmHWM to its current RSS (Linux >= 4.0); False where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return rss_high_water_mark() is not None
+    except OSError:
+        return False
+
+
+def rss_high_water_mark() -> int | None:
+    """The kernel's peak RSS of this process since start or the last reset (VmHWM), or None."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+# glibc mallopt parameters (malloc.h) and the threshold this project pins on CPU runs.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_BYTES = 128 * 1024
+
+
+def pin_malloc_thresholds() -> bool:
+    """Makes a CPU process's RSS follow its live tensors (glibc only; False elsewhere).
+
+    glibc serves allocations of at least M_MMAP_THRESHOLD bytes with their own mmap, returned to
+    the OS on free; but each time such a block is freed it raises the threshold to that block's
+    size (up to 32 MiB), so later tensors of that size come from the heap, whose freed pages stay
+    resident. A CPU training step frees and allocates tensors of many sizes: RSS then creeps up
+    step after step and depends on the order of past allocations (the same step measured twice
+    differed by 40 %). Setting the thresholds explicitly turns the adjustment off: every tensor
+    of 128 KiB or more is mmapped and gone from RSS when freed, as the memory plan counts it."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(
+            libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+            and libc.mallopt(_M_TRIM_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        )
+    except (OSError, AttributeError):
+        return False
+
+
 def quantity(gpu: bool) -> str:
     return GPU_QUANTITY if gpu else CPU_QUANTITY
 
@@ -56,9 +108,10 @@ def planned_peak_gib(plan: dict, gpu: bool | None = None) -> float | None:
 class PeakTracker:
     """The peak of one run. `start()` at the run's start, `peak_gib()` any time, `stop()` at its end.
 
-    CPU: a daemon thread samples the RSS every `interval_s` seconds (also at start, at each read and
-    at stop); a spike shorter than the interval between samples can be missed. GPU: resets torch's
-    peak counter at start and reads it back (the device's allocations only, not host RSS)."""
+    CPU: the kernel's high-water mark, reset at start; where it cannot be reset, a daemon thread
+    samples the RSS every `interval_s` seconds (also at start, at each read and at stop), and a
+    spike shorter than the interval can be missed. GPU: resets torch's peak counter at start and
+    reads it back (the device's allocations only, not host RSS)."""
 
     def __init__(self, gpu: bool | None = None, interval_s: float = 0.02):
         if gpu is None:
@@ -67,6 +120,7 @@ class PeakTracker:
             gpu = torch.cuda.is_available()
         self.gpu, self.interval_s = gpu, interval_s
         self.quantity = quantity(gpu)
+        self.exact = False  # CPU: the kernel's high-water mark (else sampled)
         self._peak = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -78,6 +132,9 @@ class PeakTracker:
             torch.cuda.reset_peak_memory_stats()
             return self
         self._peak = rss_bytes()
+        self.exact = reset_rss_high_water_mark()
+        if self.exact:
+            return self
         self._stop.clear()
         self._thread = threading.Thread(target=self._sample, name="rss-peak", daemon=True)
         self._thread.start()
@@ -93,7 +150,7 @@ class PeakTracker:
             import torch
 
             return torch.cuda.max_memory_allocated() / GiB
-        self._peak = max(self._peak, rss_bytes())
+        self._peak = max(self._peak, rss_bytes(), (self.exact and rss_high_water_mark()) or 0)
         return self._peak / GiB
 
     def stop(self) -> float:

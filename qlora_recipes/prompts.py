@@ -1,18 +1,23 @@
-"""Prompts after training: read them from a file or a command line, and format them the way the run was trained.
+"""Prompts after training: read them from a file, stdin or a command line, and format them the way the run was trained.
 
-    read_prompts(file) -> [Prompt]                           # a text file (one a line) or JSON lines
-    render(tokenizer, prompt, style) -> (text, add_special_tokens)
+    read_prompts(file) -> [Prompt]                           # a text file (one a line), JSON lines, or - (stdin)
+    load_prompt_format(run_dir, style) -> PromptFormat       # how the run's data prompts looked
+    render(tokenizer, prompt, style_or_format) -> (text, add_special_tokens)
 
-A prompt is rendered the way the run's data was: with the tokenizer's chat template (and the
-generation prompt) when the data was chat (`messages`, or prompt/completion with message lists),
-inside the Alpaca template for `alpaca` data, as it is otherwise. Generation, the merge's logit
-comparison and the training metric all format prompts here.
+A plain prompt (a line someone typed) is rendered the way the run's data was: with the tokenizer's chat
+template (and the generation prompt, after the system message every training conversation started with)
+when the data was chat (`messages`, ShareGPT, or prompt/completion with message lists), inside the
+Alpaca template for `alpaca` data, and for prompt/completion data between the prefix and suffix every
+training prompt shared (`order: ` ... `\n` for the sample), unless it already carries them. A `formatted`
+prompt (a data row's prompt, or `--raw`) goes in as it is. Generation, the merge's logit comparison and
+the training metric all format prompts here.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,60 @@ class Prompt:
         if self.kind == "messages":
             return " | ".join(f"{m['role']}: {m['content']}" for m in self.value).replace("\n", "\\n")
         return str(self.value).replace("\n", "\\n")
+
+
+@dataclass
+class PromptFormat:
+    """How a run's data prompts looked (load_splits' `prompt_format`, saved in the run's metrics.json):
+    style "chat" (with the `system` message every conversation started with, if one), "alpaca", or
+    "plain" (with the `prefix` and `suffix` every prompt/completion prompt shared)."""
+
+    style: str = "plain"
+    prefix: str = ""
+    suffix: str = ""
+    system: str | None = None
+
+    @classmethod
+    def of(cls, value: Any) -> PromptFormat:
+        """A PromptFormat from itself, a `prompt_format` dict, or a bare style name."""
+        if isinstance(value, PromptFormat):
+            return value
+        if isinstance(value, dict):
+            return cls(
+                style=str(value.get("style") or "plain"),
+                prefix=str(value.get("prefix") or ""),
+                suffix=str(value.get("suffix") or ""),
+                system=value.get("system") or None,
+            )
+        return cls(style=str(value or "plain"))
+
+    def wrap(self, text: str) -> str:
+        """A plain prompt between the data's shared prefix and suffix, each added only where the text does
+        not already carry it (`dcba` and `order: dcba\\n` both become `order: dcba\\n`)."""
+        head = "" if text.startswith(self.prefix) else self.prefix
+        tail = "" if text.endswith(self.suffix) else self.suffix
+        return head + text + tail
+
+    def messages(self, text: str) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [{"role": "user", "content": text}]
+
+
+def load_prompt_format(run_dir: Path | None, style: str) -> PromptFormat:
+    """The prompt format of a run dir (its metrics.json `data.prompt_format`), with `style` (the run's,
+    or the one --chat / --no-chat forced); just the style when the run did not record one."""
+    recorded: dict = {}
+    if run_dir is not None and (Path(run_dir) / "metrics.json").is_file():
+        try:
+            recorded = (json.loads((Path(run_dir) / "metrics.json").read_text()).get("data") or {}).get(
+                "prompt_format"
+            ) or {}
+        except (json.JSONDecodeError, OSError, AttributeError):
+            recorded = {}
+    fmt = PromptFormat.of(recorded)
+    if fmt.style != style:  # forced: keep only what applies to the forced style
+        fmt = PromptFormat(style=style, system=fmt.system if style == "chat" else None)
+    return fmt
 
 
 def unescape(text: str) -> str:
@@ -76,9 +135,11 @@ def _row_prompt(row: Any, where: str) -> Prompt:
 
 
 def read_prompts(path: str | Path) -> list[Prompt]:
-    """Prompts from a file: `.jsonl` / `.json` lines (strings, or rows in any training-data format:
-    the prompt part is used), otherwise one prompt per non-empty line (with `\\n` escapes)."""
+    """Prompts from a file (`-`: stdin): `.jsonl` / `.json` lines (strings, or rows in any training-data
+    format: the prompt part is used), otherwise one prompt per non-empty line (with `\\n` escapes)."""
     raw = str(path)
+    if raw == "-":
+        return parse_prompts(sys.stdin.read(), "stdin", jsonl=False)
     path = Path(raw).expanduser()
     if not path.exists():
         raise UserError(f"prompts file {raw}: no such file; give a text file with one prompt per line")
@@ -88,10 +149,15 @@ def read_prompts(path: str | Path) -> list[Prompt]:
         text = path.read_text(encoding="utf-8-sig")
     except (UnicodeDecodeError, OSError) as err:
         raise UserError(f"prompts file {raw}: cannot be read as UTF-8 text ({err})") from None
+    return parse_prompts(text, raw, jsonl=path.suffix.lower() in (".jsonl", ".json"))
+
+
+def parse_prompts(text: str, raw: str, jsonl: bool) -> list[Prompt]:
+    """Prompts from the text of a prompts file (`raw` names it): JSON lines, or one prompt a line."""
     lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
     if not lines:
         raise UserError(f"prompts file {raw}: empty, no prompts; put one prompt per line (or JSON lines with a prompt)")
-    if path.suffix.lower() in (".jsonl", ".json"):
+    if jsonl:
         prompts = []
         for n, line in lines:
             try:
@@ -105,22 +171,24 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     return [Prompt("text", unescape(line)) for _, line in lines]
 
 
-def render(tokenizer, prompt: Prompt, style: str) -> tuple[str, bool]:
-    """(the text to tokenize, whether the tokenizer should add its special tokens)."""
+def render(tokenizer, prompt: Prompt, style: str | PromptFormat | dict) -> tuple[str, bool]:
+    """(the text to tokenize, whether the tokenizer should add its special tokens). `style` is the run's
+    PromptFormat (or just its style name: chat, alpaca, plain)."""
+    fmt = PromptFormat.of(style)
     if prompt.kind == "text":
-        if style == "chat":
-            prompt = Prompt("messages", [{"role": "user", "content": prompt.value}])
-        elif style == "alpaca":
-            from . import data  # (imports datasets: only when needed)
+        if fmt.style == "chat":
+            prompt = Prompt("messages", fmt.messages(prompt.value))
+        elif fmt.style == "alpaca":
+            from .data.formats import alpaca_prompt  # (imports datasets: only when needed)
 
-            prompt = Prompt("formatted", data.alpaca_prompt(prompt.value))
+            prompt = Prompt("formatted", alpaca_prompt(prompt.value))
         else:
-            prompt = Prompt("formatted", prompt.value)
+            prompt = Prompt("formatted", fmt.wrap(prompt.value))
     if prompt.kind == "messages":
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(
                 "chat prompts need a tokenizer with a chat template, and this one has none; "
-                "pass plain prompts (without --chat)"
+                "pass plain prompts (without --chat, or with --raw)"
             )
         text = tokenizer.apply_chat_template(prompt.value, tokenize=False, add_generation_prompt=True)
         return text, False  # the template writes the special tokens itself

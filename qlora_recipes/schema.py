@@ -48,9 +48,13 @@ class DataConfig:
     packing_strategy: str = "bfd"  # TRL's, with packing: bfd | bfd_split | wrapped (see padding_free_on)
     padding_free: bool = False  # each micro-batch one flat row of real tokens, no pads (TRL padding_free)
     completion_only_loss: bool = True  # loss on completions / assistant turns only
-    metric: str | None = None  # exact_match: greedy generations vs references on eval
+    metric: str | None = None  # null: eval loss (and perplexity) only; exact_match: greedy generations vs references
     metric_examples: int = 64  # eval rows used for the generation metric
     max_new_tokens: int = 32
+    # Chat data (messages, ShareGPT, chat prompt/completion): null or "tokenizer" = the tokenizer's own
+    # template; a built-in name (data.chat.BUILTIN_TEMPLATES: chatml, llama3, gemma, mistral); or a .jinja file.
+    chat_template: str | None = None
+    too_long: str = "truncate"  # rows longer than trainer.seq_len: truncate (keep the first seq_len tokens) | drop
 
 
 # The options of keys with a fixed set of values; validate.py and the planner both check against these.
@@ -93,7 +97,8 @@ class OptimConfig:
     name: str = "paged_adamw_8bit"  # the transformers `optim` string
     lr: float = "${model.lora_lr}"  # type: ignore[assignment]  # per model size unless set
     scheduler: str = "cosine"
-    warmup_ratio: float = 0.03
+    warmup_ratio: float = 0.03  # a fraction of the total steps, in [0, 1)
+    warmup_steps: int = 0  # a number of warmup steps; when > 0 it is used instead of warmup_ratio
     weight_decay: float = 0.0
     max_grad_norm: float = 0.3
     beta1: float = 0.9
@@ -201,6 +206,25 @@ def register_schemas() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     if not OmegaConf.has_resolver("shipped"):
         OmegaConf.register_new_resolver("shipped", shipped_path)
+    if not OmegaConf.has_resolver("if_data_path"):
+        OmegaConf.register_new_resolver("if_data_path", if_data_path)
+
+
+def if_data_path(path: str, value: Any, otherwise: Any = None, *, _parent_: Any) -> Any:
+    """`${if_data_path:PATH,VALUE[,OTHERWISE]}` in a data option file: VALUE while the data node's `path` is
+    PATH, OTHERWISE (default null) once `data.path=...` points elsewhere. conf/data/order.yaml ties the
+    shipped sample's eval file, metric and generation length to the sample this way, so a user's own
+    `data.path` starts from the generic defaults instead of inheriting them."""
+    from pathlib import Path
+
+    current = cfg_get(_parent_, "path")
+    if current is None:
+        return otherwise
+    if str(current) == str(path):
+        return value
+    a, b = Path(str(current)).expanduser(), Path(str(path)).expanduser()
+    same = a.exists() and b.exists() and a.resolve() == b.resolve()
+    return value if same else otherwise
 
 
 def compose(overrides: list[str]):

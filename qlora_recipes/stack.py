@@ -11,6 +11,39 @@ from omegaconf import DictConfig
 from .units import torch_dtype
 
 
+def skip_modules(cfg: DictConfig) -> list[str] | None:
+    """What bitsandbytes leaves unquantized. None: transformers' default (the output embedding, tied
+    weights). A `quant.skip_modules` list *replaces* that default in transformers, which would
+    quantize the output head (TRL's fused LM head then fails in training), so the default is added
+    back: the output embedding always stays unquantized."""
+    user = [str(m) for m in cfg.quant.skip_modules]
+    if not user:
+        return None
+    return sorted(set(user) | set(output_modules(cfg)))
+
+
+def output_modules(cfg: DictConfig) -> list[str]:
+    """transformers' own default skip list for this model (output embedding, tied weights, last
+    module: `get_keys_to_not_convert`), from an empty-weights skeleton of its config; `lm_head`
+    when the config cannot be read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    path = str(cfg.model.name_or_path)
+    local = Path(path).expanduser()
+    remote = cfg.model.trust_remote_code
+    try:
+        config = AutoConfig.from_pretrained(
+            str(local) if local.is_dir() else path, trust_remote_code=remote, revision=cfg.model.revision
+        )
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+        return sorted(get_keys_to_not_convert(skeleton))
+    except (OSError, ValueError, KeyError, ImportError):  # no config here: the name every known family uses
+        return ["lm_head"]
+
+
 def bnb_config(cfg: DictConfig):
     """The quantization config for from_pretrained, or None for quant=none."""
     from transformers import BitsAndBytesConfig
@@ -25,14 +58,14 @@ def bnb_config(cfg: DictConfig):
             bnb_4bit_use_double_quant=quant.double_quant,
             bnb_4bit_compute_dtype=torch_dtype(quant.compute_dtype),
             bnb_4bit_quant_storage=torch_dtype(quant.storage_dtype),
-            llm_int8_skip_modules=list(quant.skip_modules) or None,
+            llm_int8_skip_modules=skip_modules(cfg),
             llm_int8_enable_fp32_cpu_offload=cpu_offload,
         )
     if quant.method == "int8":
         return BitsAndBytesConfig(
             load_in_8bit=True,
             llm_int8_threshold=quant.int8_threshold,
-            llm_int8_skip_modules=list(quant.skip_modules) or None,
+            llm_int8_skip_modules=skip_modules(cfg),
             llm_int8_enable_fp32_cpu_offload=cpu_offload,
         )
     return None
@@ -74,7 +107,8 @@ def sft_config(cfg: DictConfig, run_dir: Path, data_format: str, on_gpu: bool, h
         num_train_epochs=t.epochs,
         learning_rate=o.lr,
         lr_scheduler_type=o.scheduler,
-        warmup_steps=o.warmup_ratio,  # transformers 5: a float < 1 is a ratio of the total steps
+        # transformers 5 has one key: a float < 1 is a ratio of the total steps, >= 1 a number of steps
+        warmup_steps=o.warmup_steps if o.warmup_steps > 0 else float(o.warmup_ratio),
         weight_decay=o.weight_decay,
         max_grad_norm=o.max_grad_norm,
         adam_beta1=o.beta1,

@@ -1,7 +1,8 @@
 """One training run end to end: `train(cfg, run_dir)` is what `qlora train` and `python train.py` call.
 
-Order: validate -> plan (refuse before loading what cannot fit) -> tokenizer -> data -> model
-(quantized, device map) -> k-bit prep + adapters -> TRL SFTTrainer, guarded (atomic checkpoints,
+Order: validate (config, model dir, target modules) -> plan -> tokenizer -> data, all before
+anything is written (a plan that does not fit writes config.yaml and plan.json, for its ladder, and
+is refused) -> config.yaml + plan.json -> model (quantized, device map) -> k-bit prep + adapters -> TRL SFTTrainer, guarded (atomic checkpoints,
 NaN stop, OOM ladder, preemption) -> eval -> adapter + metrics.json. Tests call `train` in-process.
 """
 
@@ -17,9 +18,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import data, lifecycle, metrics, modeling, planner, stack
+from . import data, dist, lifecycle, metrics, modeling, planner, stack
+from .checkpoints import find_checkpoint
+from .cli import sigint_deferred
 from .console import print_stack
-from .peak import PeakTracker, planned_peak_gib
+from .modelcheck import validate_model
+from .peak import PeakTracker, pin_malloc_thresholds, planned_peak_gib
+from .resume import AlreadyComplete, resume_checkpoint
+from .rundir_lock import RunDirLock
 from .validate import validate
 
 log = logging.getLogger("train")
@@ -39,29 +45,38 @@ class _Fitted:
     seconds: float
 
 
-def train(cfg: DictConfig, run_dir: Path, choices: dict | None = None) -> dict:
+def train(cfg: DictConfig, run_dir: Path, choices: dict | None = None, on_write=None) -> dict:
     """Run one stack end to end; returns the metrics also written to run_dir/metrics.json.
+    `on_write()` runs where the run dir is first written (the caller's own files, e.g. Hydra's).
 
     The run's memory peak is its own (peak.py): tracked from here, so loading counts, to the end,
     so an earlier run in the same process (a Hydra multirun) does not leak into it."""
-    tracker = PeakTracker(modeling.on_gpu()).start()
+    gpu = modeling.on_gpu()
+    if not gpu:
+        pin_malloc_thresholds()  # CPU: RSS follows the live tensors, as the plan counts them (peak.py)
+    tracker = PeakTracker(gpu).start()
     try:
-        return _train(cfg, run_dir, choices, tracker)
+        with RunDirLock(run_dir, enabled=_main_rank()):  # one run per run dir
+            return _train(cfg, run_dir, choices, tracker, on_write)
     finally:
         tracker.stop()
 
 
-def _train(cfg: DictConfig, run_dir: Path, choices: dict | None, tracker: PeakTracker) -> dict:
+def _train(cfg: DictConfig, run_dir: Path, choices: dict | None, tracker: PeakTracker, on_write=None) -> dict:
     from transformers import set_seed
 
     started = time.time()
-    run_dir.mkdir(parents=True, exist_ok=True)
     gpu = modeling.on_gpu()
-    plan, resume_from = _check_and_plan(cfg, run_dir, choices, gpu)
+    try:
+        plan, resume_from = _check_and_plan(cfg, run_dir, choices, gpu, on_write)
+    except AlreadyComplete as done:  # resume=auto on a finished run: nothing to do, exit 0
+        log.warning("%s", done)
+        return done.metrics
 
     set_seed(cfg.seed)
     tokenizer = modeling.load_tokenizer(cfg)
     train_ds, eval_ds, data_stats = data.load_splits(cfg.data, tokenizer, cfg.trainer.seq_len, cfg.seed)
+    _write_run_files(cfg, run_dir, choices, plan, on_write)  # every check has passed
     model = modeling.make_trainable(cfg, modeling.load_model(cfg, run_dir, planner.loader_max_memory(plan)))
     trainable, total = model.get_nb_trainable_parameters()
     log.info("trainable params: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
@@ -79,7 +94,11 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict | None, tracker: PeakTr
         _save_adapter(fitted.trainer, tokenizer, run_dir)
         out = {**_run_figures(fitted, plan, resume_from), **scores, "wall_s": time.time() - started, "data": data_stats}
         out.update(metrics.memory_figures(tracker.peak_gib(), plan, tracker.gpu))  # after eval and saving
-        out["adapter_sha256"] = metrics.trainable_digest(model)  # equal on every DDP rank
+        sharded = cfg.dist.strategy in dist.SHARDED  # whole weights gathered; this rank's share, measured
+        out["adapter_sha256"] = dist.adapter_digest(fitted.trainer) if sharded else metrics.trainable_digest(model)
+        out["adapter_sha256_step0"] = getattr(fitted.trainer, "adapter_sha256_step0", None)  # equal on every rank
+        if sharded:
+            out["sharding"] = dist.sharding_figures(fitted.trainer)
         rank = int(os.environ.get("RANK", 0))
         metrics.write_metrics(run_dir, out, name="metrics.json" if _main_rank() else f"metrics.rank{rank}.json")
     finally:
@@ -89,17 +108,33 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict | None, tracker: PeakTr
     return out
 
 
-def _check_and_plan(cfg: DictConfig, run_dir: Path, choices: dict | None, gpu: bool) -> tuple[dict, str | None]:
-    """Everything that can refuse a run, before any weight is loaded; writes config.yaml and plan.json."""
+def _check_and_plan(cfg: DictConfig, run_dir: Path, choices: dict | None, gpu: bool, on_write=None) -> tuple:
+    """Everything that can refuse a run from its config and model dir, before anything is loaded or
+    written; a plan that does not fit is written (config.yaml, plan.json with its ladder), then refused."""
     validate(cfg, gpu_available=gpu)
-    resume_from = lifecycle.resume_checkpoint(cfg, run_dir)  # checks the saved config first
-    plan = planner.plan(cfg)  # one rank's share under FSDP/ZeRO-3, the whole stack otherwise
-    if _main_rank():
-        print_stack(cfg, choices)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        planner.write_plan(plan, run_dir)
+    validate_model(cfg)
+    resume_from = resume_checkpoint(cfg, run_dir)  # checks the saved config first
+    # one rank's share under FSDP/ZeRO-3 on GPUs, the whole stack otherwise; CPU ranks (gloo) are
+    # planned as one whole replica each, an upper bound (the per-rank view is of GPUs)
+    cpu_shards = not gpu and cfg.dist.strategy in planner.SHARDED
+    plan = planner.plan(cfg, world_size=1 if cpu_shards else None)
+    if not (plan["fits"] or cfg.force):
+        _write_run_files(cfg, run_dir, choices, plan, on_write)
     planner.refuse_unless_fits(plan, force=cfg.force)
     return plan, resume_from
+
+
+def _write_run_files(cfg: DictConfig, run_dir: Path, choices: dict | None, plan: dict, on_write=None) -> None:
+    """config.yaml and plan.json (and the caller's files), all or none: Ctrl-C waits for the group."""
+    if not _main_rank():
+        return
+    print_stack(cfg, choices)
+    with sigint_deferred():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        planner.write_plan(plan, run_dir)
+        if on_write is not None:
+            on_write()
 
 
 def _tensorboard(run_dir: Path):
@@ -125,7 +160,8 @@ def _fit(cfg, run_dir, model, tokenizer, splits, data_format, plan, resume_from,
         tb_callback = TensorBoardCallback(tb_writer=tb)
         tb_callback.logging_dir = str(run_dir / "tb")  # where it reopens after train() closes it
         memory_log = MemoryLogger(run_dir, c.trainer.memory_log_steps, tb, tracker, planned)
-        return lifecycle.GuardedTrainer(
+        dist.prepare_ranks(c, gpu)
+        trainer = lifecycle.GuardedTrainer(
             model=model,
             args=stack.sft_config(c, run_dir, data_format, gpu, eval_ds is not None),
             train_dataset=train_ds,
@@ -133,6 +169,8 @@ def _fit(cfg, run_dir, model, tokenizer, splits, data_format, plan, resume_from,
             processing_class=tokenizer,
             callbacks=[memory_log, tb_callback, preemption],
         )
+        trainer.adapter_sha256_step0 = dist.sync_adapters(model)  # every rank starts from rank 0's adapters
+        return trainer
 
     started = time.time()
     preemption.install()
@@ -144,7 +182,7 @@ def _fit(cfg, run_dir, model, tokenizer, splits, data_format, plan, resume_from,
         preemption.uninstall()
     if preemption.received:
         step = trainer.state.global_step
-        checkpoint = lifecycle.find_checkpoint(run_dir / "checkpoints")
+        checkpoint = find_checkpoint(run_dir / "checkpoints")
         status = {"status": "preempted", "signal": preemption.received, "steps": step, "checkpoint": checkpoint}
         metrics.write_metrics(run_dir, status)
         raise lifecycle.Preempted(preemption.received, step, checkpoint)
@@ -152,11 +190,17 @@ def _fit(cfg, run_dir, model, tokenizer, splits, data_format, plan, resume_from,
 
 
 def _exact_match(cfg, model, tokenizer, pairs) -> float | None:
-    """The task metric, its generation batches no larger than an eval batch (eval_batch_size x
-    seq_len positions), the bound the memory plan counts (planner/loss.py)."""
+    """The task metric: prompts cut to seq_len tokens, at most max_new_tokens generated, batches no
+    larger than an eval batch (eval_batch_size x seq_len positions): the bound the memory plan
+    counts (planner/loss.py)."""
     t = cfg.trainer
     return metrics.exact_match(
-        model, tokenizer, pairs, cfg.data.max_new_tokens, max_batch_tokens=t.eval_batch_size * t.seq_len
+        model,
+        tokenizer,
+        pairs,
+        cfg.data.max_new_tokens,
+        max_batch_tokens=t.eval_batch_size * t.seq_len,
+        max_prompt_tokens=t.seq_len,
     )
 
 
@@ -204,7 +248,8 @@ def _run_figures(fitted: _Fitted, plan: dict, resume_from: str | None) -> dict:
 def _save_adapter(trainer, tokenizer, run_dir: Path) -> None:
     """The adapter dir appears complete or not at all (written aside, then renamed)."""
     staging = run_dir / "adapter.partial"
-    trainer.save_model(str(staging))  # gathers a full state dict under FSDP; rank 0 writes
+    if not dist.save_gathered_adapter(trainer, str(staging), _main_rank()):
+        trainer.save_model(str(staging))  # rank 0 writes (ZeRO-3 gathers the adapter first)
     if _main_rank():
         tokenizer.save_pretrained(staging)
         shutil.rmtree(run_dir / "adapter", ignore_errors=True)

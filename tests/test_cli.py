@@ -3,6 +3,8 @@
 import csv
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 
@@ -55,7 +57,8 @@ def test_smoke_run_from_another_directory_writes_a_run_dir(tmp_path):
 def test_bad_input_gets_one_line(args, needles, tmp_path):
     proc = run(*SMOKE, *args, f"hydra.run.dir={tmp_path / 'run'}")
     assert_one_line_error(proc, *needles)
-    assert not (tmp_path / "run" / "metrics.json").exists()  # nothing half-written
+    assert not (tmp_path / "run").exists()  # nothing written, not even Hydra's .hydra/
+    assert "Error executing job" not in proc.stderr
 
 
 def test_malformed_data_row_names_file_row_and_field(tmp_path):
@@ -63,6 +66,50 @@ def test_malformed_data_row_names_file_row_and_field(tmp_path):
     bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n')
     proc = run(*SMOKE, f"data.path={bad}", "data.eval_path=null", f"hydra.run.dir={tmp_path / 'run'}")
     assert_one_line_error(proc, "train.jsonl line 2", "completion")
+    assert not (tmp_path / "run").exists()  # the data is checked before config.yaml and plan.json
+
+
+def _interrupt_when(marker: str, run_dir, *args: str) -> tuple[subprocess.Popen, str]:
+    """Start a run, send SIGINT (Ctrl-C) once `marker` appears on stdout; (process, stderr)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-u", str(REPO / "train.py"), *SMOKE, *args, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in proc.stdout:
+        if marker in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    _, stderr = proc.communicate(timeout=600)
+    return proc, stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_loading_the_model_keeps_only_whole_files(tmp_path):
+    run_dir = tmp_path / "run"
+    proc, stderr = _interrupt_when("quant = nf4", run_dir, "trainer.max_steps=200")  # the tree: checks passed
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    assert len([ln for ln in stderr.splitlines() if ln.startswith("stopped by SIGINT")]) == 1, stderr[-2000:]
+    if not run_dir.exists():  # the signal came before the run's files were written: none are
+        assert "stopped by SIGINT (Ctrl-C) before anything was written" in stderr
+        return
+    assert {p.name for p in run_dir.iterdir()} <= {".hydra", "config.yaml", "plan.json", "tb"}
+    assert json.loads((run_dir / "plan.json").read_text())["fits"] and "quant:" in (run_dir / "config.yaml").read_text()
+    assert (run_dir / ".hydra" / "overrides.yaml").is_file()  # the group is whole
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_training_saves_and_prints_a_resume_command_that_pastes(tmp_path):
+    run_dir = tmp_path / "my runs" / "run"  # a space: the hint must quote it
+    proc, stderr = _interrupt_when("'loss'", run_dir, "trainer.max_steps=200")
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    line = next(ln for ln in stderr.splitlines() if ln.startswith("stopped by SIGINT at step"))
+    argv = shlex.split(line.split("resume with: ", 1)[1])
+    assert argv[:2] == ["python", "train.py"] and f"hydra.run.dir={run_dir}" in argv and "resume=auto" in argv
+    assert (run_dir / "checkpoints").is_dir()
 
 
 def test_multirun_launches_one_job_per_combination_and_summarises(tmp_path):

@@ -367,7 +367,8 @@ def test_messages_problems(tmp_path, tok):
 def test_unknown_format_name(tmp_path, tok):
     path = write(tmp_path / "t.jsonl", ROWS["text"])
     user_error(
-        r"data\.format: unknown format 'chatml'; use one of auto, alpaca, messages, prompt_completion, text",
+        r"data\.format: unknown format 'chatml'; use one of auto, alpaca, messages, sharegpt, prompt_completion, "
+        r"text \(a chat template\? set data\.chat_template=chatml\)",
         load_splits,
         cfg(path, format="chatml"),
         tok,
@@ -639,3 +640,278 @@ def test_truncation_is_counted_like_trl_does_it(tmp_path, tok, caplog):
     user_error(
         r"trainer\.seq_len: at 24 tokens no train example keeps a completion token", load_splits, only_long, tok, 24, 0
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# ShareGPT, chat templates (data.chat_template) and their label masks
+# --------------------------------------------------------------------------------------------------
+
+SHAREGPT = [
+    {
+        "conversations": [
+            {"from": "system", "value": "be brief"},
+            {"from": "human", "value": "sort: cba"},
+            {"from": "gpt", "value": "abc"},
+        ]
+    },
+    {
+        "conversations": [
+            {"from": "User", "value": "hi"},
+            {"from": "ChatGPT", "value": "yo"},
+            {"from": "user", "value": "max: abz"},
+            {"from": "assistant", "value": "z"},
+        ]
+    },
+    {"conversations": [{"from": "human", "value": "first: qrs"}, {"from": "bot", "value": "q"}]},
+    {"conversations": [{"from": "human", "value": "last: qrs"}, {"from": "model", "value": "s"}]},
+]
+
+
+def test_sharegpt_rows_become_messages_from_every_source(tmp_path, tok):
+    expected = [
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "sort: cba"},
+            {"role": "assistant", "content": "abc"},
+        ],
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "max: abz"},
+            {"role": "assistant", "content": "z"},
+        ],
+        [{"role": "user", "content": "first: qrs"}, {"role": "assistant", "content": "q"}],
+        [{"role": "user", "content": "last: qrs"}, {"role": "assistant", "content": "s"}],
+    ]
+    for kind in (".jsonl", ".json", ".csv", ".parquet"):
+        path = write(tmp_path / f"sg{kind}", SHAREGPT, kind)
+        for fmt in ("auto", "sharegpt"):
+            train, _, stats = load_splits(cfg(path, format=fmt), tok, 256, 0)
+            assert stats["format"] == "messages" and stats["detected"] == "sharegpt" and stats["conversational"]
+            assert train["messages"] == expected, kind
+    # ShareGPT turns under a `messages` key are read as ShareGPT too
+    under_messages = [{"messages": r["conversations"]} for r in SHAREGPT]
+    train, _, stats = load_splits(cfg(write(tmp_path / "m.jsonl", under_messages)), tok, 256, 0)
+    assert stats["detected"] == "sharegpt" and train["messages"] == expected
+    # and what TRL is told: assistant-only loss, like messages
+    assert format_kwargs(cfg("x"), "sharegpt") == format_kwargs(cfg("x"), "messages")
+    assert generation_pairs(train, "sharegpt", 1) == [(expected[0][:2], "abc")]
+
+
+def test_sharegpt_problems_name_the_turn(tmp_path, tok):
+    cases = [
+        (
+            [{"from": "human", "value": "x"}, {"from": "robot", "value": "y"}],
+            r"'conversations\[1\]\.from' is an unknown",
+        ),
+        ([{"from": "human", "value": "x"}, {"value": "y"}], r"'conversations\[1\]\.from' is missing"),
+        ([{"from": "human", "value": "x"}, {"from": "gpt"}], r"'conversations\[1\]\.value' is missing"),
+        (
+            [{"from": "human", "value": "x"}, {"from": "gpt", "value": 3}],
+            r"'conversations\[1\]\.value' must be a string",
+        ),
+        ([{"from": "human", "value": "x"}], r"field 'conversations' has no gpt/assistant turn"),
+        ("hello", r"field 'conversations' must be a list of \{from, value\}"),
+    ]
+    for bad, match in cases:
+        path = write(tmp_path / "s.jsonl", [SHAREGPT[0], {"conversations": bad}])
+        user_error(r"s\.jsonl line 2: field " + match.removeprefix("field "), load_splits, cfg(path), tok, 256, 0)
+
+
+def _labelled_runs(tok, ids, labels):
+    runs, current = [], []
+    for token, label in zip(ids, labels, strict=True):
+        if label == -100:
+            if current:
+                runs.append(current)
+                current = []
+        else:
+            assert label == token
+            current.append(label)
+    if current:
+        runs.append(current)
+    return [tok.decode(r) for r in runs]
+
+
+@pytest.mark.parametrize(
+    "template, end",
+    [("chatml", "<|im_end|>"), ("llama3", "<|eot_id|>"), ("gemma", "<end_of_turn>"), ("mistral", "</s>")],
+)
+def test_builtin_templates_train_on_assistant_turns_only(tmp_path, tok, template, end):
+    """ShareGPT data through data.chat_template=<built-in> and TRL's own SFTTrainer pipeline: the labels keep
+    exactly each assistant reply and its end-of-turn marker (so the model learns to stop); system, user
+    turns and role headers are -100."""
+    from transformers import AutoTokenizer
+
+    from qlora_recipes.data.chat import BUILTIN_TEMPLATES, end_of_turn
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    data_cfg = cfg(write(tmp_path / "sg.jsonl", SHAREGPT), chat_template=template)
+    train, _, stats = load_splits(data_cfg, tokenizer, 256, 0)
+    assert stats["chat_template"] == f"built-in {template}"
+    assert tokenizer.chat_template == BUILTIN_TEMPLATES[template]  # what TRL and the saved tokenizer use
+    assert end_of_turn(tokenizer) == end
+    _, batch = trl_batch(tmp_path, tokenizer, train, data_cfg, stats["format"], max_length=256)
+    assert len(batch) == len(SHAREGPT)
+    for messages in train["messages"]:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        lead = " " if template == "mistral" else ""
+        replies = [lead + m["content"] + end for m in messages if m["role"] == "assistant"]
+        assert _labelled_runs(tokenizer, ids, batch[tuple(ids)]) == replies
+        for m in messages:  # no user or system text is trained
+            if m["role"] != "assistant":
+                assert all(m["content"] not in run for run in replies)
+
+
+def test_chat_template_from_a_file_and_bad_options(tmp_path, tok):
+    from transformers import AutoTokenizer
+
+    from qlora_recipes.data.chat import CHATML
+
+    path = tmp_path / "mine.jinja"
+    path.write_text(CHATML.replace("<|im_start|>", "<<").replace("<|im_end|>", ">>"))
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    train, _, stats = load_splits(
+        cfg(write(tmp_path / "sg.jsonl", SHAREGPT), chat_template=str(path)), tokenizer, 256, 0
+    )
+    assert stats["chat_template"] == str(path) and tokenizer.chat_template.startswith("{%- for message")
+    text = tokenizer.apply_chat_template(train["messages"][2], tokenize=False)
+    assert text == "<<user\nfirst: qrs>>\n<<assistant\nq>>\n"
+    user_error(
+        r"data\.chat_template=nope: not a built-in template \(chatml, llama3, gemma, mistral, or tokenizer",
+        load_splits,
+        cfg(write(tmp_path / "sg.jsonl", SHAREGPT), chat_template="nope"),
+        tokenizer,
+        256,
+        0,
+    )
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m['content'] }")
+    user_error(
+        r"data\.chat_template \(.*broken\.jinja\): the template does not render",
+        load_splits,
+        cfg(write(tmp_path / "sg.jsonl", SHAREGPT), chat_template=str(broken)),
+        AutoTokenizer.from_pretrained(TINY),
+        256,
+        0,
+    )
+
+
+@pytest.mark.parametrize("rows", ["sharegpt", "messages", "chat_prompt_completion"])
+def test_chat_data_without_a_template_names_the_option(tmp_path, rows):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    tokenizer.chat_template = None  # a base model's tokenizer
+    data = {
+        "sharegpt": SHAREGPT,
+        "messages": ROWS["messages"],
+        "chat_prompt_completion": [
+            {"prompt": [{"role": "user", "content": "x"}], "completion": [{"role": "assistant", "content": "y"}]}
+        ]
+        * 2,
+    }[rows]
+    path = write(tmp_path / "c.jsonl", data)
+    msg = user_error(
+        r"chat data needs a chat template and this tokenizer has none; set data\.chat_template",
+        load_splits,
+        cfg(path),
+        tokenizer,
+        256,
+        0,
+    )
+    assert "chatml" in msg and "llama3" in msg
+    # the option fixes it
+    _, _, stats = load_splits(cfg(path, chat_template="llama3"), tokenizer, 256, 0)
+    assert stats["chat_template"] == "built-in llama3"
+
+
+def test_tokenizer_template_without_generation_markers_points_at_the_builtins(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    user_error(
+        r"no \{% generation %\} markers .* set data\.chat_template to a built-in \(chatml, llama3",
+        load_splits,
+        cfg(write(tmp_path / "m.jsonl", ROWS["messages"])),
+        tokenizer,
+        256,
+        0,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Rows over trainer.seq_len: truncated (counted) or dropped (data.too_long=drop), train and eval alike
+# --------------------------------------------------------------------------------------------------
+
+LONG_ROWS = [
+    {"prompt": "order: ab\n", "completion": "ab"},  # 14 tokens
+    {"prompt": "order: cb\n", "completion": "x" * 30},  # 41 tokens: over 24
+    {"prompt": "order: dc\n", "completion": "cd"},
+    {"prompt": "y" * 40, "completion": "z"},  # 43 tokens: over, nothing trained is left within 24
+]
+
+
+def test_too_long_rows_are_truncated_and_counted_in_train_and_eval(tmp_path, tok, caplog):
+    path = write(tmp_path / "t.jsonl", LONG_ROWS)
+    eval_path = write(tmp_path / "e.jsonl", LONG_ROWS[1:3])
+    with caplog.at_level("INFO", logger="qlora_recipes.data"):
+        train, eval_ds, stats = load_splits(cfg(path, eval_path=str(eval_path)), tok, 24, 0)
+    assert stats["too_long"] == "truncate"
+    assert stats["over_seq_len"] == {"train": 2, "eval": 1}
+    assert stats["truncated"] == {"train": 1, "eval": 1}  # kept, cut to 24 tokens by TRL
+    assert stats["dropped_by_truncation"] == {"train": 1, "eval": 0}  # TRL drops the one with no completion left
+    assert stats["dropped_too_long"] == {"train": 0, "eval": 0}
+    assert (len(train), len(eval_ds)) == (4, 2)
+    assert "1 of 2 eval examples are longer than trainer.seq_len=24" in caplog.text
+    summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: ")]
+    assert len(summary) == 1
+    assert "over trainer.seq_len=24: 2 train / 1 eval rows truncated" in summary[0]
+
+
+def test_too_long_drop_removes_them_from_train_and_eval(tmp_path, tok, caplog):
+    path = write(tmp_path / "t.jsonl", LONG_ROWS)
+    eval_path = write(tmp_path / "e.jsonl", LONG_ROWS[1:3])
+    with caplog.at_level("INFO", logger="qlora_recipes.data"):
+        train, eval_ds, stats = load_splits(cfg(path, eval_path=str(eval_path), too_long="drop"), tok, 24, 0)
+    assert stats["dropped_too_long"] == {"train": 2, "eval": 1}
+    assert stats["truncated"] == {"train": 0, "eval": 0} and stats["rows"] == {"train": 2, "eval": 1}
+    assert list(train["completion"]) == ["ab", "cd"] and list(eval_ds["completion"]) == ["cd"]
+    assert "2 of 4 train examples are longer than trainer.seq_len=24 tokens (longest 43) and are dropped" in caplog.text
+    assert "2 train / 1 eval rows dropped" in caplog.text
+    # nothing TRL would have to truncate is left
+    trainer, batch = trl_batch(tmp_path, tok, train, cfg(path), stats["format"], max_length=24)
+    assert len(trainer.train_dataset) == 2 and all(len(ids) <= 24 for ids in batch)
+    user_error(
+        r"trainer\.seq_len: all 2 train examples .* are longer than 24 tokens .* data\.too_long=drop drops them all",
+        load_splits,
+        cfg(write(tmp_path / "long.jsonl", LONG_ROWS[1::2]), too_long="drop"),
+        tok,
+        24,
+        0,
+    )
+    user_error(r"data\.too_long='cut' is not an option", load_splits, cfg(path, too_long="cut"), tok, 24, 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The prompt format generation reuses
+# --------------------------------------------------------------------------------------------------
+
+
+def test_prompt_format_is_recorded_per_format(tmp_path, tok):
+    from qlora_recipes.data.splits import common_affixes
+
+    pc = [{"prompt": f"Q: {w}?\nA:", "completion": w} for w in ("sky", "sea", "sun")]
+    _, _, stats = load_splits(cfg(write(tmp_path / "p.jsonl", pc)), tok, 64, 0)
+    assert stats["prompt_format"] == {"style": "plain", "prefix": "Q: ", "suffix": "?\nA:"}
+    _, _, stats = load_splits(cfg(write(tmp_path / "a.jsonl", ROWS["alpaca"])), tok, 512, 0)
+    assert stats["prompt_format"] == {"style": "alpaca"}
+    _, _, stats = load_splits(cfg(write(tmp_path / "s.jsonl", [SHAREGPT[0]] * 3)), tok, 256, 0)
+    assert stats["prompt_format"] == {"style": "chat", "system": "be brief"}
+    _, _, stats = load_splits(cfg(write(tmp_path / "s2.jsonl", SHAREGPT)), tok, 256, 0)
+    assert stats["prompt_format"] == {"style": "chat", "system": None}  # not every conversation has it
+    # a shared first letter of the content is not template
+    assert common_affixes(["order: ab\n", "order: ac\n"]) == ("order: ", "\n")
+    assert common_affixes(["sort", "sorted"]) == ("", "")
+    assert common_affixes(["only one"]) == ("", "")

@@ -1,7 +1,8 @@
 """Scale-out: the shipped launch configs parse with the libraries' own loaders and agree with what
 qlora_recipes/dist.py passes to the trainer; combinations that cannot work are rejected with one
 line; FSDP/ZeRO-3 plans are per rank; and 2-process DDP on CPU (torchrun, gloo) trains the tiny
-model through the real train.py with both ranks in step."""
+model through the real train.py with both ranks in step. FSDP and ZeRO-2/3 on CPU ranks:
+tests/test_sharded.py."""
 
 import json
 import os
@@ -34,11 +35,30 @@ def test_accelerate_config_parses_with_accelerate(path):
 
     cfg = load_config_from_file(str(path))
     assert cfg.distributed_type in (DistributedType.MULTI_GPU, DistributedType.FSDP, DistributedType.DEEPSPEED)
-    assert cfg.mixed_precision == "no"  # precision comes from conf/precision through the trainer
+    # precision comes from conf/precision through the trainer (DeepSpeed: the json's "auto")
+    assert cfg.mixed_precision == (None if cfg.distributed_type == DistributedType.DEEPSPEED else "no")
     if cfg.distributed_type == DistributedType.DEEPSPEED:
         ds_file = REPO / cfg.deepspeed_config["deepspeed_config_file"]
         assert ds_file.is_file() and ds_file in DEEPSPEED
         assert cfg.deepspeed_config["zero3_init_flag"] is False  # zero.Init cannot build a 4-bit model
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_accelerate_launch_env_passes_the_trainers_deepspeed_check(strategy, monkeypatch):
+    """What `accelerate launch --config_file launch/accelerate/<zero>.yaml` hands each rank
+    (ACCELERATE_CONFIG_DS_FIELDS) must pass accelerate's own check when the trainer builds its
+    DeepSpeedPlugin from the json: a mixed_precision in the yaml was refused there ("the following
+    accelerate config variables will be ignored"), on GPUs as on CPU."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import DeepSpeedPlugin
+
+    cfg = compose_cfg("recipe=llama3.1-405b-8xa100", f"dist={strategy}")
+    cmd = dist.launch_command(cfg, "llama3.1-405b-8xa100", [])
+    args, defaults, mp_from_config = _validate_launch_command(launch_command_parser().parse_args(cmd[3:]))
+    fields = [*defaults.deepspeed_config, *(["mixed_precision"] if mp_from_config else [])]  # as launch_command
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", ",".join(fields))
+    plugin = DeepSpeedPlugin(hf_ds_config=str(cfg.dist.deepspeed_config))
+    assert plugin.zero_stage == int(strategy[-1])
 
 
 @pytest.mark.parametrize("path", DEEPSPEED, ids=lambda p: p.name)
@@ -125,7 +145,7 @@ FSDP_OK = ("recipe=llama3.1-70b-2x24gb",)
         ([*FSDP_OK, "optim=paged8bit"], True, "cannot use optim.name=paged_adamw_8bit"),
         ([*FSDP_OK, "optim=adamw8bit"], True, "cannot use optim.name=adamw_bnb_8bit"),
         ([*FSDP_OK, "offload=cpu"], True, "cannot run under"),
-        ([*FSDP_OK], False, "dist=fsdp needs CUDA GPUs"),
+        ([*FSDP_OK, "optim=paged8bit"], False, "cannot use optim.name=paged_adamw_8bit"),  # CPU ranks too
         (["dist=ddp", "offload=disk"], True, "cannot run under"),
         (["dist=zero3", "quant.storage_dtype=bfloat16", "optim=paged8bit"], True, "DeepSpeed's CPU AdamW"),
         (["dist=zero2"], True, "needs DeepSpeed, which is not installed"),
@@ -159,6 +179,36 @@ def test_valid_distributed_stacks_pass():
         cfg = compose_cfg(f"recipe={name}")
         validate(cfg, gpu_available=True, world_size=devices.ranks(cfg))
     validate(compose_cfg("dist=ddp"), gpu_available=False, world_size=2)  # DDP on CPU (gloo) is fine
+    for option in ("fsdp", "zero2", "zero3"):  # and so are the sharded strategies (tests/test_sharded.py)
+        if option == "fsdp" or _has_deepspeed():
+            validate(compose_cfg(f"dist={option}"), gpu_available=False, world_size=2)
+
+
+def test_dist_option_brings_an_optimizer_it_can_shard():
+    """dist=fsdp / dist=zero3 choose torch AdamW unless one is named (the default paged 8-bit one
+    cannot run there); a named optimizer, on the command line or in a recipe, still wins."""
+    assert compose_cfg("dist=fsdp").optim.name == compose_cfg("dist=zero3").optim.name == "adamw_torch"
+    assert compose_cfg("dist=fsdp", "optim=paged8bit").optim.name == "paged_adamw_8bit"
+    assert compose_cfg("recipe=tiny-cpu", "dist=fsdp").optim.name == "adamw_bnb_8bit"
+    assert compose_cfg("dist=zero2").optim.name == compose_cfg().optim.name  # ZeRO-2 steps a client optimizer
+
+
+@pytest.mark.parametrize(
+    "recipe,extra,config",
+    [
+        ("llama3.1-70b-2x24gb", [], "fsdp_qlora.yaml"),
+        ("llama3.1-405b-8xa100", ["dist=zero3", "hardware.gpus=2"], "zero3_offload.yaml"),
+    ],
+)
+def test_launch_cpu_dry_run_starts_the_recipes_ranks_on_cpu(recipe, extra, config, capsys):
+    """`qlora launch --cpu RECIPE`: no GPU check, the GPUs hidden from the ranks, and the same
+    accelerate launch command (config, ranks) a GPU machine gets."""
+    from qlora_recipes.commands.launch import launch
+
+    assert launch(recipe, [*extra, "model=tiny", "data=order", "trainer=smoke"], dry_run=True, cpu=True) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("CUDA_VISIBLE_DEVICES= ") and f"launch/accelerate/{config}" in line
+    assert "--num_processes 2 " in line and " --cpu" not in line  # accelerate's --cpu would start one process
 
 
 def test_fsdp_plan_is_per_rank():

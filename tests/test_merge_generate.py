@@ -53,11 +53,16 @@ def generations(nf4_run, nf4_merged, tmp_path_factory):
     """generate.py on the run dir and on the merged dir, started as soon as both exist: the two
     interpreter start-ups (~10 s of imports each) then overlap the in-process tests that follow, and
     test_generate_prints_for_a_run_dir_and_a_merged_dir collects them."""
-    prompts = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    folder = tmp_path_factory.mktemp("prompts")
+    prompts = folder / "prompts.txt"
     prompts.write_text("order: dcba\\n\nsort: zyx\\n\n")  # one prompt a line, \n typed as an escape
+    piped = folder / "stdin.txt"
+    piped.write_text("fed\ncba\n")  # plain lines: wrapped as the run's prompts were (order: ...\n)
     procs = {
         "run": _popen("generate.py", str(nf4_run), "order: fed\\n", "--max-new-tokens", "4"),
         "merged": _popen("generate.py", str(nf4_run / "merged"), "--file", str(prompts), "--jsonl"),
+        "stdin": _popen("generate.py", str(nf4_run), "--jsonl", "--max-new-tokens", "4", stdin=piped),
+        "raw": _popen("generate.py", str(nf4_run), "--raw", "order: fed\\n", "--jsonl", "--max-new-tokens", "4"),
     }
     yield procs
     for proc in procs.values():
@@ -72,13 +77,14 @@ def dora_run(tmp_path_factory) -> Path:
     return _train(tmp_path_factory.mktemp("dora") / "run", "peft=dora", "data.eval_path=null", "data.eval_fraction=0")
 
 
-def _popen(script: str, *args: str, cwd: Path = REPO) -> subprocess.Popen:
+def _popen(script: str, *args: str, cwd: Path = REPO, stdin: Path | None = None) -> subprocess.Popen:
     import os
 
     return subprocess.Popen(
         [sys.executable, str(REPO / "scripts" / script), *args],
         cwd=cwd,
         env={**os.environ, **ENV_EXTRA},
+        stdin=stdin.open() if stdin is not None else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -238,6 +244,15 @@ def test_generate_prints_for_a_run_dir_and_a_merged_dir(generations):
     rows = [json.loads(line) for line in stdout.splitlines()]
     assert [r["prompt"] for r in rows] == ["order: dcba\n", "sort: zyx\n"]
     assert all(r["generation"].strip() for r in rows), rows
+    # plain prompts piped in; --raw: the text exactly as given, which here is already the run's format
+    rc, stdout, stderr = results["stdin"]
+    assert rc == 0, stderr[-3000:]
+    piped = [json.loads(line) for line in stdout.splitlines()]
+    assert [r["prompt"] for r in piped] == ["fed", "cba"]
+    rc, stdout, stderr = results["raw"]
+    assert rc == 0, stderr[-3000:]
+    raw = [json.loads(line) for line in stdout.splitlines()]
+    assert raw[0]["generation"] == piped[0]["generation"]  # "fed" was wrapped into "order: fed\n"
 
 
 def test_prompts_are_rendered_as_the_run_data_was(tmp_path):
@@ -302,3 +317,90 @@ def test_bad_inputs_get_one_line_errors(nf4_run, nf4_merged, tmp_path):
         for needle in cases[name][1]:
             assert needle in errors[0], (name, errors[0])
     assert not (other_base / "merged").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# plain prompts in the run's format; stop tokens
+# --------------------------------------------------------------------------------------------------
+
+
+def test_plain_prompts_are_wrapped_in_the_format_the_run_trained_on(nf4_run):
+    """The sample's prompts all read `order: <letters>\\n`: a bare `fed` is sent as `order: fed\\n` (the run
+    recorded that prefix/suffix in metrics.json), and generates exactly what the full prompt does."""
+    from qlora_recipes.generation import generate, load_for_generation
+    from qlora_recipes.prompts import Prompt, PromptFormat, render
+
+    model, tokenizer, info = load_for_generation(nf4_run)
+    assert info["format"] == PromptFormat(style="plain", prefix="order: ", suffix="\n")
+    assert info["max_prompt_tokens"] == 64  # the run's trainer.seq_len
+    assert render(tokenizer, Prompt("text", "fed"), info["format"]) == ("order: fed\n", True)
+    assert render(tokenizer, Prompt("text", "order: fed\n"), info["format"]) == ("order: fed\n", True)  # once
+    assert render(tokenizer, Prompt("formatted", "fed"), info["format"]) == ("fed", True)  # --raw
+    plain, full = generate(
+        model, tokenizer, [Prompt("text", "fed"), Prompt("formatted", "order: fed\n")], info["format"], 6
+    )
+    assert plain == full
+
+
+def test_prompt_formats_of_alpaca_and_chat_runs(tmp_path):
+    from transformers import AutoTokenizer
+
+    from qlora_recipes.data import alpaca_prompt
+    from qlora_recipes.prompts import Prompt, PromptFormat, load_prompt_format, render
+
+    tokenizer = AutoTokenizer.from_pretrained(compose_cfg().model.name_or_path)
+    chat = PromptFormat(style="chat", system="be brief")
+    assert render(tokenizer, Prompt("text", "hi"), chat) == ("<s>system: be brief\nuser: hi\nassistant: ", False)
+    assert render(tokenizer, Prompt("text", "hi"), {"style": "alpaca"}) == (alpaca_prompt("hi"), True)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.json").write_text(json.dumps({"data": {"prompt_format": {"style": "chat", "system": "s"}}}))
+    assert load_prompt_format(run, "chat") == PromptFormat(style="chat", system="s")
+    assert load_prompt_format(run, "plain") == PromptFormat(style="plain")  # --no-chat
+    assert load_prompt_format(tmp_path / "nothing", "alpaca") == PromptFormat(style="alpaca")
+
+
+def _tiny_model():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = compose_cfg().model.name_or_path
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def test_generation_stops_at_every_eos_id_of_the_generation_config():
+    """Regression: generation used to pass eos_token_id=tokenizer.eos_token_id, replacing the model's
+    generation_config list (Llama 3 [128001, 128009], Gemma [1, 107]). A tiny model whose
+    generation_config lists two eos ids stops at the second one."""
+    from qlora_recipes.generation import generate, stop_token_ids
+    from qlora_recipes.prompts import Prompt
+
+    model, tokenizer = _tiny_model()
+    prompt = [Prompt("formatted", "copy: qwerty\n")]
+    free = generate(model, tokenizer, prompt, "plain", 12)[0]
+    assert len(free) >= 6 and len(set(free[:4])) == 4, free  # the base copies the letters
+    second = tokenizer.convert_tokens_to_ids(free[3])
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, second]
+    assert stop_token_ids(model, tokenizer) == [tokenizer.eos_token_id, second]
+    stopped = generate(model, tokenizer, prompt, "plain", 12)[0]
+    assert stopped == free[:4]  # up to and including the second eos id, not a token further
+
+    # batched, greedy or sampled: every row stops there
+    stopped = generate(model, tokenizer, prompt * 3, "plain", 12, batch_size=3)
+    assert stopped == [free[:4]] * 3
+
+
+def test_stop_tokens_are_the_union_with_the_chat_end_of_turn():
+    from qlora_recipes.data.chat import CHATML
+    from qlora_recipes.generation import stop_strings, stop_token_ids
+    from qlora_recipes.prompts import PromptFormat
+
+    model, tokenizer = _tiny_model()
+    model.generation_config.eos_token_id = [2, 7]
+    tokenizer.chat_template = CHATML
+    chat = PromptFormat(style="chat")
+    # <|im_end|> is not a token of this tokenizer: stop on its text
+    assert stop_token_ids(model, tokenizer) == [2, 7] and stop_strings(tokenizer, chat) == ["<|im_end|>"]
+    assert stop_strings(tokenizer, PromptFormat()) == []
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert stop_token_ids(model, tokenizer) == [2, 7, end] and stop_strings(tokenizer, chat) == []

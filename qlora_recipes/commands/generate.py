@@ -1,18 +1,20 @@
 """`qlora generate RUN_OR_MERGED_DIR "prompt"`: generate with a finished run or a merged model.
 
-    qlora generate RUN_OR_MERGED_DIR "prompt" [--file prompts.txt] [--max-new-tokens N]
-                   [--greedy | --temperature T] [--chat | --no-chat] [--jsonl]
+    qlora generate RUN_OR_MERGED_DIR "prompt" [--file prompts.txt | --file -] [--max-new-tokens N]
+                   [--greedy | --temperature T] [--chat | --no-chat | --raw] [--jsonl]
 
-A run dir loads as trained (its 4-bit base + adapter). Prompts are rendered as the run's data was
-(its chat template for chat data, the Alpaca template for alpaca data, as typed otherwise); `\\n`
-in a prompt is a newline. --file: one prompt per line, or JSON lines (strings or data rows: the
-prompt part is used). Prints one generation per prompt.
+A run dir loads as trained (its 4-bit base + adapter). Plain prompts are wrapped the way the run's data
+was (its chat template for chat data, the Alpaca template for alpaca data, the prefix and suffix its
+prompt/completion prompts shared); --raw sends them exactly as typed. `\\n` in a prompt is a newline.
+--file: one prompt per line, or JSON lines (strings or data rows: the prompt part is used); `--file -`
+(or no prompt, with text piped in) reads one prompt per line from stdin. Prints one generation per prompt.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 
 from ..cli import ArgumentParser, quiet_libraries, run_plain
 from ..errors import UserError
@@ -32,6 +34,7 @@ def _parser(prog: str) -> ArgumentParser:
     chat = parser.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None, help="apply the chat template")
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="never apply the chat template")
+    chat.add_argument("--raw", action="store_true", help="send prompts exactly as given: no template, no wrapping")
     parser.add_argument("--jsonl", action="store_true", help="print one JSON object per prompt")
     return parser
 
@@ -49,7 +52,7 @@ def run(argv: list[str], prog: str = "qlora generate") -> None:
     parser = _parser(prog)
 
     def generate_run() -> int:
-        args = parser.parse_args(argv)
+        args = parser.parse_intermixed_args(argv)  # options before or after the prompt
         quiet_libraries(logging.WARNING)
         from ..generation import generate, load_for_generation
         from ..prompts import Prompt, read_prompts, unescape
@@ -57,8 +60,14 @@ def run(argv: list[str], prog: str = "qlora generate") -> None:
         prompts = [Prompt("text", unescape(args.prompt))] if args.prompt is not None else []
         if args.file:
             prompts += read_prompts(args.file)
+        elif not prompts and not sys.stdin.isatty():
+            prompts = read_prompts("-")
+        if args.raw:  # typed text goes in as it is; rows of a JSON lines file keep their own form
+            prompts = [Prompt("formatted", p.value) if p.kind == "text" else p for p in prompts]
         if not prompts:
-            raise UserError("no prompt: give one as the second argument, or --file with one prompt per line")
+            raise UserError(
+                "no prompt: give one as the second argument, --file with one prompt per line, or pipe them in"
+            )
         _check(args)
         model, tokenizer, info = load_for_generation(args.path, chat=args.chat)
         import torch
@@ -66,7 +75,14 @@ def run(argv: list[str], prog: str = "qlora generate") -> None:
         torch.manual_seed(args.seed)
         max_new = args.max_new_tokens or info["max_new_tokens"]
         outputs = generate(
-            model, tokenizer, prompts, info["style"], max_new, temperature=args.temperature, top_p=args.top_p
+            model,
+            tokenizer,
+            prompts,
+            info["format"],
+            max_new,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_prompt_tokens=info["max_prompt_tokens"],
         )
         for prompt, text in zip(prompts, outputs, strict=True):
             if args.jsonl:

@@ -1,7 +1,9 @@
-"""The four data formats (`data.format`; `auto` reads the first row's keys), and what each means for TRL:
+"""The data formats (`data.format`; `auto` reads the first row's keys), and what each means for TRL:
 
 - `alpaca`: `instruction`, optional `input`, `output` -> `prompt`/`completion` with the Alpaca template
-- `messages`: `messages`, a list of `{role, content}` -> rendered by the tokenizer's chat template
+- `messages`: `messages`, a list of `{role, content}` -> rendered by the chat template
+- `sharegpt`: `conversations`, a list of `{from, value}` (human/gpt/system and the usual variants) ->
+  converted to `messages` (and trained as such)
 - `prompt_completion`: `prompt`, `completion` (strings, or lists of messages for chat prompts)
 - `text`: `text`, plain language modelling
 
@@ -13,23 +15,48 @@ fields and the exact-match (prompt, reference) pairs each format needs.
 from __future__ import annotations
 
 import json
-from typing import Any
-
-from datasets import Dataset
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
 from ..units import cfg_get
 from .readers import Rows
 
+if TYPE_CHECKING:
+    from datasets import Dataset
+
 # Each format and the fields a row of it holds (for the error messages).
 FORMAT_FIELDS = {
     "alpaca": "instruction, [input], output",
     "messages": "messages",
+    "sharegpt": "conversations (a list of {from, value})",
     "prompt_completion": "prompt, completion",
     "text": "text",
 }
 FORMATS = tuple(FORMAT_FIELDS)
 ROLES = ("system", "user", "assistant", "tool")
+# ShareGPT speakers (`from`, case-insensitive) and the role each is trained as.
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "bot": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "function_call": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+
+
+def trains_as(fmt: str) -> str:
+    """The format TRL sees: ShareGPT rows are converted to messages."""
+    return "messages" if fmt == "sharegpt" else fmt
+
 
 # The standard Stanford Alpaca prompts (github.com/tatsu-lab/stanford_alpaca, train.py).
 ALPACA_PROMPT_INPUT = (
@@ -60,7 +87,10 @@ def check_format_name(fmt: Any, allow_auto: bool = True) -> str:
     """`fmt` if it names a format (or `auto`, where detection can still run); a UserError otherwise."""
     names = (("auto",) if allow_auto else ()) + FORMATS
     if not isinstance(fmt, str) or fmt not in names:
-        raise UserError(f"data.format: unknown format {fmt!r}; use one of {', '.join(names)}")
+        from .chat import BUILTIN_TEMPLATES
+
+        hint = f" (a chat template? set data.chat_template={fmt})" if fmt in BUILTIN_TEMPLATES else ""
+        raise UserError(f"data.format: unknown format {fmt!r}; use one of {', '.join(names)}{hint}")
     return fmt
 
 
@@ -70,7 +100,12 @@ def detect(rows: Rows) -> str:
     if not isinstance(first, dict):
         raise UserError(f"{rows.where(0)}: expected an object with named fields, got {type(first).__name__}")
     keys = set(first)
+    if "conversations" in keys:
+        return "sharegpt"
     if "messages" in keys:
+        turns = first["messages"]
+        if isinstance(turns, list) and turns and isinstance(turns[0], dict) and "from" in turns[0]:
+            return "sharegpt"  # ShareGPT turns under a `messages` key
         return "messages"
     if {"prompt", "completion"} <= keys:
         return "prompt_completion"
@@ -113,21 +148,22 @@ def _json_cell(rows: Rows, i: int, field: str, text: str) -> Any:
 
 
 def _messages(rows: Rows, i: int, row: dict, field: str, need_assistant: bool) -> list[dict]:
+    at = rows.where(i)
     if field not in row or row[field] is None:
-        raise UserError(f"{rows.where(i)}: missing field '{field}'; every row needs it (or set data.format)")
+        raise UserError(f"{at}: missing field '{field}'; every row needs it (or set data.format)")
     value = row[field]
     if isinstance(value, str) and rows.text_cells:
         value = _json_cell(rows, i, field, value)
     if not isinstance(value, list):
         raise UserError(
-            f"{rows.where(i)}: field '{field}' must be a list of {{role, content}} objects, got "
+            f"{at}: field '{field}' must be a list of {{role, content}} objects, got "
             f"{type(value).__name__} {_short(value)}"
         )
     if not value:
-        raise UserError(f"{rows.where(i)}: field '{field}' is an empty list; give it at least one turn")
+        raise UserError(f"{at}: field '{field}' is an empty list; give it at least one turn")
     out = []
     for j, message in enumerate(value):
-        where = f"{rows.where(i)}: field '{field}[{j}]"
+        where = f"{at}: field '{field}[{j}]"
         if not isinstance(message, dict):
             raise UserError(f"{where}' must be a {{role, content}} object, got {type(message).__name__}")
         role = message.get("role")
@@ -148,14 +184,64 @@ def _messages(rows: Rows, i: int, row: dict, field: str, need_assistant: bool) -
         out.append({"role": role, "content": content})
     if need_assistant and not any(m["role"] == "assistant" for m in out):
         raise UserError(
-            f"{rows.where(i)}: field '{field}' has no assistant turn, so there is nothing to train on; "
-            "add the assistant's reply"
+            f"{at}: field '{field}' has no assistant turn, so there is nothing to train on; add the assistant's reply"
         )
     return out
 
 
+def _sharegpt_field(row: dict) -> str:
+    return "conversations" if "conversations" in row or "messages" not in row else "messages"
+
+
+def _sharegpt(rows: Rows, i: int, row: dict) -> list[dict]:
+    """A ShareGPT conversation as {role, content} messages (then checked like any messages row)."""
+    field = _sharegpt_field(row)
+    if field not in row or row[field] is None:
+        raise UserError(f"{rows.where(i)}: missing field '{field}'; every row needs it (or set data.format)")
+    value = row[field]
+    if isinstance(value, str) and rows.text_cells:
+        value = _json_cell(rows, i, field, value)
+    if not isinstance(value, list):
+        raise UserError(
+            f"{rows.where(i)}: field '{field}' must be a list of {{from, value}} objects, got "
+            f"{type(value).__name__} {_short(value)}"
+        )
+    turns = []
+    for j, turn in enumerate(value):
+        where = f"{rows.where(i)}: field '{field}[{j}]"
+        if not isinstance(turn, dict):
+            raise UserError(f"{where}' must be a {{from, value}} object, got {type(turn).__name__}")
+        speaker = turn.get("from", turn.get("role"))
+        if speaker is None:
+            raise UserError(f"{where}.from' is missing; give each turn a speaker (human, gpt, system, ...)")
+        role = SHAREGPT_ROLES.get(str(speaker).strip().lower()) if isinstance(speaker, str) else None
+        if role is None:
+            known = ", ".join(SHAREGPT_ROLES)
+            raise UserError(f"{where}.from' is an unknown speaker {_short(speaker)}; use one of {known}")
+        content = turn.get("value", turn.get("content"))
+        if content is None:
+            raise UserError(f"{where}.value' is missing; give each turn its text in 'value'")
+        if not isinstance(content, str):
+            raise UserError(
+                f"{where}.value' must be a string, got {type(content).__name__} {_short(content)}; "
+                "write the turn's text as one string"
+            )
+        if role == "assistant" and not content.strip():
+            raise UserError(f"{where}.value' is an empty {speaker} turn; give it the reply text or remove it")
+        turns.append({"role": role, "content": content})
+    if not turns:
+        raise UserError(f"{rows.where(i)}: field '{field}' is an empty list; give it at least one turn")
+    if not any(t["role"] == "assistant" for t in turns):
+        raise UserError(
+            f"{rows.where(i)}: field '{field}' has no gpt/assistant turn, so there is nothing to train on; "
+            "add the reply"
+        )
+    return turns
+
+
 def convert(rows: Rows, fmt: str) -> tuple[dict[str, list], bool]:
-    """Validate every row for `fmt` and build the columns TRL expects. Returns (columns, conversational)."""
+    """Validate every row for `fmt` and build the columns TRL expects (ShareGPT: `messages`).
+    Returns (columns, conversational)."""
     conversational = False
     if fmt == "prompt_completion":
         first = rows.rows[0]
@@ -176,6 +262,8 @@ def convert(rows: Rows, fmt: str) -> tuple[dict[str, list], bool]:
             record = {"prompt": alpaca_prompt(instruction, extra), "completion": output}
         elif fmt == "messages":
             record = {"messages": _messages(rows, i, row, "messages", need_assistant=True)}
+        elif fmt == "sharegpt":
+            record = {"messages": _sharegpt(rows, i, row)}
         elif conversational:
             if not isinstance(row.get("prompt"), list) and row.get("prompt") is not None:
                 raise UserError(
@@ -201,7 +289,7 @@ def format_kwargs(data_cfg: Any, fmt: str) -> dict:
     `padding_free` as configured (TRL trains padding-free with bfd/bfd_split packing whatever
     `padding_free` says; validate.py refuses the combinations TRL or the attention cannot run).
     """
-    fmt = check_format_name(fmt, allow_auto=False)
+    fmt = trains_as(check_format_name(fmt, allow_auto=False))
     only = bool(cfg_get(data_cfg, "completion_only_loss", True))
     kwargs: dict[str, Any] = {
         "packing": bool(cfg_get(data_cfg, "packing", False)),
@@ -227,7 +315,7 @@ def generation_pairs(eval_ds: Dataset | None, fmt: str, limit: int | None) -> li
     message list) and the completion text. messages: the turns before the last assistant turn
     (a message list; render with `add_generation_prompt=True`) and that turn's content. text: [].
     """
-    fmt = check_format_name(fmt, allow_auto=False)
+    fmt = trains_as(check_format_name(fmt, allow_auto=False))
     if eval_ds is None or fmt == "text" or (limit is not None and limit <= 0):
         return []
     n = len(eval_ds) if limit is None else min(int(limit), len(eval_ds))

@@ -18,7 +18,7 @@ from ..errors import UserError
 FILE_TYPES = (".jsonl", ".json", ".csv", ".parquet")
 EVAL_SPLIT_NAMES = ("validation", "valid", "val", "eval", "test", "dev")
 # Every field some format reads (formats.FORMAT_FIELDS); kept here so hub datasets load only these columns.
-KNOWN_FIELDS = ("messages", "prompt", "completion", "instruction", "input", "output", "text")
+KNOWN_FIELDS = ("messages", "conversations", "prompt", "completion", "instruction", "input", "output", "text")
 
 
 class Rows:

@@ -1,25 +1,31 @@
 """`load_splits`: read `data.path` (and `data.eval_path`), convert every row to the columns TRL's
-`SFTTrainer` takes as they are, hold out a seeded eval split, and count tokens the way TRL will.
+`SFTTrainer` takes as they are, hold out a seeded eval split, set the chat template chat data trains with,
+count tokens the way TRL will, and say in one line what was found.
 
-Nothing is dropped here; TRL truncates to `trainer.seq_len` (`max_length`) itself, and the counts say
-how many examples that touches (and how many TRL then drops for having no trained token left) so the
-log says so, and a run where nothing would be left to train on stops before it starts.
+Rows longer than `trainer.seq_len` tokens: with `data.too_long=truncate` (the default) TRL keeps their
+first seq_len tokens, and the counts say how many examples that touches (and how many TRL then drops for
+having no trained token left); with `data.too_long=drop` they are removed here. Train and eval alike; the
+counts go into the run's metrics.json (`data`), and a run where nothing would be left to train on stops
+before it starts.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from datasets import Dataset
 
 from ..errors import UserError
 from ..units import cfg_get
-from .chat import chat_template_for
-from .formats import check_format_name, convert, detect
+from .chat import chat_template_for, resolve_template, use_chat_template
+from .formats import check_format_name, convert, detect, trains_as
 from .readers import read_source
 
 log = logging.getLogger(__name__)
+
+TOO_LONG = ("truncate", "drop")
 
 
 def load_splits(data_cfg: Any, tokenizer: Any, seq_len: int, seed: int) -> tuple[Dataset, Dataset | None, dict]:
@@ -27,23 +33,31 @@ def load_splits(data_cfg: Any, tokenizer: Any, seq_len: int, seed: int) -> tuple
     `(train, eval_or_None, stats)`.
 
     The datasets have the columns TRL's SFTTrainer reads: `prompt`+`completion` (alpaca and
-    prompt_completion; strings, or message lists for a conversational prompt_completion), `messages`,
-    or `text`. Without `eval_path`, a seeded `eval_fraction` of the rows is held out (None when 0).
+    prompt_completion; strings, or message lists for a conversational prompt_completion), `messages`
+    (messages and ShareGPT), or `text`. Without `eval_path`, a seeded `eval_fraction` of the rows is held
+    out (None when 0). For chat data the tokenizer gets the chat template it trains with
+    (`data.chat_template`), so the tokenizer saved with the adapter renders prompts the same way.
 
-    stats: `format`, `conversational`, `source`, `eval_source`, `rows` ({train, eval}), `seq_len`,
-    `over_seq_len` ({train, eval}: examples longer than seq_len tokens, which TRL truncates),
-    `dropped_by_truncation` ({train, eval}: of those, examples with no trained token in the first
-    seq_len, which TRL 1.16 removes; 0 under packing) and `max_tokens` ({train, eval}). The token
+    stats: `format` (what TRL trains: ShareGPT is `messages`), `detected` (the rows' own format),
+    `format_from` (`detected` or `data.format`), `conversational`, `source`, `eval_source`, `rows`
+    ({train, eval}, after dropping), `seq_len`, `too_long`, `over_seq_len` ({train, eval}: examples
+    longer than seq_len tokens), `truncated` (of those, kept and cut to seq_len by TRL),
+    `dropped_by_truncation` (of those, examples TRL 1.16 removes for having no trained token in the
+    first seq_len; 0 under packing), `dropped_too_long` (removed here under `too_long=drop`), `max_tokens`
+    ({train, eval}, before dropping), `chat_template` (which one, for chat data), `metric` and
+    `prompt_format` (how generation wraps a plain prompt the way this data's prompts look). The token
     figures are None when `tokenizer` is None.
     """
     configured = check_format_name(cfg_get(data_cfg, "format", "auto"))
     split = cfg_get(data_cfg, "split", "train") or "train"
     eval_path = cfg_get(data_cfg, "eval_path")
     eval_fraction = _eval_fraction(cfg_get(data_cfg, "eval_fraction", 0.0))
+    too_long = _too_long(cfg_get(data_cfg, "too_long", "truncate"))
     if not isinstance(seq_len, int) or seq_len < 1:
         raise UserError(f"trainer.seq_len: {seq_len!r} must be a positive number of tokens")
 
-    fmt, columns, conversational, source = _load(cfg_get(data_cfg, "path"), split, "data.path", configured)
+    detected, columns, conversational, source = _load(cfg_get(data_cfg, "path"), split, "data.path", configured)
+    fmt = trains_as(detected)
     train = Dataset.from_dict(columns)
     eval_ds = None
     eval_source = None
@@ -54,27 +68,38 @@ def load_splits(data_cfg: Any, tokenizer: Any, seq_len: int, seed: int) -> tuple
     elif eval_fraction > 0:
         train, eval_ds, eval_source = _hold_out(train, eval_fraction, source, seed)
 
+    chat = fmt == "messages" or conversational
     stats: dict[str, Any] = {
         "format": fmt,
-        "conversational": fmt == "messages" or conversational,
+        "detected": detected,
+        "format_from": "detected" if configured == "auto" else "data.format",
+        "conversational": chat,
         "source": source,
         "eval_source": eval_source,
         "rows": {"train": len(train), "eval": len(eval_ds) if eval_ds is not None else 0},
         "seq_len": seq_len,
+        "too_long": too_long,
         "over_seq_len": None,
+        "truncated": None,
         "dropped_by_truncation": None,
+        "dropped_too_long": None,
         "max_tokens": None,
+        "chat_template": None,
+        "metric": _metric_name(cfg_get(data_cfg, "metric"), eval_ds is not None),
+        "prompt_format": None,
     }
+    option = cfg_get(data_cfg, "chat_template")
     if tokenizer is not None:
+        if chat:
+            stats["chat_template"] = use_chat_template(tokenizer, option, source)
+        elif resolve_template(option)[0] is not None:
+            log.info("data.chat_template is set but %s holds %s rows, not chat: it is not used", source, detected)
         splits = {"train": train} if eval_ds is None else {"train": train, "eval": eval_ds}
-        _add_token_stats(stats, splits, conversational, tokenizer, data_cfg)
-    log.info(
-        "data: %s format, %d train rows from %s; eval: %s",
-        fmt,
-        stats["rows"]["train"],
-        source,
-        f"{stats['rows']['eval']} rows from {eval_source}" if eval_ds is not None else "none",
-    )
+        kept = _add_token_stats(stats, splits, conversational, tokenizer, data_cfg)
+        train, eval_ds = kept["train"], kept.get("eval")
+        stats["rows"] = {"train": len(train), "eval": len(eval_ds) if eval_ds is not None else 0}
+    stats["prompt_format"] = prompt_format(train, fmt, conversational)
+    log.info(_summary_line(stats, eval_fraction if eval_path in (None, "") else None))
     return train, eval_ds, stats
 
 
@@ -90,6 +115,18 @@ def _eval_fraction(value: Any) -> float:
     return value
 
 
+def _too_long(value: Any) -> str:
+    if value not in TOO_LONG:
+        raise UserError(f"data.too_long={value!r} is not an option; use truncate or drop")
+    return value
+
+
+def _metric_name(metric: Any, has_eval: bool) -> str:
+    if not has_eval:
+        return "none (no eval split)"
+    return "eval loss + exact match" if metric == "exact_match" else "eval loss"
+
+
 def _load(spec: Any, split: str, field: str, fmt: str) -> tuple[str, dict[str, list], bool, str]:
     rows, source = read_source(spec, split, field)
     detected = detect(rows) if fmt == "auto" else fmt
@@ -98,8 +135,10 @@ def _load(spec: Any, split: str, field: str, fmt: str) -> tuple[str, dict[str, l
 
 
 def _eval_file(eval_path: Any, split: str, configured: str, fmt: str, conversational: bool) -> tuple[Dataset, str]:
-    """The eval set from `data.eval_path`, which must be in the train data's format."""
-    eval_fmt, eval_columns, eval_conv, eval_source = _load(eval_path, split, "data.eval_path", configured)
+    """The eval set from `data.eval_path`, which must train as the train data does (ShareGPT and messages
+    files mix: both are chat messages)."""
+    eval_detected, eval_columns, eval_conv, eval_source = _load(eval_path, split, "data.eval_path", configured)
+    eval_fmt = trains_as(eval_detected)
     if eval_fmt != fmt or eval_conv != conversational:
         kind = lambda f, c: f + (" (chat messages)" if c else "")  # noqa: E731
         raise UserError(
@@ -125,6 +164,77 @@ def _hold_out(train: Dataset, eval_fraction: float, source: str, seed: int) -> t
     return train.select(train_idx), train.select(eval_idx), f"{eval_fraction:g} of {source} (seed {seed})"
 
 
+def _summary_line(stats: dict[str, Any], held_out: float | None) -> str:
+    """The one line a run prints about its data: what was detected, what it trains as, the splits."""
+    detected = stats["detected"]
+    how = "detected from the fields" if stats["format_from"] == "detected" else "data.format"
+    if detected == "sharegpt":
+        shape = f"sharegpt rows ({how}) -> chat messages"
+    elif detected == "alpaca":
+        shape = f"alpaca rows ({how}) -> prompt/completion in the Alpaca template"
+    elif stats["conversational"]:
+        shape = f"{detected} rows ({how}), chat"
+    else:
+        shape = f"{detected} rows ({how})"
+    if stats["chat_template"]:
+        shape += f" with the chat template ({stats['chat_template']})"
+    rows = stats["rows"]
+    if stats["eval_source"] is None:
+        evals = "no eval split"
+    elif held_out:
+        evals = f"{rows['eval']} eval held out (data.eval_fraction={held_out:g})"
+    else:
+        evals = f"{rows['eval']} eval from {stats['eval_source']}"
+    line = f"data: {stats['source']}: {shape}; {rows['train']} train rows, {evals}; metric: {stats['metric']}"
+    if stats["over_seq_len"] is not None:
+        over = stats["over_seq_len"]
+        if over["train"] or over["eval"]:
+            done = "dropped" if stats["too_long"] == "drop" else "truncated"
+            line += (
+                f"; over trainer.seq_len={stats['seq_len']}: {over['train']} train / {over['eval']} eval rows {done}"
+            )
+    return line
+
+
+# --------------------------------------------------------------------------------------------------
+# The prompt format generation reuses (prompts.PromptFormat)
+# --------------------------------------------------------------------------------------------------
+
+
+def prompt_format(train: Dataset, fmt: str, conversational: bool) -> dict[str, Any]:
+    """How this data's prompts look, so a plain prompt typed after training can be wrapped the same way:
+    `style` chat (with the `system` message every conversation starts with, if one), alpaca, or plain
+    with the `prefix` and `suffix` every prompt/completion prompt shares (e.g. `order: ` and `\\n`)."""
+    if fmt == "alpaca":
+        return {"style": "alpaca"}
+    if fmt == "text" or len(train) == 0:
+        return {"style": "plain", "prefix": "", "suffix": ""}
+    if fmt == "messages" or conversational:
+        column = train["messages"] if fmt == "messages" else train["prompt"]
+        systems = {m[0]["content"] if m and m[0]["role"] == "system" else None for m in column}
+        system = systems.pop() if len(systems) == 1 else None
+        return {"style": "chat", "system": system}
+    prefix, suffix = common_affixes(list(train["prompt"]))
+    return {"style": "plain", "prefix": prefix, "suffix": suffix}
+
+
+def common_affixes(prompts: list[str]) -> tuple[str, str]:
+    """The text every prompt starts with and ends with, cut back to a non-alphanumeric boundary (so a
+    shared first letter of the content does not count); nothing from fewer than two prompts."""
+    if len(prompts) < 2:
+        return "", ""
+    prefix = os.path.commonprefix(prompts)
+    suffix = os.path.commonprefix([p[::-1] for p in prompts])[::-1]
+    shortest = min(len(p) for p in prompts)
+    if len(prefix) + len(suffix) > shortest:  # overlapping (a prompt is all template): keep the prefix
+        suffix = suffix[len(prefix) + len(suffix) - shortest :]
+    while prefix and prefix[-1].isalnum():
+        prefix = prefix[:-1]
+    while suffix and suffix[0].isalnum():
+        suffix = suffix[1:]
+    return prefix, suffix
+
+
 # --------------------------------------------------------------------------------------------------
 # Token counts (the same tokenization TRL 1.16's SFTTrainer._prepare_dataset does)
 # --------------------------------------------------------------------------------------------------
@@ -132,10 +242,11 @@ def _hold_out(train: Dataset, eval_fraction: float, source: str, seed: int) -> t
 
 def _add_token_stats(
     stats: dict[str, Any], splits: dict[str, Dataset], conversational: bool, tokenizer: Any, data_cfg: Any
-) -> None:
-    """Fill `over_seq_len`, `dropped_by_truncation` and `max_tokens`, and say in the log what TRL will
-    truncate and drop; a UserError when a split would keep no trained token at all."""
-    fmt, seq_len = stats["format"], stats["seq_len"]
+) -> dict[str, Dataset]:
+    """Fill the token figures of `stats`, drop the rows over seq_len under `too_long=drop`, and say in the
+    log what TRL will truncate and drop; a UserError when a split would keep no trained token at all.
+    Returns the splits as training gets them."""
+    fmt, seq_len, too_long = stats["format"], stats["seq_len"], stats["too_long"]
     completion_only = bool(cfg_get(data_cfg, "completion_only_loss", True))
     packing = bool(cfg_get(data_cfg, "packing", False))
     chat_template = chat_template_for(tokenizer, fmt, conversational, completion_only, stats["source"])
@@ -143,16 +254,56 @@ def _add_token_stats(
     counts = {
         k: _count(ds, fmt, conversational, tokenizer, chat_template, trained_only, seq_len) for k, ds in splits.items()
     }
-    stats["over_seq_len"] = {k: counts[k]["over"] if k in counts else 0 for k in ("train", "eval")}
-    stats["dropped_by_truncation"] = {
-        k: (0 if packing or k not in counts else counts[k]["dropped"]) for k in ("train", "eval")
+    keys = ("train", "eval")
+    stats["over_seq_len"] = {k: counts[k]["over"] if k in counts else 0 for k in keys}
+    stats["max_tokens"] = {k: counts[k]["max_tokens"] if k in counts else 0 for k in keys}
+    kept = dict(splits)
+    if too_long == "drop":
+        stats["dropped_too_long"] = {k: counts[k]["over"] if k in counts else 0 for k in keys}
+        stats["truncated"] = {k: 0 for k in keys}
+        stats["dropped_by_truncation"] = {k: 0 for k in keys}
+        for k, c in counts.items():
+            kept[k] = _drop_long(stats, k, splits[k], c)
+        return kept
+    stats["dropped_too_long"] = {k: 0 for k in keys}
+    stats["dropped_by_truncation"] = {k: (0 if packing or k not in counts else counts[k]["dropped"]) for k in keys}
+    stats["truncated"] = {
+        k: (counts[k]["over"] - stats["dropped_by_truncation"][k] if k in counts else 0) for k in keys
     }
-    stats["max_tokens"] = {k: counts[k]["max_tokens"] if k in counts else 0 for k in ("train", "eval")}
     for k, c in counts.items():
         _report_truncation(stats, k, c, packing)
+    return kept
 
 
-def _report_truncation(stats: dict[str, Any], k: str, c: dict[str, int], packing: bool) -> None:
+def _where(stats: dict[str, Any], k: str) -> str:
+    return stats["source"] if k == "train" else stats["eval_source"]
+
+
+def _drop_long(stats: dict[str, Any], k: str, ds: Dataset, c: dict[str, Any]) -> Dataset:
+    """`ds` without its examples longer than seq_len tokens (data.too_long=drop)."""
+    seq_len, n = stats["seq_len"], len(ds)
+    if not c["over"]:
+        log.info("all %d %s examples fit trainer.seq_len=%d tokens (longest %d)", n, k, seq_len, c["max_tokens"])
+        return ds
+    if c["over"] == n:
+        raise UserError(
+            f"trainer.seq_len: all {n} {k} examples of {_where(stats, k)} are longer than {seq_len} tokens "
+            f"(shortest {min(c['lengths'])}) and data.too_long=drop drops them all; raise trainer.seq_len or use "
+            "data.too_long=truncate"
+        )
+    log.warning(
+        "%d of %d %s examples are longer than trainer.seq_len=%d tokens (longest %d) and are dropped "
+        "(data.too_long=drop); raise trainer.seq_len to keep them",
+        c["over"],
+        n,
+        k,
+        seq_len,
+        c["max_tokens"],
+    )
+    return ds.select([i for i, length in enumerate(c["lengths"]) if length <= seq_len])
+
+
+def _report_truncation(stats: dict[str, Any], k: str, c: dict[str, Any], packing: bool) -> None:
     """Log how many `k` examples TRL truncates (and drops); a UserError when it would drop them all."""
     fmt, seq_len, n = stats["format"], stats["seq_len"], stats["rows"][k]
     trained = "assistant" if fmt == "messages" else "completion"
@@ -160,7 +311,7 @@ def _report_truncation(stats: dict[str, Any], k: str, c: dict[str, int], packing
     if dropped == n:
         raise UserError(
             f"trainer.seq_len: at {seq_len} tokens no {k} example keeps a {trained} token after truncation "
-            f"({stats['source'] if k == 'train' else stats['eval_source']}, longest {c['max_tokens']} tokens), "
+            f"({_where(stats, k)}, longest {c['max_tokens']} tokens), "
             "so there is nothing to train on; raise trainer.seq_len"
         )
     if not c["over"]:
@@ -173,7 +324,7 @@ def _report_truncation(stats: dict[str, Any], k: str, c: dict[str, int], packing
     )
     if dropped:
         msg += f"; {dropped} of them have no {trained} token left within {seq_len} tokens and TRL drops them"
-    log.warning(msg + "; raise trainer.seq_len to keep them whole")
+    log.warning(msg + "; raise trainer.seq_len to keep them whole, or data.too_long=drop to leave them out")
 
 
 def _count(
@@ -184,9 +335,9 @@ def _count(
     chat_template: str | None,
     completion_only: bool,
     seq_len: int,
-) -> dict[str, int]:
-    """Per-split token statistics: how many examples TRL truncates to `seq_len`, how many of those it then
-    drops (every trained token beyond `seq_len`), and the longest example."""
+) -> dict[str, Any]:
+    """Per-split token statistics: each example's length, how many TRL truncates to `seq_len`, how many of
+    those it then drops (every trained token beyond `seq_len`), and the longest example."""
     lengths: list[int] = []
     first_trained: list[int] = []  # index of the first token with a label (TRL drops rows where it's >= seq_len)
     eos = tokenizer.eos_token or ""
@@ -239,4 +390,4 @@ def _count(
                 first_trained.append(common if completion_only else 0)
     over = sum(1 for n in lengths if n > seq_len)
     dropped = sum(1 for n, k in zip(lengths, first_trained, strict=True) if k >= min(n, seq_len))
-    return {"over": over, "dropped": dropped, "max_tokens": max(lengths, default=0)}
+    return {"over": over, "dropped": dropped, "max_tokens": max(lengths, default=0), "lengths": lengths}

@@ -40,10 +40,9 @@ def should_convert(full_name: str, patterns: Iterable[str] | None) -> bool:
 
 
 def skip_patterns(st: StackSpec, blocks: tuple[Block, ...]) -> list[str]:
-    """What transformers keeps unquantized: the given skip list, else the output embeddings (and tied)."""
-    if st.skip_modules:
-        return list(st.skip_modules)
-    skip = ["lm_head"]
+    """What stays unquantized: the output embeddings (and what is tied to them), as transformers
+    keeps them, plus the user's quant.skip_modules (stack.skip_modules adds to that default)."""
+    skip = ["lm_head", *st.skip_modules]
     for b in blocks:
         if b.tied_to:
             skip += [b.name, b.tied_to]
@@ -132,6 +131,7 @@ class BlockBytes:
     dora_in: int = 0  # sum of in_features of DoRA-adapted linears
     dora_weight: int = 0  # sum of out*in of DoRA-adapted linears
     placed_bytes: int = 0  # what the loader counts when placing (quantized at 0.5/1 byte/elem)
+    max_cast: int = 0  # load bytes of its largest tensor that k-bit prep upcasts (0: none is)
 
 
 def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
@@ -163,6 +163,7 @@ def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
                 bb.other += n * after
                 bb.other_at_load += n * load
                 bb.placed_bytes += n * load
+                bb.max_cast = max(bb.max_cast, n * load if after > load else 0)
             if lin.bias:
                 bb.other += lin.out_features * after
                 bb.other_at_load += lin.out_features * load
@@ -186,6 +187,7 @@ def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
             bb.other += numel * after
             bb.other_at_load += numel * load
             bb.placed_bytes += numel * load
+            bb.max_cast = max(bb.max_cast, numel * load if after > load else 0)
         for _, numel, size in blk.buffers:
             bb.buffers += numel * (size or load)
             bb.placed_bytes += numel * (size or load)
@@ -334,14 +336,32 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
 
 
 def backward_working_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
-    """Gradient buffers alive while one layer runs backward: hidden-state and MLP gradients."""
+    """Gradient buffers alive while one layer runs backward: hidden-state and MLP gradients; or, if
+    larger, what recomputing a plain (not bitsandbytes) adapted linear holds on a GPU: peft's LoRA
+    Linear.forward casts its input to the adapters' fp32 on every device (lora/layer.py,
+    `_cast_input_dtype`; its bitsandbytes layers skip that under CUDA autocast), so with a 16-bit
+    residual the adapted linear with the widest input holds that input, its fp32 copy and the fp32
+    dropout output at once (bench/trace shows them at the layer-backward peak of quant=none stacks,
+    beside the layer's saved tensors)."""
     fig, s = st.fig, st.seq_len
     _, r, _ = act_dtypes(st, on_cpu)
     w = b * s * r * (2 * fig.hidden_size + 2 * fig.intermediate_size)
     if eager(st):
         rows, n = attention_rows(st, b)
         w += rows * fig.num_heads * n * n * 4  # fp32 gradient of the softmax
+    if not on_cpu and not st.quantized and r < 4:
+        widest = _widest_lora_input(st)
+        w = max(w, b * s * (r + 4 + (4 if st.lora_dropout > 0 else 0)) * widest)
     return w
+
+
+def _widest_lora_input(st: StackSpec) -> int:
+    """The largest in_features of an adapted linear of a decoder layer (0 without one)."""
+    blocks = inventory(st.fig)
+    targets, _ = _lora_targets(st, blocks)
+    return max(
+        (lin.in_features for blk in blocks if blk.is_layer for lin in blk.linears if lin.name in targets), default=0
+    )
 
 
 def shared_per_device_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:

@@ -84,6 +84,7 @@ class _Head:
     h: int
     triton: bool
     softcap: bool
+    vocab: int
 
 
 def _head(st: StackSpec, b: int, on_cpu: bool) -> _Head:
@@ -92,7 +93,7 @@ def _head(st: StackSpec, b: int, on_cpu: bool) -> _Head:
     fig = st.fig
     return _Head(
         n_pos, min(n_pos, TOKEN_TILE), min(fig.vocab_size, VOCAB_TILE), c, r, fig.hidden_size,
-        triton=not on_cpu, softcap=fig.architecture == "gemma2",
+        triton=not on_cpu, softcap=fig.architecture == "gemma2", vocab=fig.vocab_size,
     )  # fmt: skip
 
 
@@ -101,16 +102,39 @@ def _tile_bytes(k: _Head, backward: bool) -> int:
     chunk of lm_head.weight (when the dtypes differ), and on CPU the fold's fp32 temporaries. In
     forward the weight chunk is a temporary of the matmul, gone before the fold; in backward it
     lives through the fold and the gradient GEMMs."""
-    buf = k.n * VOCAB_TILE * k.c
     hidden_chunk = k.n * k.h * k.c if k.r != k.c else 0
+    if not k.triton:
+        return hidden_chunk + max(_cpu_tile_bytes(k, w, backward) for w in _tile_widths(k.vocab))
+    buf = k.n * VOCAB_TILE * k.c
     weight_chunk = k.cols * k.h * k.c if k.r != k.c else 0
-    fold = 0
-    if not k.triton:  # the CPU fold's fp32 temporaries
-        per = FOLD_BYTES["backward"] + FOLD_BYTES["softcap"] * k.softcap if backward else FOLD_BYTES["forward"]
-        fold = per * k.n * k.cols
+    if backward and weight_chunk and k.vocab > VOCAB_TILE:
+        # ChunkedLogProbFunction.backward rebinds `w_chunk = weight[start:end].to(compute_dtype)`:
+        # the next tile's copy is made while the previous one is still referenced, so two coexist
+        # (bench/trace shows both at the loss phase's peak)
+        weight_chunk += min(VOCAB_TILE, k.vocab - VOCAB_TILE) * k.h * k.c
+    return buf + hidden_chunk + weight_chunk  # the Triton fold allocates nothing
+
+
+def _tile_widths(vocab: int) -> set[int]:
+    """The widths of the vocabulary tiles: VOCAB_TILE, and the remainder's."""
+    return {w for w in (min(vocab, VOCAB_TILE), vocab % VOCAB_TILE) if w}
+
+
+def _cpu_tile_bytes(k: _Head, width: int, backward: bool) -> int:
+    """One tile on CPU, as the process's RSS sees it: the buffer's pages that tiles have written
+    (torch.empty pages count once touched: n x min(V, VOCAB_TILE) of its n x VOCAB_TILE), the
+    result of torch.mm into a tile narrower than the buffer (a strided `out`: mm computes into a
+    contiguous temporary and copies), the fold's fp32 temporaries (FOLD_BYTES per element) and the
+    compute-dtype copy of the weight chunk (when the dtypes differ), alive through the backward's
+    fold but only through the forward's matmul. tests/test_planner_loss.py measures these."""
+    touched = k.n * k.cols * k.c
+    strided = k.n * width * k.c if width < VOCAB_TILE else 0
+    weight_chunk = width * k.h * k.c if k.r != k.c else 0
+    per = FOLD_BYTES["backward"] + FOLD_BYTES["softcap"] * k.softcap if backward else FOLD_BYTES["forward"]
+    fold = per * k.n * width
     if backward:
-        return buf + hidden_chunk + weight_chunk + fold
-    return buf + hidden_chunk + max(weight_chunk, fold)
+        return touched + weight_chunk + max(strided, fold)
+    return touched + max(weight_chunk + strided, fold)
 
 
 def _head_input(k: _Head, b: int, s: int) -> tuple[int, int]:

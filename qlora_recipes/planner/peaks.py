@@ -2,7 +2,9 @@
 gradients, optimizer state), fixed (CUDA context, process baseline, offload staging) or transient;
 the transient rows do not coexist: a device's peak is its fixed and static rows plus the largest
 phase - train (activations + max(lm_head_loss, layer_working + dequant_scratch)), optimizer step
-(optimizer_scratch) or eval (eval_transient) - plus allocator overhead. The allocated peak leaves
+(optimizer_scratch), eval (eval_transient) or loading (load_transient: the checkpoint's mapped
+pages on CPU, k-bit prep's upcast) - plus
+allocator overhead. The allocated peak leaves
 out what torch's allocator does not hand out (CUDA context, process baseline, allocator slack): it is
 what torch.cuda.max_memory_allocated reports. Also the pressure of a plan (peak over budget on its
 tightest device), which the ladder and the report read.
@@ -29,6 +31,7 @@ COMPONENTS = (
     "dequant_scratch",
     "optimizer_scratch",
     "eval_transient",
+    "load_transient",
     "offload_staging",
     "cuda_context",
     "process_baseline",
@@ -36,7 +39,15 @@ COMPONENTS = (
 )
 STATIC = ("quantized_weights", "other_params", "buffers", "lora_weights", "gradients", "optimizer_state")
 FIXED = ("cuda_context", "process_baseline", "offload_staging")
-TRANSIENT = ("activations", "layer_working", "lm_head_loss", "dequant_scratch", "optimizer_scratch", "eval_transient")
+TRANSIENT = (
+    "activations",
+    "layer_working",
+    "lm_head_loss",
+    "dequant_scratch",
+    "optimizer_scratch",
+    "eval_transient",
+    "load_transient",
+)
 
 
 def _phases(row: Callable[[str], int]) -> dict[str, int]:
@@ -47,19 +58,17 @@ def _phases(row: Callable[[str], int]) -> dict[str, int]:
         "train: layer backward": act + row("layer_working") + row("dequant_scratch"),
         "optimizer step": row("optimizer_scratch"),
         "eval": row("eval_transient"),
+        "load": row("load_transient"),
     }
 
 
-def phase_peaks(row: Callable[[str], int]) -> tuple[int, dict[str, int], dict[str, int]]:
+def phase_peaks(row: Callable[[str], int], device: str) -> tuple[int, dict[str, int], dict[str, int]]:
     """(static bytes, transient bytes per phase, peak per phase) of one device; `row(component)`
     gives the device's bytes of that component."""
     static = sum(row(k) for k in STATIC)
     fixed = sum(row(k) for k in FIXED)
     phases = _phases(row)
-    by_phase = {
-        k: int(fixed + static + v + ALLOCATOR_STATIC_FRACTION * static + ALLOCATOR_DYNAMIC_FRACTION * v)
-        for k, v in phases.items()
-    }
+    by_phase = {k: int(fixed + static + v + allocator_bytes(static, v, device)) for k, v in phases.items()}
     return static, phases, by_phase
 
 
@@ -80,8 +89,12 @@ def peak_allocated_gib(devices: list[dict]) -> float | None:
     return round(max(found) / GiB, 3) if found else None
 
 
-def allocator_bytes(static: int, transient: int) -> float:
-    """The caching allocator's slack over the static bytes and one phase's transient bytes."""
+def allocator_bytes(static: int, transient: int, device: str) -> float:
+    """The caching allocator's slack over the static bytes and one phase's transient bytes. Only a
+    GPU has one: on the CPU a training run pins glibc's malloc thresholds (peak.py), so each tensor
+    of 128 KiB or more is its own mapping, gone from RSS when freed - nothing is cached."""
+    if not device.startswith("cuda"):
+        return 0.0
     return ALLOCATOR_STATIC_FRACTION * static + ALLOCATOR_DYNAMIC_FRACTION * transient
 
 

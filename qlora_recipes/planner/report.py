@@ -27,6 +27,7 @@ _LABELS = {
     "dequant_scratch": "* dequant scratch",
     "optimizer_scratch": "* optimizer step",
     "eval_transient": "* eval batch",
+    "load_transient": "* loading (checkpoint pages, upcast)",
     "offload_staging": "offload staging",
     "cuda_context": "CUDA context",
     "process_baseline": "process baseline",
@@ -38,6 +39,7 @@ _SHORT_PHASES = {
     "train: layer backward": "backward",
     "optimizer step": "optim step",
     "eval": "eval",
+    "load": "load",
     "offloaded weights": "weights",
     "static": "weights",
 }

@@ -111,6 +111,8 @@ def _rank_rows(comps: dict, sizes: dict[str, int], dev: str, ws: int, ranks_here
     _put(rows, "gradients", holder, grads / ws * k)
     _put(rows, "optimizer_state", holder, optim_state / ws * k)
     for row in TRANSIENT:
+        if row == "load_transient":  # a rank's loading is _device's `full_at_load`
+            continue
         if row == "optimizer_scratch":  # per trainable element of the shard, where the step runs
             _put(rows, row, holder, comps.get(row, {}).get(dev, 0) / ws * k)
         else:
@@ -125,7 +127,7 @@ def _rank_rows(comps: dict, sizes: dict[str, int], dev: str, ws: int, ranks_here
 
 def _device(rows: dict, name: str, budget: int, ranks_here: int, load_on_cpu: bool, full_at_load: int) -> dict:
     """One device of the rank's plan; its peak is the largest of the training phases and the load."""
-    static, phases, by_phase = phase_peaks(lambda r: rows.get(r, {}).get(name, 0))
+    static, phases, by_phase = phase_peaks(lambda r: rows.get(r, {}).get(name, 0), name)
     # loading: the whole quantized base per rank, on the GPU or (load_on_cpu) in host RAM
     if name != "cpu" and not load_on_cpu:
         by_phase["load"] = int(CUDA_CONTEXT_BYTES + full_at_load)
@@ -134,7 +136,7 @@ def _device(rows: dict, name: str, budget: int, ranks_here: int, load_on_cpu: bo
         by_phase["load"] = int(base_rss + (full_at_load * ranks_here if load_on_cpu else 0))
     phase = max(by_phase, key=lambda k: by_phase[k])
     if phase != "load":
-        _put(rows, "allocator_overhead", name, allocator_bytes(static, phases[phase]))
+        _put(rows, "allocator_overhead", name, allocator_bytes(static, phases[phase], name))
     entry = device_entry(name, budget, by_phase[phase], phase)
     entry["peak_by_phase"] = by_phase
     loaded = full_at_load * (ranks_here if name == "cpu" else 1) if load_on_cpu == (name == "cpu") else 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import devices as _dev
-from ..units import GiB
+from ..units import GiB, dtype_bytes
 from .components import (
     BlockBytes,
     act_dtypes,
@@ -36,7 +36,7 @@ from .constants import (
     OPTIMIZERS,
 )
 from .loss import eval_loss_bytes, generation_bytes, train_loss_bytes
-from .peaks import COMPONENTS, allocated_peak, allocator_bytes, device_entry, peak_allocated_gib, phase_peaks
+from .peaks import COMPONENTS, STATIC, allocated_peak, allocator_bytes, device_entry, peak_allocated_gib, phase_peaks
 from .placement import dev_name, on_one_device, place, resolve_placement
 from .spec import StackSpec, data_note
 
@@ -55,6 +55,7 @@ class _Tally:
     layers_on: defaultdict[str, list[BlockBytes]] = field(default_factory=lambda: defaultdict(list))
     dequant_on: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     dora_on: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    cast_on: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     offloaded_max: int = 0  # the largest block computed away from where it is stored
     disk_max: int = 0
     trainable_shapes: defaultdict[str, list] = field(default_factory=lambda: defaultdict(list))
@@ -75,6 +76,8 @@ def plan_single(st: StackSpec, hw: _dev.Hardware) -> dict:
     disk_bytes = sum(comp[k].get("disk", 0) for k in ("quantized_weights", "other_params", "buffers"))
     paged_total = _optimizer_rows(st, t)
     _activation_rows(st, t)
+    _prep_rows(t)
+    _load_rows(st, hw, t)
     # offload staging: room on the execution device for one offloaded layer
     if t.offloaded_max and hw.has_gpu:
         comp["offload_staging"][exec_dev] += t.offloaded_max
@@ -110,6 +113,7 @@ def _tally_blocks(st: StackSpec, hw: _dev.Hardware, bbs: list, dmap: dict, exec_
         if where == "disk" and not hw.has_gpu:
             compute = "cpu"
         holder = "cpu" if where == "disk" else where
+        t.cast_on[holder] = max(t.cast_on[holder], bb.max_cast)
         comp["quantized_weights"][where] += bb.quant_data + bb.quant_state
         comp["other_params"][where] += bb.other_at_load if where == "disk" else bb.other  # stored as loaded
         comp["buffers"][where] += bb.buffers
@@ -192,6 +196,33 @@ def _activation_rows(st: StackSpec, t: _Tally) -> None:
         _eval_rows(st, t)
 
 
+def _prep_rows(t: _Tally) -> None:
+    """prepare_model_for_kbit_training casts each fp16/bf16 tensor that is not 4-bit to fp32, one
+    at a time (param.data = param.data.to(float32)): casting the largest, the device holds every
+    static row but the adapters, their gradients and optimizer state (made later), plus that
+    tensor's load-dtype copy. The excess over the static rows is the k-bit prep phase."""
+    comp = t.comp
+    for dev, cast in t.cast_on.items():
+        later = sum(comp[k].get(dev, 0) for k in ("lora_weights", "gradients", "optimizer_state"))
+        if cast > later:
+            comp["load_transient"][dev] += cast - later
+
+
+def _load_rows(st: StackSpec, hw: _dev.Hardware, t: _Tally) -> None:
+    """Training on the CPU (no GPU): while from_pretrained reads the checkpoint, its safetensors
+    files are memory-mapped and every page read stays resident until loading ends, beside the
+    model being built (weights quantized or copied at the load dtype). File-backed pages are
+    reclaimable, but they are in the process's RSS, the quantity a CPU plan predicts; for a
+    model of 300 M+ parameters on short sequences this load is the run's peak
+    (bench/results/planner-cpu.json). A checkpoint in the load dtype is counted."""
+    if hw.has_gpu or "cpu" not in t.layers_on:
+        return
+    comp, counts = t.comp, t.counts
+    static = sum(comp[k].get("cpu", 0) for k in STATIC)
+    loading = counts["params_total"] * dtype_bytes(st.dtype) + counts["footprint_at_load"]
+    comp["load_transient"]["cpu"] = max(comp["load_transient"].get("cpu", 0), loading - static)
+
+
 def _eval_rows(st: StackSpec, t: _Tally) -> None:
     """The eval phase per device, the largest of: one layer's forward of an eval batch (no grad),
     the fused head's forward on it (where lm_head computes), and the exact-match metric's generation
@@ -215,9 +246,9 @@ def _device(st: StackSpec, hw: _dev.Hardware, comp: dict, d: str, disk_bytes: in
     def row(k: str) -> int:
         return comp[k].get(d, 0)
 
-    static, phases, by_phase = phase_peaks(row)
+    static, phases, by_phase = phase_peaks(row, d)
     phase = max(by_phase, key=lambda k: by_phase[k])
-    comp["allocator_overhead"][d] = int(allocator_bytes(static, phases[phase]))
+    comp["allocator_overhead"][d] = int(allocator_bytes(static, phases[phase], d))
     peak = by_phase[phase]
     if not any(phases.values()):
         phase = "static"  # nothing computes here: weights and adapters only

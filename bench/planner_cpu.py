@@ -1,0 +1,326 @@
+"""The planner against the CPU: planned vs measured peak RSS of real training runs.
+
+    python -m bench planner-cpu                 # make bench-planner-cpu; about an hour on 2 cores
+    python -m bench planner-cpu --only 'llama-50m*' --resume
+
+Builds models of about 1 M, 50 M, 150 M, 300 M and 600 M parameters locally (random weights, bf16
+safetensors; Llama, and Qwen2 as the second family: q/k/v biases, tied embeddings, a 152k
+vocabulary), then runs each through several stacks (quantization x optimizer x checkpointing x
+upcast_frozen x batch/seq, some with an eval phase). Every case is a fresh `python train.py`
+process of two optimizer steps (so the optimizer state is live); its `metrics.json` gives the
+measured peak (peak.py: the process RSS sampled from the run's start, loading included) and the
+planned peak of the same quantity (the plan's cpu device). (The child's ru_maxrss is no check: a
+forked child starts with the harness's RSS, and the harness holds the models it has built.) Results: bench/results/planner-cpu.json (+ .md), each case with its
+overrides, planned_gib, measured_gib and their ratio; the goal is every case within 10 %. On a GPU
+the same runs measure torch.cuda.max_memory_allocated against the plan's peak_allocated_gib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bench import REPO
+from bench.machine import describe_device, environment, load_average, now_iso
+from bench.models import write_text_data, write_tokenizer
+
+TOLERANCE = 0.10
+RESULTS = REPO / "bench" / "results" / "planner-cpu"
+
+# name -> (family, hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings)
+MODELS = {
+    "llama-1m": ("llama", 64, 2, 4, 2, 176, 4000, False),
+    "llama-50m": ("llama", 512, 8, 8, 4, 1376, 32000, False),
+    "llama-150m": ("llama", 768, 12, 12, 4, 2048, 32000, False),
+    "llama-300m": ("llama", 1024, 16, 16, 8, 2816, 32000, False),
+    "llama-600m": ("llama", 1536, 16, 12, 4, 4096, 32000, False),
+    "qwen2-500m": ("qwen2", 896, 24, 14, 2, 4864, 151936, True),  # Qwen2.5-0.5B's shape
+}
+
+# The stacks every model runs: (name, overrides). Batch x seq is per model size (below).
+STACKS = [
+    ("nf4-paged8bit", []),
+    ("nf4-adamw-nockpt", ["optim=adamw", "trainer.gradient_checkpointing=false"]),
+    ("fp4-adamw8bit-lean", ["quant=fp4", "optim=adamw8bit", "precision.upcast_frozen=false"]),
+    ("int8-paged8bit", ["quant=int8"]),
+    ("none-adamw", ["quant=none", "optim=adamw"]),
+    ("nf4-long-eval", ["+shape=long", "data.eval_fraction=0.1", "trainer.eval_batch_size=2"]),
+]
+SMALL = {"default": (4, 256), "long": (1, 1024)}  # micro batch, seq_len
+LARGE = {"default": (2, 128), "long": (1, 512)}
+
+
+def shapes_for(model: str) -> dict:
+    return LARGE if model.endswith(("300m", "500m", "600m")) else SMALL
+
+
+def cases() -> list[dict]:
+    out = []
+    for model in MODELS:
+        shapes = shapes_for(model)
+        for stack, overrides in STACKS:
+            shape = "long" if "+shape=long" in overrides else "default"
+            b, s = shapes[shape]
+            ov = [o for o in overrides if not o.startswith("+shape=")]
+            ov += [f"trainer.micro_batch_size={b}", f"trainer.seq_len={s}"]
+            out.append({"name": f"{model}/{stack}", "model": model, "stack": stack, "overrides": ov})
+    return out
+
+
+def model_config(name: str):
+    """The transformers config of MODELS[name] (bf16, the word-level tokenizer's special ids)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    fam, h, layers, heads, kv, ffn, vocab, tied = MODELS[name]
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[fam]
+    return config_class(
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=4096,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        dtype="bfloat16",
+    )
+
+
+def build_model(name: str, cache: Path) -> Path:
+    """A random-weight model of MODELS[name] in bf16 safetensors, its word-level tokenizer and a
+    text file of rows longer than any seq_len used here; reused when complete."""
+    out = cache / name
+    if (out / "done").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_config(name), dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    del model
+    write_tokenizer(out, MODELS[name][6])
+    write_text_data(out / "data.jsonl", MODELS[name][6], rows=64, min_words=1100, max_words=1100)
+    (out / "done").write_text("ok\n")
+    return out
+
+
+def planning_dir(name: str, cache: Path) -> Path:
+    """A dir the planner can read MODELS[name]'s figures from: the built model, else its config.json
+    alone (planning never reads weights)."""
+    if (cache / name / "done").is_file():
+        return cache / name
+    out = cache / f"{name}-config"
+    if not (out / "config.json").is_file():
+        model_config(name).save_pretrained(out)
+    return out
+
+
+def job_overrides(model_dir: Path, run_dir: Path) -> list[str]:
+    """What every case shares: the built model and its data, two optimizer steps, no checkpoints,
+    no generation metric (eval only where a stack asks for it)."""
+    return [
+        f"hydra.run.dir={run_dir}",
+        f"model.name_or_path={model_dir}",
+        f"data.path={model_dir / 'data.jsonl'}",
+        "data.format=text",
+        "data.eval_path=null",
+        "data.eval_fraction=0",
+        "data.metric=null",
+        "trainer.max_steps=2",
+        "trainer.grad_accum=1",
+        "trainer.save_steps=0",
+        "trainer.eval_steps=0",
+        "trainer.logging_steps=1",
+        "trainer.progress_bar=false",
+        "force=true",
+    ]
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def run_case(case: dict, model_dir: Path, work: Path, timeout: float) -> dict:
+    run_dir = work / case["name"].replace("/", "--")
+    argv = [sys.executable, "train.py", *job_overrides(model_dir, run_dir), *case["overrides"]]
+    log = run_dir.with_suffix(".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    with open(log, "w") as f:
+        rc = _wait(subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT), timeout)
+    return read_case(case, run_dir, rc, round(time.time() - started, 1))
+
+
+def read_case(case: dict, run_dir: Path, rc: int, wall_s: float | None) -> dict:
+    """A case's entry from its finished run dir (metrics.json and plan.json)."""
+    entry = {**case, "rc": rc, "wall_s": wall_s}
+    metrics = run_dir / "metrics.json"
+    if rc != 0 or not metrics.is_file():
+        entry["status"] = "failed"
+        log = run_dir.with_suffix(".log")
+        entry["log_tail"] = log.read_text(errors="replace").splitlines()[-5:] if log.is_file() else []
+        return entry
+    m = json.loads(metrics.read_text())
+    plan = json.loads((run_dir / "plan.json").read_text())
+    cpu = next(d for d in plan["devices"] if d["device"] == "cpu")
+    entry.update(
+        status="ok",
+        peak_quantity=m["peak_quantity"],
+        planned_at_run_gib=round(m["planned_peak_gib"], 3),
+        planned_gib=round(m["planned_peak_gib"], 3),
+        measured_gib=round(m["peak_mem_gib"], 3),
+        ratio=round(m["peak_mem_gib"] / m["planned_peak_gib"], 4),
+        planned_phase=cpu["peak_phase"],
+        params_total=plan["counts"]["params_total"],
+    )
+    entry["within"] = abs(entry["ratio"] - 1) <= TOLERANCE
+    return entry
+
+
+def replan(entry: dict, model_dir: Path) -> None:
+    """The case's planned peak from the planner as it is now (the same overrides composed again), so
+    a planner change re-scores every measured case without re-running it; the figure the run itself
+    planned stays as planned_at_run_gib."""
+    from qlora_recipes.peak import CPU_QUANTITY, planned_peak_gib
+    from qlora_recipes.planner import plan
+    from qlora_recipes.schema import compose
+
+    overrides = [o for o in job_overrides(model_dir, Path("unused")) if not o.startswith("hydra.")]
+    cfg = compose([*overrides, *entry["overrides"]])
+    gpu = entry.get("peak_quantity", CPU_QUANTITY) != CPU_QUANTITY  # on a GPU: max_memory_allocated
+    planned_now = plan(cfg, world_size=1, ladder=False)
+    planned = planned_peak_gib(planned_now, gpu=gpu)
+    entry["planned_phase"] = max(planned_now["devices"], key=lambda d: d["peak"])["peak_phase"]
+    entry["planned_gib"] = round(planned, 3)
+    entry["ratio"] = round(entry["measured_gib"] / planned, 4)
+    entry["within"] = abs(entry["ratio"] - 1) <= TOLERANCE
+
+
+def write_results(path: Path, meta: dict, entries: list[dict]) -> None:
+    ok = [e for e in entries if e.get("status") == "ok"]
+    within = sum(e["within"] for e in ok)
+    summary = {
+        "cases": len(entries),
+        "measured": len(ok),
+        "within_10pct": within,
+        "worst_ratio": max((e["ratio"] for e in ok), key=lambda r: abs(r - 1), default=None),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps({**meta, "summary": summary, "cases": entries}, indent=1) + "\n")
+    lines = [
+        f"### planner vs CPU peak RSS — {meta['device']} — {meta['date']}",
+        "",
+        *(
+            f"- `{r['command']}` at {r['started']}; load average before {r['load_average_before']}"
+            for r in meta["runs"]
+        ),
+        f"- {meta['environment']}",
+        "- measured: the run's own peak RSS (metrics.json `peak_mem_gib`: the kernel's high-water mark from the"
+        " run's start);"
+        " planned: the plan's cpu-device peak (metrics.json `planned_peak_gib`); two optimizer steps",
+        f"- {within} of {len(ok)} measured cases within 10 % ({len(entries)} cases)",
+        "",
+        "| case | params | overrides | planned GiB | measured GiB | ratio | phase |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for e in entries:
+        if e.get("status") != "ok":
+            lines.append(
+                f"| {e['name']} | – | `{' '.join(e['overrides'])}` | – | failed (rc {e.get('rc')}) | – | – | – |"
+            )
+            continue
+        lines.append(
+            f"| {e['name']} | {e['params_total'] / 1e6:.1f} M | `{' '.join(e['overrides'])}` | {e['planned_gib']:.3f} "
+            f"| {e['measured_gib']:.3f} | {e['ratio']:.3f} | {e['planned_phase']} |"
+        )
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str], prog: str = "python -m bench planner-cpu") -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p.add_argument("--only", help="comma-separated globs of case names (model/stack)")
+    p.add_argument("--resume", action="store_true", help="keep the cases the results file already has")
+    p.add_argument("--cache", default=None, help="where the built models go")
+    p.add_argument("--work-dir", default=None, help="run dirs and logs")
+    p.add_argument("--results", default=str(RESULTS), help="results path without suffix")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
+    p.add_argument("--jobs", type=int, default=1, help="cases run side by side (each peak is its own process's)")
+    p.add_argument("--collect", help="no runs: read the finished run dirs under this work dir into the results")
+    p.add_argument(
+        "--replan", action="store_true", help="no runs: re-plan the measured cases with the planner as it is now"
+    )
+    args = p.parse_args(argv)
+    cache = Path(args.cache or Path(os.environ.get("QLORA_RECIPES_CACHE", Path.home() / ".cache/qlora-recipes")))
+    cache = cache / "bench" / "planner-cpu"
+    work = Path(args.work_dir or REPO / "runs" / "bench" / f"planner-cpu-{time.strftime('%Y%m%d-%H%M%S')}")
+    results = Path(args.results)
+    todo = cases()
+    if args.only:
+        globs = args.only.split(",")
+        todo = [c for c in todo if any(fnmatch.fnmatch(c["name"], g) for g in globs)]
+    kept: dict[str, dict] = {}
+    runs: list[dict] = []
+    if results.with_suffix(".json").is_file():
+        old = json.loads(results.with_suffix(".json").read_text())
+        kept, runs = {e["name"]: e for e in old["cases"]}, old.get("runs", [])
+    runs.append({"command": " ".join([prog, *argv]), "started": now_iso(), "load_average_before": load_average()})
+    meta = {
+        "suite": "planner-cpu",
+        "date": now_iso()[:10],
+        "device": describe_device(True)["name"],
+        "environment": environment(),
+        "tolerance": TOLERANCE,
+        "runs": runs,
+    }
+    todo = [c for c in todo if not ((args.resume or args.replan) and kept.get(c["name"], {}).get("status") == "ok")]
+    for e in kept.values():  # re-scored by the planner as it is now
+        if e.get("status") == "ok" and e["model"] in MODELS:
+            replan(e, planning_dir(e["model"], cache))
+    if args.collect:  # finished run dirs of a harness that was stopped (their processes ran on)
+        for case in todo:
+            run_dir = Path(args.collect) / case["name"].replace("/", "--")
+            if (run_dir / "metrics.json").is_file():
+                kept[case["name"]] = e = read_case(case, run_dir, 0, None)
+                replan(e, planning_dir(case["model"], cache))
+    if args.replan or args.collect:
+        todo = []
+    dirs = {m: build_model(m, cache) for m in dict.fromkeys(c["model"] for c in todo)}
+
+    def one(case: dict) -> dict:
+        e = run_case(case, dirs[case["model"]], work, args.timeout)
+        if e["status"] == "ok":
+            replan(e, dirs[case["model"]])
+        print(
+            f"[planner-cpu] {e['name']}: planned {e.get('planned_gib')} GiB, measured {e.get('measured_gib')} GiB, "
+            f"ratio {e.get('ratio')} ({e['wall_s']} s)",
+            flush=True,
+        )
+        return e
+
+    # Cases may run side by side (--jobs): each is its own process and its peak RSS is its own.
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for e in pool.map(one, todo):
+            kept[e["name"]] = e
+            _write(results, meta, kept)
+    _write(results, meta, kept)
+
+
+def _write(results: Path, meta: dict, kept: dict[str, dict]) -> None:
+    """The cases of the suite as it is now (in its order) that have a result."""
+    order = [c["name"] for c in cases()]
+    write_results(results, meta, sorted((kept[n] for n in order if n in kept), key=lambda e: order.index(e["name"])))

@@ -1,0 +1,188 @@
+"""The traced process: `python -m bench.trace.child SPEC.json OUT.json`.
+
+SPEC: {"overrides": [...], "device": "cuda" | "cpu", "fake": true, "layers": null | int,
+"library": path of the fake CUDA library}. For device "cuda" the fake CUDA device is registered
+before torch is imported (bench/trace/fakecuda.py), which is why this is a process of its own.
+With "fake": false (CPU only) the same step runs on real tensors and the tracker counts real live
+bytes: the tracer checked against a real run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def _quiet() -> None:
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name in ("transformers", "peft", "trl", "bitsandbytes", "accelerate", "torch"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def trace(spec: dict) -> dict:
+    """Build the stack's model on (fake) tensors and trace two steps; the result dict."""
+    import resource
+
+    import torch
+
+    from bench.trace import kernels, step
+    from bench.trace.model import four_bit_linears, make_trainable, materialize, meta_base
+    from bench.trace.tracker import PlanTracker
+    from qlora_recipes.schema import compose
+
+    started = time.perf_counter()
+    device = spec.get("device", "cuda")
+    fake = bool(spec.get("fake", True))
+    cfg = compose(list(spec["overrides"]))
+    if spec.get("device_map"):
+        raise NotImplementedError("layers offloaded to cpu/disk by a device map are not traced yet")
+    torch.manual_seed(0)
+    import bitsandbytes.functional as bnbf
+
+    qmap = bnbf.create_dynamic_map()  # computed for real (its values are data), then made fake
+    from bench.trace.fakecuda import runtime_shim
+
+    contexts = []
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        qmap = mode.from_tensor(qmap)
+        contexts.append(mode)
+    bnbf.name2qmap["dynamic"] = qmap
+    if device == "cuda":
+        contexts.append(runtime_shim())
+    skeleton, quantizer = meta_base(cfg, spec.get("layers"))
+    linears = four_bit_linears(skeleton)
+    model = make_trainable(cfg, skeleton, quantizer)
+    with _stack(contexts):
+        model = materialize(model, linears, device)
+        built = time.perf_counter()
+        tracker = PlanTracker()
+        tracker.census = bool(spec.get("census"))
+        gpu_modes = []
+        kernel_mode = kernels.GpuKernels
+        if fake:
+            from qlora_recipes.schema import padding_free_on
+
+            packed_rows = padding_free_on(cfg.data) and int(cfg.trainer.micro_batch_size) > 1
+            gpu_modes += [kernels.trl_offload_keys(), kernels.known_sequences(not packed_rows)]
+        if device == "cuda":
+            gpu_modes.append(kernels.trl_triton_folds())
+            # flash attention needs sm80+ (Ampere); a recipe declaring no bf16 (T4 / V100) runs the
+            # memory-efficient kernel instead
+            flash = spec.get("flash", (cfg.get("hardware") or {}).get("bf16", True) is not False)
+            kernels.gpu_dispatch(flash=bool(flash))
+        if not fake:
+            _init_weights(model)
+        with _stack(gpu_modes):
+            info = step.run_step(cfg, model, device, tracker, kernel_mode)
+        attention = dict(kernels.ATTENTION["calls"]) if device == "cuda" else {}
+        params = _param_counts(model)
+    return {
+        "overrides": list(spec["overrides"]),
+        "device": device,
+        "fake": fake,
+        "layers_traced": int(model.config.num_hidden_layers),
+        "peak": tracker.peak,
+        "peak_phase": tracker.peak_phase,
+        "peak_components": tracker.peak_components,
+        "phases": {f"{dev}|{ph}": {"total": v[0], "components": v[1]} for (dev, ph), v in tracker.phase_peaks.items()},
+        "modules": _module_peaks(tracker),
+        "census": tracker.peak_census,
+        "kernels": {"attention": attention, "ops": dict(kernels.GpuKernels.calls)},
+        "params": params,
+        **info,
+        "build_s": round(built - started, 2),
+        "wall_s": round(time.perf_counter() - started, 2),
+        "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+    }
+
+
+def _init_weights(model) -> None:
+    """Real tensors (the real-run check) get finite values: to_empty leaves whatever memory held."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.normal_(0.0, 0.02)
+
+
+def _param_counts(model) -> dict:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return {"trainable": int(trainable), "total_elements": int(total)}
+
+
+def _module_peaks(tracker) -> dict:
+    """Each top-level block's own peak in forward and backward (MemTracker's module snapshots) for
+    the traced step, by device: embeddings, each decoder layer, the final norm, lm_head."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _ModState
+
+    out = {}
+    for stats in tracker.memory_tracking.values():
+        name = stats.mod_fqn
+        short = name.split("base_model.model.", 1)[-1]
+        parts = short.split(".")
+        top = parts[:3] == ["model", "layers", parts[2] if len(parts) > 2 else ""] and len(parts) == 3
+        if not (top or short in ("model.embed_tokens", "model.norm", "lm_head", "model")):
+            continue
+        entry = {}
+        for state, key in ((_ModState.PEAK_FW, "forward"), (_ModState.PEAK_BW, "backward")):
+            snaps = stats.snapshots.get(state) or []
+            best = {}
+            for snap in snaps:
+                for dev, s in snap.items():
+                    best[str(dev)] = max(best.get(str(dev), 0), s.get(_TOTAL_KEY, 0))
+            if best:
+                entry[key] = best
+        entry["parameters"] = int(getattr(stats, "parameter_mem", 0))
+        out[short] = entry
+    return out
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+class _stack:
+    def __init__(self, contexts):
+        self.contexts = contexts
+        self.entered = []
+
+    def __enter__(self):
+        for c in self.contexts:
+            c.__enter__()
+            self.entered.append(c)
+        return self
+
+    def __exit__(self, *exc):
+        while self.entered:
+            self.entered.pop().__exit__(*exc)
+        return None
+
+
+def main(argv: list[str]) -> None:
+    spec_path, out_path = argv[0], argv[1]
+    spec = json.loads(open(spec_path).read())
+    if spec.get("device", "cuda") == "cuda":
+        from bench.trace import fakecuda
+
+        fakecuda.preload(spec.get("library"))
+    _quiet()
+    result = trace(spec)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

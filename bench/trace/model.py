@@ -1,0 +1,200 @@
+"""The model a stack trains, built on fake tensors: the loader's path as far as it goes without weights.
+
+What `modeling.load_model` gets from `from_pretrained` is rebuilt here from the same parts: the
+config from the model's figures (or its local config.json), the model class built on the meta device
+in the precision dtype with the stack's attention, transformers' own bitsandbytes quantizer
+(`preprocess_model`: `replace_with_bnb_linear` with the skip list and `modules_to_not_convert` the
+loader computes), then every tensor materialised as a FakeTensor on the device, each 4-bit linear's
+weight quantized by `bitsandbytes.functional.quantize_4bit` (its fake kernel: the packed data and the
+QuantState, double quantization included, are the real shapes and dtypes), `postprocess_model`,
+`use_cache=False` and `modeling._keep_4bit_layout_trainable`. From there the run's own code takes
+over: `modeling.make_trainable` (k-bit prep or its lean variant, gradient checkpointing, peft) and
+TRL's `add_fused_lm_head`.
+
+One difference from the loader: `bitsandbytes.nn.Params4bit` cannot wrap a FakeTensor (a tensor
+subclass cannot be re-wrapped as another), so the packed weight is a plain frozen Parameter carrying
+the attributes a Params4bit has (`quant_state`, `quant_type`, `blocksize`, `compress_statistics`,
+`quant_storage`, `bnb_quantized`, `module`); Linear4bit.forward, peft's 4-bit LoRA layer and
+prepare_model_for_kbit_training (which casts only fp16/bf16 tensors, never the uint8 data) read
+exactly those.
+
+`layers` builds a model with fewer decoder layers than the figures (a layer-sliced trace); the
+layers are identical, so bytes per layer scale exactly (`bench.trace.run` extrapolates and a test
+checks it against a full trace).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+
+def hf_config(cfg: Any, layers: int | None = None):
+    """The transformers config of the stack's model: its local config.json, else the figures."""
+    from transformers import AutoConfig
+
+    from qlora_recipes.planner import model_figures
+
+    fig = model_figures(cfg.model)
+    if fig.config_dir:
+        config = AutoConfig.from_pretrained(fig.config_dir, trust_remote_code=fig.trust_remote_code)
+    else:
+        config = AutoConfig.for_model(
+            fig.architecture,
+            hidden_size=fig.hidden_size,
+            num_hidden_layers=fig.num_layers,
+            num_attention_heads=fig.num_heads,
+            num_key_value_heads=fig.num_kv_heads,
+            intermediate_size=fig.intermediate_size,
+            vocab_size=fig.vocab_size,
+            tie_word_embeddings=fig.tie_embeddings,
+            max_position_embeddings=fig.max_position_embeddings,
+            head_dim=fig.head_dim,
+        )
+        if fig.architecture == "mistral":
+            # transformers' MistralConfig defaults to a 4096-token sliding window (Mistral-7B-v0.1);
+            # v0.2+ (conf/model/mistral-7b: v0.3) has none, and the window would make transformers
+            # build an explicit mask (memory-efficient SDPA) where the real model runs flash
+            config.sliding_window = None
+    if layers is not None:
+        config.num_hidden_layers = int(layers)
+        if getattr(config, "layer_types", None):
+            config.layer_types = list(config.layer_types)[: int(layers)]
+    config.use_cache = False
+    return config
+
+
+_PARAMS4BIT_ATTRS = ("blocksize", "compress_statistics", "quant_type", "quant_storage")
+
+
+def _quantize_linear(module, device, bnb, attrs: dict) -> None:
+    """The 4-bit weight a Linear4bit holds after loading: quantize_4bit of a bf16/fp16 weight of its
+    shape (fake kernel), kept as a frozen Parameter with the Params4bit attributes (`attrs`, read
+    from the skeleton's Params4bit)."""
+    import torch
+
+    src = SimpleNamespace(**attrs)
+    dense = torch.empty(
+        module.out_features, module.in_features, dtype=module.compute_dtype or torch.bfloat16, device=device
+    )
+    with torch.no_grad():
+        dense.normal_(0.0, 0.02)  # real tensors need finite values; nothing on fake ones
+    packed, state = bnb.functional.quantize_4bit(
+        dense,
+        blocksize=src.blocksize,
+        compress_statistics=src.compress_statistics,
+        quant_type=src.quant_type,
+        quant_storage=src.quant_storage,
+    )
+    del dense
+    weight = torch.nn.Parameter(packed, requires_grad=False)
+    for name in _PARAMS4BIT_ATTRS:
+        setattr(weight, name, getattr(src, name))
+    weight.quant_state = state
+    weight.bnb_quantized = True
+    weight.module = module
+    module._parameters["weight"] = weight
+    module.quant_state = state
+
+
+def quant_state_tensors(state) -> list:
+    """Every tensor a bitsandbytes QuantState holds (absmax, code, offset, nested state)."""
+    import torch
+
+    out = []
+    for name in ("absmax", "code", "offset"):
+        t = getattr(state, name, None)
+        if isinstance(t, torch.Tensor):
+            out.append(t)
+    if getattr(state, "state2", None) is not None:
+        out += quant_state_tensors(state.state2)
+    return out
+
+
+def meta_base(cfg: Any, layers: int | None = None):
+    """The model skeleton from_pretrained builds before loading: on the meta device, in the precision
+    dtype, 4-bit linears swapped in by transformers' quantizer. Call outside the FakeTensorMode (a
+    Params4bit cannot wrap a fake tensor). Returns (model, hf_quantizer or None)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qlora_recipes.stack import bnb_config
+    from qlora_recipes.units import torch_dtype
+
+    dtype = torch_dtype(cfg.precision.dtype)
+    config = hf_config(cfg, layers)
+    qconf = bnb_config(cfg)
+    if qconf is not None and qconf.load_in_8bit:
+        raise NotImplementedError("quant=int8 is not traced (LLM.int8 keeps outlier columns chosen from the data)")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=cfg.model.attn_implementation or "sdpa"
+        )
+    quantizer = None
+    if qconf is not None:
+        from transformers.quantizers.auto import AutoHfQuantizer
+
+        quantizer = AutoHfQuantizer.from_config(qconf, pre_quantized=False)
+        quantizer.preprocess_model(
+            model=model, dtype=dtype, device_map={"": 0}, checkpoint_files=None, use_kernels=False
+        )
+    return model, quantizer
+
+
+def materialize(model, linears: dict, device: str):
+    """The prepared model on (fake) tensors of `device`: every tensor allocated, 4-bit weights
+    quantized, tied weights tied again (call inside the FakeTensorMode). `linears`: the Params4bit
+    attributes of each Linear4bit, from `four_bit_linears` before the model was prepared."""
+    if not linears:
+        model.to_empty(device=device)
+    else:
+        import bitsandbytes as bnb
+
+        model.to_empty(device=device)
+        for module, attrs in linears.items():
+            _quantize_linear(module, device, bnb, attrs)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base.config, "tie_word_embeddings", False):
+        base.tie_weights()
+    return model
+
+
+def four_bit_linears(model) -> dict:
+    """{Linear4bit: its Params4bit attributes} of the skeleton (before `materialize`)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:  # pragma: no cover - bitsandbytes is a requirement
+        return {}
+    return {
+        m: {k: getattr(m.weight, k) for k in _PARAMS4BIT_ATTRS}
+        for m in model.modules()
+        if isinstance(m, bnb.nn.Linear4bit)
+    }
+
+
+def make_trainable(cfg: Any, model, quantizer):
+    """The run's own preparation, on the skeleton (meta tensors): what `load_model` does after the
+    weights (the quantizer's postprocess_model, use_cache off, the CPU 4-bit layout kept trainable),
+    then `modeling.make_trainable` (k-bit prep or the lean path, gradient checkpointing, peft
+    adapters in fp32) and TRL's fused LM head as SFTTrainer adds it. Done on the meta device because
+    a module made of fake tensors cannot be moved (`Module._apply` swaps fake parameters, and the fake
+    mode holds weak references to them); k-bit prep's casts and peft's adapters are the same
+    tensors either way, allocated when `materialize` runs."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from qlora_recipes import modeling
+
+    if quantizer is not None:
+        model.hf_quantizer = quantizer
+        quantizer.postprocess_model(model)
+    model.config.use_cache = False
+    modeling._keep_4bit_layout_trainable(model)
+    model = modeling.make_trainable(cfg, model)
+    add_fused_lm_head(model.get_base_model(), outputs=SFT_FUSED_OUTPUTS)
+    model.train()
+    return model
+
+
+# SFTTrainer.__init__ (TRL 1.16): add_fused_lm_head(..., outputs=("log_probs", "entropy", "is_top1"));
+# tests/test_trace.py checks the source still says so.
+SFT_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")

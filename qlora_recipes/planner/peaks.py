@@ -18,25 +18,6 @@ from collections.abc import Callable
 from ..units import GiB
 from .constants import ALLOCATOR_DYNAMIC_FRACTION, ALLOCATOR_STATIC_FRACTION, HEADROOM_TARGET
 
-COMPONENTS = (
-    "quantized_weights",
-    "other_params",
-    "buffers",
-    "lora_weights",
-    "gradients",
-    "optimizer_state",
-    "activations",
-    "layer_working",
-    "lm_head_loss",
-    "dequant_scratch",
-    "optimizer_scratch",
-    "eval_transient",
-    "load_transient",
-    "offload_staging",
-    "cuda_context",
-    "process_baseline",
-    "allocator_overhead",
-)
 STATIC = ("quantized_weights", "other_params", "buffers", "lora_weights", "gradients", "optimizer_state")
 FIXED = ("cuda_context", "process_baseline", "offload_staging")
 TRANSIENT = (
@@ -48,6 +29,8 @@ TRANSIENT = (
     "eval_transient",
     "load_transient",
 )
+# plan.json's rows, in the report's order
+COMPONENTS = (*STATIC, *TRANSIENT, "offload_staging", "cuda_context", "process_baseline", "allocator_overhead")
 
 
 def _phases(row: Callable[[str], int]) -> dict[str, int]:

@@ -8,6 +8,7 @@ trace, a small model's trace against its plan, and fake tensors against real one
 from __future__ import annotations
 
 import inspect
+import shutil
 
 import pytest
 
@@ -89,6 +90,19 @@ def test_slices_for_offloading_cover_trls_forward_stash():
     assert slice_layers(compose([])) is None  # the 2-layer tiny model is traced whole
 
 
+def _can_build() -> bool:
+    from bench.trace import fakecuda
+
+    if fakecuda.library_path().is_file():
+        return True
+    return bool(shutil.which("c++") or shutil.which("g++")) and bool(shutil.which("ninja"))
+
+
+needs_fake_cuda = pytest.mark.skipif(
+    not _can_build(), reason="the fake CUDA device is built once with a C++ compiler and ninja"
+)
+
+
 @pytest.fixture(scope="module")
 def tiny_trace():
     from bench.trace.run import run_child
@@ -96,6 +110,7 @@ def tiny_trace():
     return run_child({"overrides": ["trainer.micro_batch_size=4", "trainer.seq_len=32"], "device": "cuda"})
 
 
+@needs_fake_cuda
 def test_tiny_trace_on_the_fake_cuda_device(tiny_trace):
     """The whole path on the tiny model: the static rows are exactly the plan's, every phase ran, and
     the GPU's kernel choices were taken (SDPA without the math path, 4-bit matmuls, the compact head)."""
@@ -122,6 +137,7 @@ def test_tiny_trace_on_the_fake_cuda_device(tiny_trace):
 
 
 @pytest.mark.slow
+@needs_fake_cuda
 def test_layer_slices_scale_exactly_to_a_full_trace():
     from bench.trace.run import trace_stack
 
@@ -134,12 +150,17 @@ def test_layer_slices_scale_exactly_to_a_full_trace():
 
 
 @pytest.mark.slow
+@needs_fake_cuda
 def test_small_model_trace_agrees_with_its_plan():
     from bench.trace.run import compare, plan_for, trace_stack
 
     result = trace_stack(SMALL)
     cmp = compare(result, plan_for(SMALL, [24 * GiB]), "cuda:0")
-    assert abs(cmp["ratio"] - 1) <= 0.10, cmp
+    # the default data evaluates (exact match), which the plan's peak includes and the trace does not
+    # run: compare the training phases, each and their largest
+    assert abs(cmp["traced_gib"] / cmp["planned_train_gib"] - 1) <= 0.10, cmp
+    for phase, row in cmp["phases"].items():
+        assert abs(row["traced_gib"] / row["planned_gib"] - 1) <= 0.10, (phase, row)
 
 
 @pytest.mark.slow

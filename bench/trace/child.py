@@ -9,6 +9,7 @@ bytes: the tracer checked against a real run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -38,8 +39,6 @@ def trace(spec: dict) -> dict:
     device = spec.get("device", "cuda")
     fake = bool(spec.get("fake", True))
     cfg = compose(list(spec["overrides"]))
-    if spec.get("device_map"):
-        raise NotImplementedError("layers offloaded to cpu/disk by a device map are not traced yet")
     torch.manual_seed(0)
     import bitsandbytes.functional as bnbf
 
@@ -59,12 +58,14 @@ def trace(spec: dict) -> dict:
     skeleton, quantizer = meta_base(cfg, spec.get("layers"))
     linears = four_bit_linears(skeleton)
     model = make_trainable(cfg, skeleton, quantizer)
-    with _stack(contexts):
+    with contextlib.ExitStack() as outer:
+        for ctx in contexts:
+            outer.enter_context(ctx)
         model = materialize(model, linears, device)
         built = time.perf_counter()
         tracker = PlanTracker()
         tracker.census = bool(spec.get("census"))
-        gpu_modes = []
+        gpu_modes: list = []
         kernel_mode = kernels.GpuKernels
         if fake:
             from qlora_recipes.schema import padding_free_on
@@ -79,7 +80,9 @@ def trace(spec: dict) -> dict:
             kernels.gpu_dispatch(flash=bool(flash))
         if not fake:
             _init_weights(model)
-        with _stack(gpu_modes):
+        with contextlib.ExitStack() as inner:
+            for ctx in gpu_modes:
+                inner.enter_context(ctx)
             info = step.run_step(cfg, model, device, tracker, kernel_mode)
         attention = dict(kernels.ATTENTION["calls"]) if device == "cuda" else {}
         params = _param_counts(model)
@@ -144,31 +147,6 @@ def _module_peaks(tracker) -> dict:
         entry["parameters"] = int(getattr(stats, "parameter_mem", 0))
         out[short] = entry
     return out
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-
-class _stack:
-    def __init__(self, contexts):
-        self.contexts = contexts
-        self.entered = []
-
-    def __enter__(self):
-        for c in self.contexts:
-            c.__enter__()
-            self.entered.append(c)
-        return self
-
-    def __exit__(self, *exc):
-        while self.entered:
-            self.entered.pop().__exit__(*exc)
-        return None
 
 
 def main(argv: list[str]) -> None:

@@ -1,6 +1,7 @@
 """`python -m bench trace`: traced memory of a stack, and the traced suite.
 
-    python -m bench trace recipe=llama3.1-8b-24gb            # one stack (any train.py overrides)
+    python -m bench trace recipe=llama3.1-8b-24gb            # one stack (any train.py overrides;
+                                                             #   none: the embedded default)
     python -m bench trace model=llama3.1-8b trainer.seq_len=4096 --gpus 24GB
     python -m bench trace recipe=llama3.1-8b-24gb --layers full   # trace all 32 layers, no slices
     python -m bench trace --suite                            # every single-GPU recipe and lean option
@@ -45,8 +46,6 @@ def main(argv: list[str], prog: str = "python -m bench trace") -> None:
 
         run_suite(args, command=" ".join([prog, *argv]))
         return
-    if not args.overrides:
-        raise SystemExit(f"{prog}: give train.py overrides (e.g. recipe=llama3.1-8b-24gb), --suite or --cpu-check")
     from bench.trace.run import compare, plan_for, recipe_gpus, trace_stack
     from qlora_recipes.units import parse_size
 
@@ -101,7 +100,8 @@ def render(result: dict) -> str:
         lines.append(f"{d} (host side): peak {result['peak'][d] / GiB:.3f} GiB {result['peak_components'].get(d, {})}")
     modules = result.get("modules") or {}
     if modules:
-        lines += ["", "module peaks (GiB; MemTracker, the step's own bytes included)"]
+        of = f" of {result['modules_of']}" if result.get("modules_of") else ""
+        lines += ["", f"module peaks{of} (GiB; MemTracker's local peaks in the last micro-batch)"]
         for name, m in modules.items():
             fw = m.get("forward", {}).get(dev, 0)
             bw = m.get("backward", {}).get(dev, 0)

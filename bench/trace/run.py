@@ -48,7 +48,13 @@ def run_child(spec: dict, log: Path | None = None, timeout: float | None = None)
     if spec.get("device", "cuda") == "cuda" and spec.get("fake", True):
         from bench.trace import fakecuda
 
-        spec = {**spec, "library": str(fakecuda.build())}
+        try:
+            spec = {**spec, "library": str(fakecuda.build())}
+        except Exception as err:  # noqa: BLE001 - one line that says what is missing
+            raise RuntimeError(
+                f"the fake CUDA device is a small C++ library built once with torch.utils.cpp_extension, "
+                f"which needs a C++ compiler and ninja (pip install ninja): {str(err).splitlines()[0]}"
+            ) from err
     if log is not None:
         Path(log).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="qlora-trace-") as tmp:
@@ -160,6 +166,8 @@ def trace_stack(
         result["sliced"] = True
         result["slices"] = {str(pair[0]): _brief(small), str(pair[1]): _brief(large)}
         result["kernels"] = large.get("kernels")
+        result["modules"] = large.get("modules")  # per-module peaks: of the larger slice, not scaled
+        result["modules_of"] = f"the {pair[1]}-layer slice"
         result["optimizer"] = large.get("optimizer")
         result["max_rss_gib"] = max(small.get("max_rss_gib", 0), large.get("max_rss_gib", 0))
     result["overrides"] = list(overrides)

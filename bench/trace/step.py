@@ -169,6 +169,25 @@ def label_static(tracker, model) -> dict[str, int]:
     return tracker.current()
 
 
+def _label_live(tracker, model, optimizer, inputs: dict, device: str) -> dict:
+    """Register what lives before the traced step with the tracker and label it: the model's tensors
+    (`label_static`, returned), the optimizer's state and quantization maps, the batch."""
+    import torch
+
+    tracker.track_external(model, optimizer)
+    static = label_static(tracker, model)
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                tracker.label(v, "optimizer_state")
+    for v in getattr(optimizer, "name2qmap", {}).values():
+        if isinstance(v, torch.Tensor) and v.device.type == torch.device(device).type:
+            tracker.label(v, "optimizer_state")
+    for v in inputs.values():
+        tracker.label(v, "inputs")
+    return static
+
+
 def run_step(cfg: Any, model, device: str, tracker, kernel_mode=None) -> dict:
     """STEPS training steps; the last under the tracker (entered here, with `kernel_mode(tracker)`
     above it). The earlier steps run untracked: they leave what a run leaves (the optimizer state),
@@ -224,17 +243,7 @@ def run_step(cfg: Any, model, device: str, tracker, kernel_mode=None) -> dict:
                 one_step(1)
             times.append(time.perf_counter() - started)
         started = time.perf_counter()
-        tracker.track_external(model, optimizer)
-        static = label_static(tracker, model)
-        for state in optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    tracker.label(v, "optimizer_state")
-        for v in getattr(optimizer, "name2qmap", {}).values():
-            if isinstance(v, torch.Tensor) and v.device.type == torch.device(device).type:
-                tracker.label(v, "optimizer_state")
-        for v in tensors.values():
-            tracker.label(v, "inputs")
+        static = _label_live(tracker, model, optimizer, tensors, device)
         before = tracker.current()
         tracker_on = True
         with tracker:

@@ -102,8 +102,6 @@ def _load(path: Path) -> dict:
 
 
 def run_suite(args: Any, command: str) -> None:
-    from bench.trace.run import compare, plan_for, recipe_gpus, trace_stack
-
     out_dir = Path(args.results_dir or HERE / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{RESULTS}.json"
@@ -116,7 +114,7 @@ def run_suite(args: Any, command: str) -> None:
             "machine": _machine(),
             "environment": _versions(),
             "tolerance": TOLERANCE,
-            "what": "traced: peak bytes of live tensors over the second of two training steps on fake tensors "
+            "what": "traced: peak bytes of live tensors over the second of two optimizer steps (two micro-batches when the stack accumulates) on fake tensors "
             "(bench/trace); planned: plan.json's peak_allocated_gib for the recipe's GPU (bench/planning.py)",
         }
     )
@@ -138,42 +136,7 @@ def run_suite(args: Any, command: str) -> None:
             if tuple(case["overrides"]) in done:
                 continue
             print(f"tracing {case['case']} ...", flush=True)
-            entry = dict(case)
-            try:
-                gpus = recipe_gpus(case["overrides"])
-                plan = plan_for(case["overrides"], gpus)
-                offloaded = sorted({str(v) for v in plan["device_map"].values() if str(v) in ("cpu", "disk")})
-                if offloaded:
-                    raise NotTraceable(
-                        f"the plan puts layers on {' and '.join(offloaded)}; that path fails before any peak: peft "
-                        "moves an offloaded layer's adapters to its base weight's device, which accelerate's offload "
-                        "hook keeps on meta, and the first backward raises (cpu_check.offload_repro reproduces it on "
-                        "CPU: 'expected device meta but got cpu')"
-                    )
-                result = trace_stack(case["overrides"], log_dir=log_root / _slug(case["case"]))
-                cmp = compare(result, plan, "cuda:0")
-                entry.update(
-                    {
-                        "planned_gib": cmp["planned_gib"],
-                        "traced_gib": cmp["traced_gib"],
-                        "ratio": cmp["ratio"],
-                        "within": abs(cmp["ratio"] - 1) <= TOLERANCE if cmp["ratio"] else None,
-                        "planned_peak_phase": cmp["planned_peak_phase"],
-                        "traced_peak_phase": cmp["traced_peak_phase"],
-                        "gpu_gib": round(gpus[0] / 2**30, 1) if gpus else None,
-                        "components": cmp["components"],
-                        "phases": cmp["phases"],
-                        "host": {d: round(v / 2**30, 3) for d, v in result["peak"].items() if d != "cuda:0"},
-                        "layers": result.get("layers"),
-                        "layers_traced": result.get("layers_traced"),
-                        "trace_s": result.get("trace_s"),
-                        "kernels": result.get("kernels"),
-                    }
-                )
-            except NotTraceable as err:
-                entry.update({"traced_gib": None, "planned_gib": plan.get("peak_allocated_gib"), "error": str(err)})
-            except Exception as err:  # noqa: BLE001 - a case that cannot be traced is recorded, the suite goes on
-                entry.update({"traced_gib": None, "error": str(err).strip().splitlines()[0][:300]})
+            entry = _trace_case(case, log_root)
             res["cases"] = [c for c in res["cases"] if tuple(c["overrides"]) != tuple(case["overrides"])] + [entry]
             _write(path, res)
             print(f"  {_line(entry)}", flush=True)
@@ -183,6 +146,50 @@ def run_suite(args: Any, command: str) -> None:
         res["cpu_check"] = {"command": command, **cpu_check(log_root / "cpu-check")}
         _write(path, res)
     print(f"wrote {path} and {path.with_suffix('.md')}")
+
+
+def _trace_case(case: dict, log_root: Path) -> dict:
+    """One case of the suite: its plan for the recipe's hardware, its trace, the comparison."""
+    from bench.trace.run import compare, plan_for, recipe_gpus, trace_stack
+
+    entry = dict(case)
+    plan: dict = {}
+    try:
+        gpus = recipe_gpus(case["overrides"])
+        plan = plan_for(case["overrides"], gpus)
+        offloaded = sorted({str(v) for v in plan["device_map"].values() if str(v) in ("cpu", "disk")})
+        if offloaded:
+            raise NotTraceable(
+                f"the plan puts layers on {' and '.join(offloaded)}; that path fails before any peak: peft "
+                "moves an offloaded layer's adapters to its base weight's device, which accelerate's offload "
+                "hook keeps on meta, and the first backward raises (cpu_check.offload_repro reproduces it on "
+                "CPU: 'expected device meta but got cpu')"
+            )
+        result = trace_stack(case["overrides"], log_dir=log_root / _slug(case["case"]))
+        cmp = compare(result, plan, "cuda:0")
+        entry.update(
+            {
+                "planned_gib": cmp["planned_gib"],
+                "traced_gib": cmp["traced_gib"],
+                "ratio": cmp["ratio"],
+                "within": abs(cmp["ratio"] - 1) <= TOLERANCE if cmp["ratio"] else None,
+                "planned_peak_phase": cmp["planned_peak_phase"],
+                "traced_peak_phase": cmp["traced_peak_phase"],
+                "gpu_gib": round(gpus[0] / 2**30, 1) if gpus else None,
+                "components": cmp["components"],
+                "phases": cmp["phases"],
+                "host": {d: round(v / 2**30, 3) for d, v in result["peak"].items() if d != "cuda:0"},
+                "layers": result.get("layers"),
+                "layers_traced": result.get("layers_traced"),
+                "trace_s": result.get("trace_s"),
+                "kernels": result.get("kernels"),
+            }
+        )
+    except NotTraceable as err:
+        entry.update({"traced_gib": None, "planned_gib": plan.get("peak_allocated_gib"), "error": str(err)})
+    except Exception as err:  # noqa: BLE001 - a case that cannot be traced is recorded, the suite goes on
+        entry.update({"traced_gib": None, "error": str(err).strip().splitlines()[0][:300]})
+    return entry
 
 
 def _slug(text: str) -> str:

@@ -31,31 +31,16 @@ from typing import Any
 
 def hf_config(cfg: Any, layers: int | None = None):
     """The transformers config of the stack's model: its local config.json, else the figures."""
-    from transformers import AutoConfig
-
     from qlora_recipes.planner import model_figures
+    from qlora_recipes.planner.figures import hf_config as figures_config
 
     fig = model_figures(cfg.model)
-    if fig.config_dir:
-        config = AutoConfig.from_pretrained(fig.config_dir, trust_remote_code=fig.trust_remote_code)
-    else:
-        config = AutoConfig.for_model(
-            fig.architecture,
-            hidden_size=fig.hidden_size,
-            num_hidden_layers=fig.num_layers,
-            num_attention_heads=fig.num_heads,
-            num_key_value_heads=fig.num_kv_heads,
-            intermediate_size=fig.intermediate_size,
-            vocab_size=fig.vocab_size,
-            tie_word_embeddings=fig.tie_embeddings,
-            max_position_embeddings=fig.max_position_embeddings,
-            head_dim=fig.head_dim,
-        )
-        if fig.architecture == "mistral":
-            # transformers' MistralConfig defaults to a 4096-token sliding window (Mistral-7B-v0.1);
-            # v0.2+ (conf/model/mistral-7b: v0.3) has none, and the window would make transformers
-            # build an explicit mask (memory-efficient SDPA) where the real model runs flash
-            config.sliding_window = None
+    config = figures_config(fig)
+    if not fig.config_dir and fig.architecture == "mistral":
+        # transformers' MistralConfig defaults to a 4096-token sliding window (Mistral-7B-v0.1);
+        # v0.2+ (conf/model/mistral-7b: v0.3) has none, and the window would make transformers
+        # build an explicit mask (memory-efficient SDPA) where the real model runs flash
+        config.sliding_window = None
     if layers is not None:
         config.num_hidden_layers = int(layers)
         if getattr(config, "layer_types", None):

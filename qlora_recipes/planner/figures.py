@@ -236,7 +236,8 @@ def _analytic_inventory(fig: Figures) -> tuple[Block, ...]:
     return tuple(blocks)
 
 
-def _hf_config(fig: Figures):
+def hf_config(fig: Figures):
+    """The transformers config of these figures: the local config.json, else built from the figures."""
     from transformers import AutoConfig
 
     try:
@@ -271,7 +272,7 @@ def meta_model(fig: Figures, dtype: str):
         from transformers.initialization import no_init_weights
     except ImportError:  # pragma: no cover - older transformers
         from transformers.modeling_utils import no_init_weights
-    config = _hf_config(fig)
+    config = hf_config(fig)
     with init_empty_weights(), no_init_weights():
         return AutoModelForCausalLM.from_config(
             config, dtype=torch_dtype(dtype), trust_remote_code=fig.trust_remote_code

@@ -388,6 +388,14 @@ def test_generation_stops_at_every_eos_id_of_the_generation_config():
     stopped = generate(model, tokenizer, prompt * 3, "plain", 12, batch_size=3)
     assert stopped == [free[:4]] * 3
 
+    # the exact-match metric generates through the same loop: the model's own stop list decides
+    from qlora_recipes import metrics
+
+    pairs = [("copy: qwerty\n", free[:4])]
+    assert metrics.exact_match(model, tokenizer, pairs, 12) == 1.0
+    model.generation_config.eos_token_id = tokenizer.eos_token_id  # the tokenizer's EOS alone
+    assert metrics.exact_match(model, tokenizer, pairs, 12) == 0.0
+
 
 def test_stop_tokens_are_the_union_with_the_chat_end_of_turn():
     from qlora_recipes.data.chat import CHATML

@@ -3,6 +3,11 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
+# Command-line variables (ARGS='-x -q tests/...') would otherwise reach every make started below
+# this one, through MAKEFLAGS and the environment: e.g. the `make plan-...` a test runs would pass
+# the pytest arguments to plan.py. Nothing here runs a sub-make, so none needs them.
+MAKEOVERRIDES :=
+unexport ARGS SWEEP
 # Every recipes/NAME.yaml is a target `make NAME` (train it: scripts/launch.py checks the GPUs it is
 # sized for first) and `make plan-NAME` (its memory plan for that hardware, no GPU needed).
 RECIPE_FILES := $(sort $(wildcard recipes/*.yaml))
@@ -81,13 +86,16 @@ $(addprefix plan-,$(RECIPES)): plan-%: $(VENV)/.installed
 llama70b-a100: llama2-70b-a100
 plan-llama70b-a100: plan-llama2-70b-a100
 
-.PHONY: bench-cpu bench-gpu bench-planner-cpu
+.PHONY: bench-cpu bench-gpu bench-planner-cpu bench-planner-sharded
 
 bench-cpu: $(VENV)/.installed ## the CPU benchmark suite (ours vs the plain baseline, planner error); writes bench/results/
 	$(PY) -m bench cpu $(ARGS)
 
 bench-planner-cpu: $(VENV)/.installed ## the planner vs measured peak RSS: 36 CPU runs of 1M-600M models; writes bench/results/planner-cpu.*
 	$(PY) -m bench planner-cpu $(ARGS)
+
+bench-planner-sharded: $(VENV)/.installed ## per-rank plan vs each rank's peak RSS: 2-rank DDP/FSDP/ZeRO-2/3 on CPU, 16 cases; writes bench/results/planner-sharded.*
+	$(PY) -m bench planner-sharded $(ARGS)
 
 bench-gpu: $(VENV)/.installed ## the GPU benchmark suite on the GPU here (8B and 70B shapes); writes bench/results/
 	$(PY) -m bench gpu $(ARGS)

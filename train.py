@@ -10,9 +10,20 @@ Hydra composes conf/train.yaml with the overrides (qlora_recipes/commands/train.
 qlora_recipes/training.py's `train(cfg, run_dir)` does the work.
 """
 
-import sys
-
-from qlora_recipes.commands import train
-
 if __name__ == "__main__":
-    train.run(sys.argv[1:], prog="train.py")
+    try:  # first: Ctrl-C while the imports below run is one line too (even `import sys` can be hit)
+        import sys
+
+        from qlora_recipes import cli
+
+        cli.redeliver_swallowed_interrupts()
+        from qlora_recipes.commands import train
+
+        train.run(sys.argv[1:], prog="train.py")
+    except KeyboardInterrupt:  # Ctrl-C before the command's own handling is in place (its imports)
+        import signal
+        import sys
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the exit itself is not interrupted again
+        print("stopped by SIGINT (Ctrl-C) while starting; nothing was written", file=sys.stderr, flush=True)
+        sys.exit(130)

@@ -9,6 +9,7 @@
     python -m bench trace recipe=NAME      # traced memory of a stack on fake tensors (no GPU needed)
     python -m bench trace --suite          # traced vs planned for every single-GPU recipe and lean option
     python -m bench planner-cpu            # planned vs measured peak RSS, 36 CPU runs (make bench-planner-cpu)
+    python -m bench planner-sharded        # per-rank plan vs each rank's peak RSS, 2-rank DDP/FSDP/ZeRO-2/3 on CPU
 
 Run from the repository root. A suite is a file in bench/suites/ (or a path). Each measured run is a
 fresh process (peak RSS and max_memory_allocated are per process): ours is `python train.py <job>
@@ -68,6 +69,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> None:
         from bench.planner_cpu import main as planner_cpu
 
         planner_cpu(argv[1:], f"{prog} planner-cpu")
+        return
+    if argv[:1] == ["planner-sharded"]:  # the planner per rank against 2 CPU ranks (bench/planner_sharded.py)
+        from bench.planner_sharded import main as planner_sharded
+
+        planner_sharded(argv[1:], f"{prog} planner-sharded")
         return
     args = parser(prog).parse_args(argv)
     if args.suite == "report":

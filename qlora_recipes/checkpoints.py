@@ -12,6 +12,7 @@ import os
 import re
 from pathlib import Path
 
+# transformers' name for a Trainer checkpoint (trainer_utils.PREFIX_CHECKPOINT_DIR + "-N"), matched exactly.
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 STAGING = ".partial"
 RECORD = "qlora_state.json"  # in each checkpoint: its manifest, LR schedule, data fingerprint, totals
@@ -65,16 +66,29 @@ def find_checkpoint(checkpoints_dir: Path, deep: bool = False) -> str | None:
 
 def _newest_sound(checkpoints_dir: Path, deep: bool) -> tuple[str | None, list[str]]:
     """(the newest sound checkpoint or None, "checkpoint-N (why)" for each newer one skipped)."""
-    if not checkpoints_dir.is_dir():
-        return None, []
-    found = [(int(m.group(1)), p) for p in checkpoints_dir.iterdir() if (m := CHECKPOINT.match(p.name)) and p.is_dir()]
     skipped = []
-    for _, path in sorted(found, reverse=True):
+    for path in _newest_first(checkpoints_dir):
         problem = checkpoint_problem(path, deep)
         if problem is None:
             return str(path), skipped
         skipped.append(f"{path.name} ({problem})")
     return None, skipped
+
+
+def _newest_first(checkpoints_dir: Path) -> list[Path]:
+    """The `checkpoint-N` dirs, newest first, as transformers finds them: `get_last_checkpoint` (what the
+    Trainer resumes from) first, then the older ones in `sort_checkpoints`' step order, for the fallback
+    past a newest one that is not sound. Names only `checkpoint-N` exactly (sort_checkpoints also takes
+    `checkpoint-N<anything>`)."""
+    if not checkpoints_dir.is_dir():
+        return []
+    from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints
+
+    last = get_last_checkpoint(str(checkpoints_dir))
+    if last is None:
+        return []
+    older = [Path(p) for p in reversed(sort_checkpoints(str(checkpoints_dir))) if CHECKPOINT.match(Path(p).name)]
+    return [Path(last)] + [p for p in older if p.name != Path(last).name]
 
 
 def checkpoint_problem(path: Path, deep: bool = False) -> str | None:

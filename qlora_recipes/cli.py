@@ -31,6 +31,13 @@ def command() -> str:
     return _COMMAND[0]
 
 
+def task_overrides() -> list[str]:
+    """The command-line overrides of the Hydra job running now (none outside a Hydra run)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 class Stop(BaseException):
     """A finished message and exit code carried out of a Hydra task function: Hydra catches
     Exception (and prints its own line first), never a BaseException."""
@@ -41,9 +48,26 @@ class Stop(BaseException):
 
 
 def _exit(message: str, code: int):
+    if code == 130 and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one Ctrl-C, one line: the exit is not interrupted again
     sys.stdout.flush()
     print(message, file=sys.stderr, flush=True)
     sys.exit(code)
+
+
+def redeliver_swallowed_interrupts() -> None:
+    """Ctrl-C that lands while a finalizer runs (a __del__, a weakref callback) is printed by Python
+    as "Exception ignored ... Traceback" and then lost; deliver it again, to whatever handles
+    SIGINT at that moment (KeyboardInterrupt, or the trainer's own handler)."""
+    import _thread
+
+    def hook(unraisable) -> None:
+        if issubclass(unraisable.exc_type, KeyboardInterrupt):
+            _thread.interrupt_main()
+            return
+        sys.__unraisablehook__(unraisable)
+
+    sys.unraisablehook = hook
 
 
 @contextlib.contextmanager
@@ -111,6 +135,14 @@ def _hydra_errors_as_user_errors(hydra_main: Callable[[], object]) -> None:
         raise UserError(one_line(err)) from None
     except YAMLError as err:  # a recipe or option file that is not YAML
         raise UserError(f"not valid YAML: {one_line(err)}") from None
+    except RuntimeError as err:
+        if 'Could not detect "srun"' not in str(err):
+            raise
+        # submitit's SLURM executor, started by hydra/launcher=slurm before any job
+        raise UserError(
+            "hydra/launcher=slurm submits jobs to a SLURM cluster, and there is none here (no `srun` on PATH): "
+            "run the command on a SLURM login node, or use hydra/launcher=local to run the jobs on this machine"
+        ) from None
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -1,12 +1,36 @@
-"""Console output: the composed stack as a tree, and one-line errors."""
+"""Console output: the composed stack as a tree, the run's summary table and next commands, one-line errors."""
 
+import shlex
 import sys
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
+from rich.markup import escape
 from rich.tree import Tree
 
+from .resources import CONF_DIR
+
 STACK_GROUPS = ("model", "data", "quant", "peft", "optim", "offload", "precision", "trainer")
+
+
+def _option_data_path(option: str) -> str | None:
+    """The data.path an option of the data group sets (its file in conf/data/, resolved), or None."""
+    try:
+        node = OmegaConf.load(CONF_DIR / "data" / f"{option}.yaml")
+        return str(node.path) if "path" in node else None
+    except Exception:  # not a plain option file, or a resolver not registered here: no comparison
+        return None
+
+
+def group_label(cfg: DictConfig, group: str, option: str | None) -> str | None:
+    """What a branch is labelled with: the chosen option, except that `data` names the user's own
+    file when data.path no longer is the option's (`data.path=my.jsonl` keeps option `order`)."""
+    if group == "data" and option:
+        path = str(cfg.data.path)
+        if _option_data_path(option) not in (None, path):
+            return path
+    return option
 
 
 def stack_tree(cfg: DictConfig, choices: dict | None = None) -> Tree:
@@ -14,11 +38,13 @@ def stack_tree(cfg: DictConfig, choices: dict | None = None) -> Tree:
     choices = choices or {}
     root = Tree(f"[bold]stack[/] recipe={choices.get('recipe') or '-'}")
     for group in STACK_GROUPS:
-        option = choices.get(group)
-        branch = root.add(f"[bold cyan]{group}[/]" + (f" = [green]{option}[/]" if option else ""))
+        label = group_label(cfg, group, choices.get(group))
+        branch = root.add(
+            f"[bold cyan]{group}[/]" + (f" = [green]{escape(label)}[/]" if label else ""), highlight=False
+        )
         for key, value in OmegaConf.to_container(cfg[group], resolve=True).items():
             if value not in (None, [], {}):
-                branch.add(f"{key}: {value}")
+                branch.add(f"{key}: {value}", highlight=False)
     return root
 
 
@@ -29,3 +55,72 @@ def print_stack(cfg: DictConfig, choices: dict | None = None) -> None:
 def fail(message: str, code: int = 2) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
+
+
+# ---------------------------------------------------------------- the run's summary
+def shown_path(path: Path) -> str:
+    """A path as the user would type it: relative to the current dir when under it."""
+    path = Path(path).absolute()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _num(value, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}g}"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def summary_rows(out: dict) -> list[tuple[str, str]]:
+    """The few figures a user reads after a run (metrics.json keeps every figure at full precision)."""
+    loss = f"{_num(out.get('train_loss_first'))} -> {_num(out.get('train_loss_last'))}  ({out.get('steps')} steps)"
+    rows = [("train loss", loss)]
+    if out.get("eval_loss") is not None:
+        rows.append(("eval loss", f"{_num(out['eval_loss'])}  (perplexity {_num(out.get('eval_perplexity'))})"))
+    if out.get("eval_exact_match") is not None:
+        before, after = out.get("eval_exact_match_before"), out["eval_exact_match"]
+        rows.append(("exact match", f"{_num(before, 3)} -> {_num(after, 3)}"))
+    rows.append(("tokens/s", _num(out.get("tokens_per_s"), 3)))
+    ratio = f", measured/planned {out['plan_ratio']:.2f}" if out.get("plan_ratio") else ""
+    peak = f"{_num(out.get('planned_peak_gib'), 3)} GiB planned, {_num(out.get('peak_mem_gib'), 3)} GiB measured"
+    rows.append(("peak memory", f"{peak}  ({out.get('peak_quantity', 'peak')}{ratio})"))
+    rows.append(("wall", f"{_duration(out.get('wall_s'))}  (training {_duration(out.get('train_s'))})"))
+    return rows
+
+
+def next_commands(command: str, run_dir: Path, overrides: list[str], steps: int | None) -> list[tuple[str, str]]:
+    """merge, generate and resume for this run dir, shell-quoted. `command` starts the trainer
+    (`python train.py`, `qlora train`); the run is finished, so resuming it means a larger total."""
+    where = shown_path(run_dir)
+    if command.startswith("qlora"):
+        merge, generate = "qlora merge", "qlora generate"
+    else:
+        merge, generate = "python scripts/merge.py", "python scripts/generate.py"
+    keep = [o for o in overrides if not o.startswith(("resume", "hydra.run.dir", "trainer.max_steps"))]
+    more = f"trainer.max_steps={2 * steps}" if steps else "trainer.epochs=2"
+    resume = " ".join([command, *map(shlex.quote, [*keep, "resume=auto", f"hydra.run.dir={where}", more])])
+    return [
+        ("merge", f"{merge} {shlex.quote(where)}"),
+        ("generate", f"{generate} {shlex.quote(where)} 'YOUR PROMPT'"),
+        ("resume", resume),
+    ]
+
+
+def _aligned(rows: list[tuple[str, str]]) -> list[str]:
+    width = max(len(name) for name, _ in rows)
+    return [f"  {name:<{width}}  {text}" for name, text in rows]
+
+
+def print_summary(out: dict, run_dir: Path, commands: list[tuple[str, str]]) -> None:
+    """The run's table, then what to run next (stdout; every figure in full is in metrics.json)."""
+    lines = [f"done: {shlex.quote(shown_path(run_dir))}  (adapter/, metrics.json)", *_aligned(summary_rows(out))]
+    lines += ["next (resume trains on to twice the steps):", *_aligned(commands)]
+    print("\n".join(lines), flush=True)

@@ -3,7 +3,8 @@
 for, and the `offload.max_memory` budgets. Nothing here imports torch unless a GPU may be present
 (an NVIDIA device node or driver entry exists), so planning on a GPU-less machine stays fast. Sizes
 follow accelerate's convention: "80GB" is 80e9 bytes, "75GiB" is 75 * 2**30 bytes, a bare number
-is bytes.
+is bytes; except that `--gpus` reads a card's marketed size ("24GB") as that card class
+(MARKETED_GPU_GIB), the same figure the recipes' `hardware.gpu_memory_gib` uses.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ AUTO_CPU_FRACTION = 0.80
 # A GPU counts as big enough when torch reports at least this share of the declared memory
 # (driver and ECC reservations differ a little between boards of one model).
 GPU_MEMORY_TOLERANCE = 0.98
+# A GPU as sold ("24GB") has less than that many GiB usable: torch's total_memory after ECC and the
+# driver's reservation. `--gpus 24GB` and a recipe sized for a 24 GB card must plan the same card,
+# so both take these figures (tests/test_devices.py holds every recipe's hardware node to them).
+# 8 GB: RTX 4060 / 3070; 12 GB: RTX 3060 / 4070; 16 GB: T4 (15 GiB less ECC) / V100; 24 GB: RTX 3090 /
+# 4090; 40 GB: A100 40GB; 48 GB: L40S (44.4 GiB with ECC) / RTX A6000; 80 GB: A100 / H100 80GB.
+MARKETED_GPU_GIB = {8: 7.6, 12: 11.5, 16: 14.5, 24: 23.5, 40: 39.4, 48: 44.0, 80: 79.0}
 
 
 @dataclass(frozen=True)
@@ -41,8 +48,17 @@ class Hardware:
         return len(self.gpus) > 0
 
 
+def gpu_size(text: str, what: str = "--gpus") -> int:
+    """One GPU's usable bytes: a marketed size ("24GB", MARKETED_GPU_GIB) as that card class, any
+    other size as accelerate reads it (GB = 1e9 bytes, GiB = 2**30 bytes)."""
+    m = re.fullmatch(r"(\d+)\s*GB", text.strip(), re.IGNORECASE)
+    if m and int(m.group(1)) in MARKETED_GPU_GIB:
+        return int(MARKETED_GPU_GIB[int(m.group(1))] * GiB)
+    return parse_size(text, what)
+
+
 def parse_gpus(text: str) -> list[int]:
-    """`--gpus 80GB,80GB` or `2x80GiB` or `none` -> list of GPU total bytes."""
+    """`--gpus 80GB,80GB` or `2x80GiB` or `none` -> list of GPU usable bytes (see gpu_size)."""
     text = text.strip()
     if text.lower() in ("", "none", "0", "cpu"):
         return []
@@ -53,7 +69,7 @@ def parse_gpus(text: str) -> list[int]:
         m = re.match(r"^(\d+)\s*[xX*]\s*(\d.*)$", part)
         if m:
             count, part = int(m.group(1)), m.group(2)
-        size = parse_size(part, "--gpus")
+        size = gpu_size(part, "--gpus")
         if size <= 0:
             raise UserError(f"--gpus {text!r}: a GPU needs a positive size, e.g. 80GB or 2x80GiB")
         gpus.extend([size] * count)

@@ -3,8 +3,9 @@ starts a recipe's ranks. `strategy_kwargs` gives the extra SFTConfig/TrainingArg
 `dist.strategy` (DDP: no unused-parameter search; FSDP: fsdp=True + fsdp_config; ZeRO: the
 DeepSpeed json); `launch_command` gives `python train.py ...` for one process, and `accelerate
 launch` (with the shipped config in launch/accelerate/) or `torchrun` for several, every rank in one
-run dir. What one rank holds in memory is the planner's (qlora_recipes/planner); the hardware node
-is read in devices.py. Inside the ranks (training.py calls them): CPU ranks for FSDP / ZeRO over
+run dir (a plain `torchrun ... train.py` without hydra.run.dir too: `shared_run_dir`). What one
+rank holds in memory is the planner's (qlora_recipes/planner); the hardware node is read in
+devices.py. Inside the ranks (training.py calls them): CPU ranks for FSDP / ZeRO over
 gloo (`prepare_ranks`), every rank starting from rank 0's adapters (`sync_adapters`), the adapter
 gathered into one file (`save_gathered_adapter`) and what each rank holds, measured
 (`sharding_figures`). Nothing here imports torch, deepspeed or accelerate at import time.
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import cluster as _cluster
 from . import devices as _dev
 from .errors import UserError
 
@@ -57,6 +59,8 @@ def _rendezvous(cfg: Any) -> tuple[int, str, str]:
     """(node rank, master address, master port) for a multi-node run, from the environment."""
     addr = os.environ.get("MASTER_ADDR")
     rank = os.environ.get("NODE_RANK", os.environ.get("SLURM_NODEID"))
+    if (not addr or rank is None) and _cluster.slurm_rendezvous():  # under srun: SLURM's own variables
+        return _cluster.slurm_rendezvous()
     if not addr or rank is None:
         raise UserError(
             f"hardware.nodes={cfg.hardware.nodes}: set MASTER_ADDR (the first node's address) and NODE_RANK "
@@ -67,9 +71,57 @@ def _rendezvous(cfg: Any) -> tuple[int, str, str]:
 
 def default_run_dir(recipe: str) -> str:
     """One run dir for every rank (Hydra's default has the time in it and would differ per rank);
-    under ./runs like Hydra's own."""
+    under ./runs like Hydra's own; in a SLURM job, named after the job (every node, every requeue)."""
+    if _cluster.slurm_run_dir(recipe):
+        return _cluster.slurm_run_dir(recipe)
     now = _dt.datetime.now()
     return str(Path.cwd() / "runs" / now.strftime("%Y-%m-%d") / f"{now.strftime('%H-%M-%S')}-{recipe}")
+
+
+RUN_DIR_KEY = "qlora_recipes/run_dir"  # in the launcher's store: the run dir every rank of this launch writes
+
+
+def _has_run_dir(argv: list[str]) -> bool:
+    return any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv)
+
+
+def shared_run_dir(argv: list[str], now: _dt.datetime | None = None) -> list[str]:
+    """`hydra.run.dir=...` for every rank of a multi-process launch that names none, else [].
+
+    Hydra's default run dir has the time in it, read by each rank on its own: ranks starting a
+    second apart would write two run dirs (metrics.json in one, metrics.rank1.json in the other, a
+    checkpoint split in halves). The ranks agree through the key-value store of the launcher that
+    started them (torchrun and accelerate launch: TORCHELASTIC_USE_AGENT_STORE, the TCPStore at
+    MASTER_ADDR:MASTER_PORT that init_process_group also joins): the first rank to ask sets Hydra's
+    own pattern, runs/DATE/TIME, from its clock (compare-and-set), and every rank reads that one
+    value back. An elastic restart of the same launch finds the key set and keeps the dir. Ranks
+    started without such a store take their SLURM job's dir (srun: cluster.slurm_run_dir), and
+    elsewhere (mpirun, hand-set RANK/WORLD_SIZE) must be given the dir."""
+    if _world_size() <= 1 or _has_run_dir(argv):
+        return []
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not os.environ.get("MASTER_ADDR"):
+        if _cluster.slurm_run_dir("train"):
+            return [f"hydra.run.dir={_cluster.slurm_run_dir('train')}"]
+        raise UserError(
+            f"{_world_size()} ranks started without torchrun's store: pass hydra.run.dir=DIR (the same on every rank) "
+            "so that they write one run dir"
+        )
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    # a client of the launcher's store; it counts no worker (the process group's own client does)
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=300),
+        wait_for_workers=False,
+    )
+    now = now or _dt.datetime.now()
+    mine = f"runs/{now.strftime('%Y-%m-%d')}/{now.strftime('%H-%M-%S')}"  # conf/train.yaml hydra.run.dir
+    agreed = store.compare_set(RUN_DIR_KEY, "", mine).decode()
+    return [f"hydra.run.dir={agreed}"]
 
 
 def launch_command(cfg: Any, recipe: str, overrides: list[str], python: str | None = None) -> list[str]:
@@ -80,7 +132,7 @@ def launch_command(cfg: Any, recipe: str, overrides: list[str], python: str | No
     ws = _dev.ranks(cfg)
     if ws <= 1:
         return [python, *train]
-    if not any(o.startswith("hydra.run.dir=") for o in overrides):
+    if not _has_run_dir(overrides):
         train.append(f"hydra.run.dir={default_run_dir(recipe)}")
     hw, d = cfg.hardware, cfg.dist
     if d.launcher == "torchrun":

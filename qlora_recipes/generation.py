@@ -5,9 +5,10 @@
 
 The one generation loop of the package: scripts/generate.py and the training metric (exact match of
 greedy generations) both call `generate`. Prompts are formatted by `prompts.render`, the way the run's
-data was (its chat template, the Alpaca template, or the prefix/suffix its prompts shared); a merged dir
-carries the style in its merge_report.json and the rest in its run's metrics.json; without either,
-prompts go in as they are (`--chat` forces the template).
+data was (its chat template, the Alpaca template, or the prefix/suffix its prompts shared), as the run
+recorded it in metrics.json (a run dir from before that record: as its config.yaml's data gives it); a
+merged dir carries it in its merge_report.json; without either, prompts go in as they are (`--chat`
+forces the template).
 
 Bounds: each prompt is cut to its last `max_prompt_tokens` tokens (the run's trainer.seq_len; the BOS
 kept), and at most `max_new_tokens` are generated. Generation stops on any of the stop tokens
@@ -31,6 +32,7 @@ from .runs import (
     load_run_config,
     load_stack,
     resolve_dir,
+    run_prompt_format,
     run_prompt_style,
     run_tokenizer,
 )
@@ -96,11 +98,27 @@ def load_for_generation(path: str | Path, chat: bool | None = None) -> tuple[Any
         "kind": kind,
         "dir": str(folder),
         "style": style,
-        "format": load_prompt_format(run_dir, style),
+        "format": _prompt_format(folder, cfg, run_dir, style),
         "max_new_tokens": max_new,
         "max_prompt_tokens": max_prompt,
     }
     return model, tokenizer, info
+
+
+def _prompt_format(folder: Path, cfg, run_dir: Path | None, style: str) -> PromptFormat:
+    """A run dir's prompt format (runs.run_prompt_format); a merged dir's from its merge_report.json, else
+    from the run it came from while that run dir is still there, else the style alone."""
+    if cfg is not None:
+        return run_prompt_format(folder, cfg, style)
+    recorded = _merge_report(folder).get("prompt_format")
+    if isinstance(recorded, dict):
+        return load_prompt_format(None, style, recorded)
+    if run_dir is not None and (run_dir / "config.yaml").is_file():
+        try:
+            return run_prompt_format(run_dir, load_run_config(run_dir), style)
+        except UserError:
+            pass
+    return load_prompt_format(None, style)
 
 
 def _run_seq_len(run_dir: Path | None) -> int | None:

@@ -33,6 +33,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 from trl import SFTTrainer
 
+from . import cluster
 from .checkpoints import RECORD, STAGING, _disk_full, _fsync_dir, _sync_file, _trainer_state, find_checkpoint
 from .errors import UserError
 from .resume import data_fingerprint
@@ -210,15 +211,16 @@ class GuardedTrainer(SFTTrainer):
 
 # ---------------------------------------------------------------- preemption
 class PreemptionCallback(TrainerCallback):
-    """SIGTERM (preemption, SLURM time limit) or SIGINT (Ctrl-C): finish the current step, save a
-    checkpoint there, stop. The caller turns that into a resume hint."""
+    """SIGTERM (preemption), SLURM's time-limit warning (`--signal`, USR2: cluster.py) or SIGINT
+    (Ctrl-C): finish the current step, save a checkpoint there, stop. The caller turns that into a
+    resume hint; inside a submitit job, submitit then requeues the job (cluster.hand_over)."""
 
     def __init__(self):
         self.received: str | None = None
         self._previous = {}
 
     def install(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, cluster.preemption_signal()):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -232,10 +234,18 @@ class PreemptionCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if faults().get("sigterm_at_step") == state.global_step:
             os.kill(os.getpid(), signal.SIGTERM)
+        if faults().get("preempt_at_step") == state.global_step:  # what SLURM / submitit send
+            os.kill(os.getpid(), cluster.preemption_signal())
         if self.received:
             control.should_save = True
             control.should_training_stop = True
         return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # The checkpoint at the stopping step is sealed by now: submitit may requeue (and exit).
+        requeue = cluster.submitit_handler(self._previous.get(cluster.preemption_signal()))
+        if self.received and self.received != "SIGINT" and requeue is not None and args.should_save:
+            cluster.hand_over(requeue, self.received)
 
 
 # ---------------------------------------------------------------- OOM ladder
@@ -314,9 +324,9 @@ def train_with_oom_ladder(
             resume_from = find_checkpoint(run_dir / "checkpoints")
             if resume_from is None:  # nothing saved yet: restart from the untrained start
                 _restore_trainable(model, initial)
-            if cfg.trainer.gradient_checkpointing and not model.is_gradient_checkpointing:
-                model.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": cfg.trainer.checkpointing_mode == "reentrant"}
+            if cfg.trainer.gradient_checkpointing and not model.is_activation_checkpointing:  # transformers 5 names
+                model.activation_checkpointing_enable(
+                    activation_checkpointing_kwargs={"use_reentrant": cfg.trainer.checkpointing_mode == "reentrant"}
                 )
                 model.enable_input_require_grads()
 

@@ -2,17 +2,22 @@
 
 `check_model_dir` (no torch: `validate.check_config` runs it): a local dir has a readable config.json
 with sane figures and complete safetensors weights (headers read, sizes compared; nothing loaded).
+`check_hub_model`: a hub id is reachable or cached, in seconds (no retry storm offline).
 `validate_model` (imports transformers): a model_type transformers knows, and peft.target_modules /
 peft.modules_to_save naming modules the model has (the planner's inventory of it).
 """
 
 import json
+import logging
+import os
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from .errors import UserError
 from .units import cfg_get
+
+log = logging.getLogger("train")
 
 
 def check_model_dir(model) -> None:
@@ -149,3 +154,60 @@ def _check_target_names(cfg: DictConfig) -> None:
     for t in to_save:
         if not any(n.endswith(t) for n in modules):
             raise UserError(f"peft.modules_to_save: {t!r} is no module of this {fig.architecture} model; e.g. lm_head")
+
+
+def is_hub_id(model) -> bool:
+    """model.name_or_path names a hub repo (check_model_dir has refused what looks like a missing path)."""
+    return not Path(str(cfg_get(model, "name_or_path") or "")).expanduser().is_dir()
+
+
+def check_hub_model(model) -> None:
+    """A hub id, before anything asks the hub for it: the hub answers, or the model is in the local
+    cache (then offline mode for this process, so loading reads the cache instead of retrying the
+    network for a minute), or one line saying how to use a local dir. One short probe, no retries."""
+    if not is_hub_id(model):
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    repo, revision = str(model.name_or_path), cfg_get(model, "revision")
+    cached = isinstance(try_to_load_from_cache(repo, "config.json", revision=revision), str)
+    if constants.HF_HUB_OFFLINE:
+        if cached:
+            return
+        raise UserError(
+            f"model.name_or_path={repo} is a hub id, HF_HUB_OFFLINE is set and it is not in the cache "
+            f"({constants.HF_HUB_CACHE}); {LOCAL_DIR_HINT.format(repo=repo)}"
+        )
+    problem = _hub_unreachable(constants.ENDPOINT)
+    if problem is None:
+        return
+    if cached:
+        log.warning(
+            "the hub (%s) cannot be reached (%s): %s loads from the local cache", constants.ENDPOINT, problem, repo
+        )
+        constants.HF_HUB_OFFLINE = True  # what transformers asks (huggingface_hub.is_offline_mode)
+        os.environ["HF_HUB_OFFLINE"] = "1"  # and any process this one starts
+        return
+    raise UserError(
+        f"model.name_or_path={repo} is a hub id and the hub ({constants.ENDPOINT}) cannot be reached ({problem}); "
+        + LOCAL_DIR_HINT.format(repo=repo)
+    )
+
+
+LOCAL_DIR_HINT = (
+    "point model.name_or_path at a local model dir in the HF layout (model.name_or_path=/path/to/dir; "
+    "where there is a network: hf download {repo} --local-dir /path/to/dir)"
+)
+
+
+def _hub_unreachable(endpoint: str, timeout_s: float = 5.0) -> str | None:
+    """Why the hub cannot be reached (one HEAD request, no retries), or None when it answers at all."""
+    import httpx2
+    from huggingface_hub import get_session
+
+    try:
+        get_session().head(endpoint, timeout=timeout_s)
+    except (httpx2.TransportError, OSError) as err:
+        text = " ".join(str(err).split()) or type(err).__name__
+        return text if len(text) <= 160 else text[:157] + "..."
+    return None

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -68,13 +69,28 @@ def device_map(cfg: DictConfig):
     return cfg.offload.device_map
 
 
-def _planned_budgets(cfg: DictConfig) -> dict | None:
+def _planned_placement(cfg: DictConfig, max_memory: dict | None) -> tuple[dict | None, dict | None]:
+    """(device map, max_memory) for from_pretrained when layers may be offloaded: the planner's map,
+    passed as an explicit dict. Two reasons not to pass "auto": transformers 5 quantizes before it
+    infers an "auto" map, so `llm_int8_enable_fp32_cpu_offload` cannot keep the offloaded layers
+    unquantized and their 4-bit weights cannot be onloaded (bitsandbytes' quant state stays on meta);
+    and the planner pins the LM head to the execution device (placement.pin_output_head), which an
+    "auto" map would not."""
     if cfg.offload.device_map is None:
-        return None
+        return None, max_memory
     from .planner import loader_max_memory, plan
 
-    # the budgets of one process's device map: no rank sharding applies to them
-    return loader_max_memory(plan(cfg, world_size=1, ladder=False))
+    # one process's device map: no rank sharding applies to it
+    planned = plan(cfg, world_size=1, ladder=False)
+    budgets = max_memory if max_memory is not None else loader_max_memory(planned)
+    return dict(planned["device_map"]), budgets
+
+
+def _offloads(dmap: dict) -> bool:
+    """Whether accelerate will hook modules of this map to onload them: any on disk, or on cpu
+    beside an accelerator (with no accelerator the CPU is the execution device)."""
+    values = {str(v) for v in dmap.values()}
+    return "disk" in values or ("cpu" in values and bool(values - {"cpu", "disk"}))
 
 
 # Attention per family. `model.attn_implementation` defaults to sdpa; a family whose transformers class
@@ -144,11 +160,17 @@ def load_model(cfg: DictConfig, run_dir: Path, max_memory: dict | None = None):
     from transformers import AutoModelForCausalLM
 
     attn = attention_for(cfg)
+    planned_map, budgets = _planned_placement(cfg, max_memory)
+    quantization = bnb_config(cfg)
+    if quantization is not None and planned_map is not None:
+        # transformers leaves every module the map puts on "cpu" or "disk" unquantized under this flag,
+        # the whole model for {"": "cpu"}: only a map that really offloads gets it
+        quantization.llm_int8_enable_fp32_cpu_offload = _offloads(planned_map)
     kwargs = dict(
-        quantization_config=bnb_config(cfg),
+        quantization_config=quantization,
         dtype=torch_dtype(cfg.precision.dtype),
-        device_map=device_map(cfg),
-        max_memory=max_memory if max_memory is not None else _planned_budgets(cfg),
+        device_map=planned_map if planned_map is not None else device_map(cfg),
+        max_memory=budgets,
         use_safetensors=True,
         attn_implementation=attn,
     )
@@ -164,6 +186,14 @@ def load_model(cfg: DictConfig, run_dir: Path, max_memory: dict | None = None):
             raise
         raise _load_failed(cfg, "weights", err) from None
     model.config.use_cache = False  # the KV cache only costs memory while training
+    head = model.get_output_embeddings()
+    if head is not None and head.weight.device.type == "meta":
+        # TRL's fused LM head reads lm_head.weight outside the offload hook (placement.pin_output_head
+        # keeps it on the execution device unless the whole model went to disk)
+        raise UserError(
+            "offload: the LM head would stay offloaded (the whole model is on disk); raise offload.max_memory.cpu "
+            "or offload.max_memory.gpu"
+        )
     _keep_4bit_layout_trainable(model)
     return model
 
@@ -185,23 +215,95 @@ def make_trainable(cfg: DictConfig, model):
 
     t = cfg.trainer
     ckpt_kwargs = {"use_reentrant": t.checkpointing_mode == "reentrant"}
-    if cfg.quant.method != "none" and cfg.precision.upcast_frozen:
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=t.gradient_checkpointing, gradient_checkpointing_kwargs=ckpt_kwargs
-        )
-    elif t.gradient_checkpointing:
+    kbit_prep = cfg.quant.method != "none" and cfg.precision.upcast_frozen
+    if kbit_prep:  # checkpointing below, by its transformers 5 name (peft's prep calls the deprecated one)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if t.gradient_checkpointing:
         # Also upcast_frozen=false: k-bit prep is freeze + fp32 upcast + these two calls (peft
         # utils/other.py). Not prep-then-cast-back: that would hold the fp32 copies of embeddings and
         # lm_head at load, the very bytes this option saves. Freezing is get_peft_model's (only the
         # adapters train); the adapters are fp32 either way (peft autocast_adapter_dtype).
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
-        model.enable_input_require_grads()
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
+        if not kbit_prep or ckpt_kwargs["use_reentrant"]:  # as peft's prep does it
+            model.enable_input_require_grads()
     try:
-        model = get_peft_model(model, lora_config(cfg))
+        with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            model = get_peft_model(model, lora_config(cfg))
     except ValueError as err:  # e.g. target modules not found in the base
         raise UserError(f"peft: {str(err).splitlines()[0]} (check peft.target_modules)") from None
+    _adapters_off_meta(cfg, model)
     _trainable_in_fp32(model)
+    _disk_layers_as_host_layers(model)
     return model
+
+
+def _disk_layers_as_host_layers(model) -> None:
+    """accelerate's Accelerator.prepare_model refuses any 4-bit/8-bit model whose hf_device_map
+    names "disk" ("can't train ... with CPU or disk offload"), while it lets "cpu" through with
+    bitsandbytes' multi-backend (0.50 has it). Here both train the same way: the offloaded modules
+    are kept unquantized (llm_int8_enable_fp32_cpu_offload with an explicit map), onloaded by the
+    same AlignDevicesHook, and their adapters are real tensors (_adapters_off_meta). The trainer's
+    view of the map (an attribute of the PeftModel it prepares) therefore names disk as cpu; the
+    base model keeps its true hf_device_map."""
+    base = model.get_base_model()
+    dmap = getattr(base, "hf_device_map", None)
+    if dmap and "disk" in dmap.values():
+        model.hf_device_map = {k: ("cpu" if v == "disk" else v) for k, v in dmap.items()}
+
+
+def _execution_device(module):
+    """Where accelerate runs `module`: its offload hook's execution device (a SequentialHook holds
+    the AlignDevicesHook among its hooks), or None when no hook manages it."""
+    hook = getattr(module, "_hf_hook", None)
+    for h in [hook, *getattr(hook, "hooks", ())]:
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    return None
+
+
+def _adapters_off_meta(cfg: DictConfig, model) -> None:
+    """Trainable adapters of offloaded layers as real tensors on the layer's execution device.
+
+    A layer offloaded to host RAM or disk keeps its weights on `meta`; accelerate's per-module hook
+    (AlignDevicesHook(offload=True) on each base linear, never on the adapter modules peft adds)
+    onloads them for each forward and drops them after. peft moves a new adapter to its base
+    weight's device, so those adapters would land on meta, and the first backward fails ("expected
+    device meta but got cpu"). Re-created on the execution device and initialised as peft would
+    (kaiming A, zero B), they stay put: no hook touches them, the optimizer (built later by the
+    trainer) sees them, and their gradients and optimizer state live beside them."""
+    from peft.tuners.lora import LoraLayer
+
+    if not any(_execution_device(m) is not None for m in model.modules()):
+        return  # nothing offloaded (or a meta skeleton not yet materialised, as bench/trace builds)
+    meta = torch.device("meta")
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        for adapter in list(layer.lora_A.keys()):
+            parts = [layer.lora_A[adapter], layer.lora_B[adapter]]
+            if not any(p.device == meta for part in parts for p in part.parameters()):
+                continue
+            device = _execution_device(layer.get_base_layer())
+            if device is None:
+                continue  # not offloaded: caught below if it stays on meta
+            if layer.use_dora.get(adapter):
+                # DoRA reads the base weight itself (its norm, every step), outside the hook's onload
+                raise UserError(
+                    f"peft=dora cannot train {name}: the layer is offloaded (offload={'disk' if cfg.offload.folder else 'cpu'}) "
+                    "and DoRA reads its base weight outside the forward that onloads it; use peft=lora or offload=none"
+                )
+            for part in parts:
+                part.to_empty(device=device)
+            init = model.peft_config[adapter].init_lora_weights
+            layer.reset_lora_parameters(adapter, init if init in (True, "gaussian") else True)
+    stuck = [n for n, p in model.named_parameters() if p.requires_grad and p.device == meta]
+    if stuck:
+        raise UserError(
+            f"{len(stuck)} trainable tensor(s) on an offloaded module stay on meta (first: {stuck[0]}); "
+            "peft.modules_to_save cannot name a module offloaded to cpu or disk: raise offload.max_memory.gpu or drop it"
+        )
 
 
 def _trainable_in_fp32(model) -> None:

@@ -1,7 +1,7 @@
 """Prompts after training: read them from a file, stdin or a command line, and format them the way the run was trained.
 
     read_prompts(file) -> [Prompt]                           # a text file (one a line), JSON lines, or - (stdin)
-    load_prompt_format(run_dir, style) -> PromptFormat       # how the run's data prompts looked
+    load_prompt_format(run_dir, style) -> PromptFormat       # how the run's data prompts looked (metrics.json)
     render(tokenizer, prompt, style_or_format) -> (text, add_special_tokens)
 
 A plain prompt (a line someone typed) is rendered the way the run's data was: with the tokenizer's chat
@@ -78,18 +78,25 @@ class PromptFormat:
         return head + [{"role": "user", "content": text}]
 
 
-def load_prompt_format(run_dir: Path | None, style: str) -> PromptFormat:
-    """The prompt format of a run dir (its metrics.json `data.prompt_format`), with `style` (the run's,
-    or the one --chat / --no-chat forced); just the style when the run did not record one."""
-    recorded: dict = {}
-    if run_dir is not None and (Path(run_dir) / "metrics.json").is_file():
-        try:
-            recorded = (json.loads((Path(run_dir) / "metrics.json").read_text()).get("data") or {}).get(
-                "prompt_format"
-            ) or {}
-        except (json.JSONDecodeError, OSError, AttributeError):
-            recorded = {}
-    fmt = PromptFormat.of(recorded)
+def recorded_prompt_format(run_dir: Path | None) -> dict | None:
+    """The prompt format a run dir recorded (its metrics.json `data.prompt_format`); None when there is
+    none (no run dir, or a run from before the format was recorded)."""
+    path = Path(run_dir) / "metrics.json" if run_dir is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        recorded = (json.loads(path.read_text()).get("data") or {}).get("prompt_format")
+    except (json.JSONDecodeError, OSError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def load_prompt_format(run_dir: Path | None, style: str, recorded: dict | None = None) -> PromptFormat:
+    """The prompt format of a run dir (`recorded`, else its metrics.json `data.prompt_format`), with
+    `style` (the run's, or the one --chat / --no-chat forced); just the style when none is known."""
+    if recorded is None:
+        recorded = recorded_prompt_format(run_dir)
+    fmt = PromptFormat.of(recorded or {"style": style})
     if fmt.style != style:  # forced: keep only what applies to the forced style
         fmt = PromptFormat(style=style, system=fmt.system if style == "chat" else None)
     return fmt

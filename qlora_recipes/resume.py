@@ -38,6 +38,8 @@ RESUME_SAFE_PREFIXES = (
     "data.metric_examples",
     "data.max_new_tokens",
     "offload.",
+    "logger.",  # where metrics are reported, not what is trained
+    "hub.",  # whether the finished adapter is pushed
 )
 
 
@@ -61,15 +63,38 @@ def _flatten(node, prefix="") -> dict:
 
 def stack_changes(saved: DictConfig, current: DictConfig) -> list[str]:
     """Keys whose change alters what is trained (micro-batch/accumulation may trade off when the
-    effective batch is kept: the data position stays exact)."""
+    effective batch is kept: the data position stays exact). A key the saved config lacks (added to the
+    schema after that run) counts as its schema default, which is what the older code did."""
     a = _flatten(OmegaConf.to_container(saved, resolve=True))
     b = _flatten(OmegaConf.to_container(current, resolve=True))
+    defaults = _schema_defaults()
+    a.update({k: defaults[k] for k in b.keys() - a.keys() if k in defaults})
     changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not k.startswith(RESUME_SAFE_PREFIXES)]
+    if "data.format" in changed and b.get("data.format") == "auto" and _detected_format(current) == a["data.format"]:
+        changed.remove("data.format")  # an older run saved the format it detected; auto detects it again
     batch_keys = {"trainer.micro_batch_size", "trainer.grad_accum"}
     same_effective = a.get("trainer.micro_batch_size", 0) * a.get("trainer.grad_accum", 0) == b.get(
         "trainer.micro_batch_size", 0
     ) * b.get("trainer.grad_accum", 0)
     return [k for k in changed if not (k in batch_keys and same_effective)]
+
+
+def _schema_defaults() -> dict:
+    from .schema import TrainConfig
+
+    return _flatten(OmegaConf.to_container(OmegaConf.structured(TrainConfig), resolve=False))
+
+
+def _detected_format(cfg: DictConfig) -> str | None:
+    """The format `data.format=auto` detects in the training data now; None when it cannot be read."""
+    from .data.formats import detect
+    from .data.readers import read_source
+
+    try:
+        rows, _ = read_source(cfg.data.path, cfg.data.split or "train", "data.path")
+        return detect(rows)
+    except UserError:
+        return None
 
 
 def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
@@ -168,8 +193,18 @@ def _check_data(cfg: DictConfig, checkpoint: Path, record: dict) -> None:
     """The training data must be the bytes the checkpoint was trained on: its saved data position
     would otherwise point into other examples. resume.allow_changes=true accepts new data."""
     saved = record.get("data") or {}
+    if checkpoint is None:
+        return
+    if not saved:
+        log.warning(
+            "resume: %s has no data fingerprint (written before checkpoints recorded one), so the training data "
+            "could not be checked; resuming on %s as it is now",
+            checkpoint.name,
+            cfg.data.path,
+        )
+        return
     if "sha256" not in saved:
-        return  # a hub dataset, or a checkpoint from before fingerprints
+        return  # a hub dataset: not fingerprinted
     now = data_fingerprint(cfg.data)
     if "sha256" not in now or now["sha256"] == saved["sha256"]:
         return  # equal; or the path is gone, which loading the data reports

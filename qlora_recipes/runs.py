@@ -1,7 +1,7 @@
 """Reading what train.py left behind: a run dir (config.yaml + adapter/) or a merged model dir.
 
 Merge and generate both start here: which kind of dir a path is (with a one-line UserError naming what
-is missing otherwise), the run's resolved config and prompt style, the adapter checked against the base
+is missing otherwise), the run's resolved config, prompt style and prompt format, the adapter checked against the base
 the config loads (by name, then by tensor shapes), and the stack as it was trained and evaluated — the
 quantized base via `modeling.load_model` plus the saved adapter. Nothing here imports torch,
 transformers or peft at import time, so bad input answers fast.
@@ -10,9 +10,13 @@ transformers or peft at import time, so bad input answers fast.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from .errors import UserError
+from .prompts import PromptFormat, load_prompt_format, recorded_prompt_format
+
+log = logging.getLogger(__name__)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MERGE_REPORT = "merge_report.json"  # written by merge into a merged dir; generate reads its prompt style
@@ -98,6 +102,29 @@ def run_prompt_style(run_dir: Path, cfg) -> str:
     if fmt == "alpaca":
         return "alpaca"
     return "plain"
+
+
+def run_prompt_format(run_dir: Path, cfg, style: str) -> PromptFormat:
+    """How a plain prompt is wrapped for this run (`style`: the run's, or one --chat / --no-chat forced):
+    the prompt format its metrics.json recorded; for a run dir from before that record, the one its data
+    (config.yaml's data group) gives when read again; else the style alone."""
+    recorded = recorded_prompt_format(run_dir)
+    if recorded is None:
+        from . import data  # (imports datasets: only for such older run dirs)
+
+        try:
+            recorded = data.load_splits(cfg.data, None, int(cfg.trainer.seq_len), int(cfg.seed))[2]["prompt_format"]
+        except UserError as err:
+            log.warning(
+                "%s records no prompt format and its data cannot be read again (%s); plain prompts go in as %s "
+                "prompts without the data's prefix or suffix (--raw to send them exactly as typed)",
+                run_dir,
+                err,
+                style,
+            )
+        else:
+            log.info("%s records no prompt format (an older run): taken from its data, %s", run_dir, recorded)
+    return load_prompt_format(run_dir, style, recorded)
 
 
 def run_tokenizer(cfg, run_dir: Path):

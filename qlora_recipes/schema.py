@@ -184,6 +184,55 @@ class DistConfig:
 
 
 @dataclass
+class TensorBoardLogger:
+    enabled: bool = False  # scalars (losses, memory) to tb/ in the run dir: `tensorboard --logdir runs`
+
+
+@dataclass
+class WandbLogger:
+    enabled: bool = False
+    # online | offline | disabled; null: wandb's own choice (WANDB_MODE, `wandb offline`, else online).
+    # Offline runs land in RUN/wandb/ (`wandb sync RUN/wandb/offline-run-*` uploads them later).
+    mode: str | None = None
+    entity: str | None = None  # team or user; null: the login's default
+
+
+@dataclass
+class MlflowLogger:
+    enabled: bool = False
+    # null: MLFLOW_TRACKING_URI when set, else a file store in the run dir (RUN/mlruns:
+    # `mlflow ui --backend-store-uri RUN/mlruns`)
+    tracking_uri: str | None = None
+
+
+@dataclass
+class TrackioLogger:
+    enabled: bool = False  # local: trackio's own store (TRACKIO_DIR, else HF_HOME/trackio): `trackio show`
+
+
+@dataclass
+class LoggerConfig:
+    # The `logger` group: one or several trackers at once (`logger=[tensorboard,wandb]`), each option
+    # file switching its backend on. TensorBoard writes tb/ itself; the others are the trainer's report_to.
+    tensorboard: TensorBoardLogger = field(default_factory=TensorBoardLogger)
+    wandb: WandbLogger = field(default_factory=WandbLogger)
+    mlflow: MlflowLogger = field(default_factory=MlflowLogger)
+    trackio: TrackioLogger = field(default_factory=TrackioLogger)
+    project: str = "qlora-recipes"  # the W&B project, the MLflow experiment and the trackio project
+    run_name: str | None = None  # null: the run dir and its overrides, e.g. "2026-01-31/12-00-00 peft.r=8"
+
+
+@dataclass
+class HubConfig:
+    # Push the adapter (with its model card) to the Hugging Face Hub after training. The token comes
+    # from HF_TOKEN or `hf auth login`, never from the config: nothing secret is written anywhere.
+    push: bool = False
+    repo_id: str | None = None  # "user/name" or "org/name"; created when missing
+    private: bool | None = None  # null: the hub's default for a new repo (an existing repo keeps its own)
+    revision: str | None = None  # a branch to commit to (created from main when missing); null: main
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -196,6 +245,8 @@ class TrainConfig:
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
     seed: int = 0
     force: bool = False  # start even when the memory plan says the stack does not fit
     cache_dir: str = "${oc.env:QLORA_RECIPES_CACHE,${oc.env:HOME}/.cache/qlora-recipes}"

@@ -4,11 +4,15 @@ All translation from our option names to the libraries' arguments lives here, so
 one file in conf/ plus, at most, one branch below.
 """
 
+import logging
+import warnings
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from .units import torch_dtype
+from .units import cfg_get, torch_dtype
+
+log = logging.getLogger("train")
 
 
 def skip_modules(cfg: DictConfig) -> list[str] | None:
@@ -94,7 +98,7 @@ def sft_config(cfg: DictConfig, run_dir: Path, data_format: str, on_gpu: bool, h
     data format's loss masking and packing, and the dist strategy's keywords."""
     from trl import SFTConfig
 
-    from . import data, dist
+    from . import data, dist, trackers
 
     t, o = cfg.trainer, cfg.optim
     steps_eval = has_eval and t.eval_steps > 0
@@ -117,8 +121,9 @@ def sft_config(cfg: DictConfig, run_dir: Path, data_format: str, on_gpu: bool, h
         bf16=cfg.precision.name == "bf16",
         fp16=cfg.precision.name == "fp16",
         use_cpu=not on_gpu,
-        gradient_checkpointing=t.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": t.checkpointing_mode == "reentrant"},
+        # transformers 5 names it activation checkpointing (the gradient_* keys warn, removed in v6)
+        activation_checkpointing=t.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": t.checkpointing_mode == "reentrant"},
         activation_offloading=t.activation_offloading,  # saved activations to pinned host RAM (CUDA)
         use_liger_kernel=t.liger,
         max_length=t.seq_len,
@@ -133,7 +138,10 @@ def sft_config(cfg: DictConfig, run_dir: Path, data_format: str, on_gpu: bool, h
         metric_for_best_model="eval_loss" if steps_eval and t.save_steps > 0 else None,
         greater_is_better=False if steps_eval and t.save_steps > 0 else None,
         logging_nan_inf_filter=False,  # a NaN loss must show, not be averaged away
-        report_to=[],  # TensorBoard is attached by the caller with an explicit log dir
+        # the logger group's trackers (training attaches TensorBoard itself, with the memory timeline)
+        report_to=trackers.report_to(cfg),
+        run_name=trackers.run_name(cfg, run_dir),
+        project=cfg_get(cfg, "logger.project", "qlora-recipes"),  # trackio's project
         disable_tqdm=not t.progress_bar,
         seed=cfg.seed,
         data_seed=cfg.seed,
@@ -141,3 +149,17 @@ def sft_config(cfg: DictConfig, run_dir: Path, data_format: str, on_gpu: bool, h
         **data.format_kwargs(cfg.data, data_format),
         **dist.strategy_kwargs(cfg),
     )
+
+
+# bitsandbytes' words when a paged optimizer meets CPU tensors (bitsandbytes/optim/optimizer.py).
+_PAGED_ON_CPU = r"Paged optimizers are not supported on CPU"
+
+
+def note_optimizer_fallback(cfg: DictConfig, on_gpu: bool) -> None:
+    """Paging moves optimizer state through CUDA unified memory; on CPU bitsandbytes runs the same
+    optimizer unpaged (identical updates) and warns about it. Expected here: one line of ours, and
+    exactly that warning silenced."""
+    if on_gpu or not str(cfg.optim.name).startswith("paged_"):
+        return
+    log.info("optim: %s runs unpaged on this CPU (paging needs CUDA; the updates are the same)", cfg.optim.name)
+    warnings.filterwarnings("ignore", message=_PAGED_ON_CPU, category=UserWarning)

@@ -2,11 +2,14 @@
 
 Attached as a Hydra callback in conf/train.yaml (SweepSummary); also run by
 scripts/summarize_sweep.py. Writes summary.csv, summary.md (one table row per job) and
-summary.png: final loss (eval loss, else the last training loss) against planned and measured
-peak memory (each job's own peak of the quantity its plan predicts: metrics.json `peak_mem_gib`
-and `planned_peak_gib`, peak.py) and against tokens/s, with the Pareto front marked - the jobs no other job beats on
-lower loss, lower peak memory and higher tokens/s at once. Jobs the planner skipped or that failed
-are listed with their reason and planned peak, never dropped.
+summary.png, each job labelled by what sets it apart (`labels`: the overrides whose value differs
+between the jobs, `peft.r=8 optim.lr=0.0002`, not its job number): final loss (eval loss, else the
+last training loss) against planned and measured peak memory (each job's own peak of the quantity
+its plan predicts: metrics.json `peak_mem_gib` and `planned_peak_gib`, peak.py; the conf/sweep
+presets run each job in a fresh process, so no job inherits another's memory) and against
+tokens/s, with the Pareto front marked - the jobs no other job beats on lower loss, lower peak
+memory and higher tokens/s at once. Jobs the planner skipped or that failed are listed with their
+reason and planned peak, never dropped.
 """
 
 import csv
@@ -24,6 +27,7 @@ log = logging.getLogger(__name__)
 
 COLUMNS = (
     "job",
+    "label",
     "overrides",
     "status",
     "train_loss_last",
@@ -55,14 +59,15 @@ def _planned_peak(job_dir: Path) -> tuple[float | None, str | None]:
 
 def collect(sweep_dir: Path) -> list[dict]:
     """Rows for every job dir (one holding .hydra/overrides.yaml) below sweep_dir, by job number."""
-    rows = []
+    rows, overrides = [], {}
     for overrides_file in sorted(Path(sweep_dir).glob("*/.hydra/overrides.yaml")):
         job_dir = overrides_file.parent.parent
         metrics_file = job_dir / "metrics.json"
         metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {"status": "incomplete"}
+        overrides[job_dir.name] = [str(o) for o in OmegaConf.load(overrides_file)]
         row = {
             "job": job_dir.name,
-            "overrides": " ".join(OmegaConf.load(overrides_file)),
+            "overrides": " ".join(overrides[job_dir.name]),
             "status": metrics.get("status", "ok"),
         }
         row.update({k: metrics.get(k) for k in COLUMNS if k not in row})
@@ -71,8 +76,39 @@ def collect(sweep_dir: Path) -> list[dict]:
             row["planned_peak_gib"], row["peak_quantity"] = _planned_peak(job_dir)
         rows.append(row)
     rows.sort(key=lambda r: (not r["job"].isdigit(), int(r["job"]) if r["job"].isdigit() else r["job"]))
+    job_labels = labels(overrides)
+    for row in rows:
+        row["label"] = job_labels[row["job"]]
     mark_pareto(rows)
     return rows
+
+
+def _short(value: str) -> str:
+    """A sampled float as 3 significant digits (Optuna's 0.00044303752452182633 -> 0.000443)."""
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return value if number.is_integer() or len(value) <= 8 else f"{number:.3g}"
+
+
+def labels(overrides: dict[str, list[str]]) -> dict[str, str]:
+    """Each job's label: its overrides whose value is not the same in every job, in its own order.
+    Hydra's own keys and `resume` (a requeued job adds resume=auto) set no job apart. A job with
+    nothing apart (a one-job sweep, or a duplicate) is labelled by all its overrides, else `job N`."""
+
+    def pairs(job: str) -> dict[str, str]:
+        items = (o.split("=", 1) for o in overrides[job] if "=" in o)
+        return {k: v for k, v in items if not k.lstrip("+~").startswith(("hydra.", "resume"))}
+
+    by_job = {job: pairs(job) for job in overrides}
+    keys = {k for p in by_job.values() for k in p}
+    varying = {k for k in keys if len({p.get(k) for p in by_job.values()}) > 1}
+    out = {}
+    for job, p in by_job.items():
+        apart = [f"{k}={_short(v)}" for k, v in p.items() if k in varying]
+        out[job] = " ".join(apart or [f"{k}={_short(v)}" for k, v in p.items()]) or f"job {job}"
+    return out
 
 
 def _num(value) -> float | None:
@@ -144,7 +180,7 @@ def write_plot(rows: list[dict], path: Path, title: str = "") -> Path | None:
         if measured is not None:
             ax_mem.scatter([measured], [y], marker="o", color=color, zorder=3)
         ax_mem.annotate(
-            r["job"],
+            r["label"],
             (measured if measured is not None else planned or 0, y),
             fontsize=8,
             xytext=(3, 3),
@@ -155,7 +191,7 @@ def write_plot(rows: list[dict], path: Path, title: str = "") -> Path | None:
             ax_speed.scatter(
                 [speed], [y], marker="*" if r["pareto"] else "o", s=90 if r["pareto"] else 30, color=color, zorder=3
             )
-            ax_speed.annotate(r["job"], (speed, y), fontsize=8, xytext=(3, 3), textcoords="offset points")
+            ax_speed.annotate(r["label"], (speed, y), fontsize=8, xytext=(3, 3), textcoords="offset points")
     if other:  # skipped / failed: their planned peak along the top edge
         top = max((loss_of(r) for r in done), default=1.0)
         for r in other:
@@ -163,7 +199,7 @@ def write_plot(rows: list[dict], path: Path, title: str = "") -> Path | None:
             if planned is not None:
                 ax_mem.scatter([planned], [top], marker="x", color="0.4", zorder=2)
                 ax_mem.annotate(
-                    f"{r['job']} {r['status']}",
+                    f"{r['label']} {r['status']}",
                     (planned, top),
                     fontsize=7,
                     color="0.4",
@@ -203,5 +239,5 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = write_summary(sweep_dir)
-        front = [r["job"] for r in rows if r["pareto"]]
+        front = [r["label"] for r in rows if r["pareto"]]
         log.info("sweep summary: %d jobs, Pareto front %s -> %s", len(rows), front, sweep_dir / "summary.md")

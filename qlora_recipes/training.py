@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import shutil
 import time
 from dataclasses import dataclass
@@ -18,11 +19,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import data, dist, lifecycle, metrics, modeling, planner, stack
-from .checkpoints import find_checkpoint
-from .cli import sigint_deferred
-from .console import print_stack
-from .modelcheck import validate_model
+from . import data, dist, hub, lifecycle, metrics, modeling, planner, stack, trackers
+from .checkpoints import _disk_full, find_checkpoint
+from .cli import command, sigint_deferred, task_overrides
+from .console import next_commands, print_stack, print_summary, shown_path
+from .data.readers import check_local_source
+from .errors import UserError
+from .modelcheck import check_hub_model, validate_model
 from .peak import PeakTracker, pin_malloc_thresholds, planned_peak_gib
 from .resume import AlreadyComplete, resume_checkpoint
 from .rundir_lock import RunDirLock
@@ -54,6 +57,7 @@ def train(cfg: DictConfig, run_dir: Path, choices: dict | None = None, on_write=
     gpu = modeling.on_gpu()
     if not gpu:
         pin_malloc_thresholds()  # CPU: RSS follows the live tensors, as the plan counts them (peak.py)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed, imported by the trainer, warns when it guesses
     tracker = PeakTracker(gpu).start()
     try:
         with RunDirLock(run_dir, enabled=_main_rank()):  # one run per run dir
@@ -85,7 +89,9 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict | None, tracker: PeakTr
     pairs = data.generation_pairs(eval_ds, data_stats["format"], cfg.data.metric_examples) if want_em else []
     em_before = _exact_match(cfg, model, tokenizer, pairs)
 
-    tb = _tensorboard(run_dir)
+    tb = _tensorboard(run_dir) if "tensorboard" in trackers.enabled(cfg) else None
+    tracking = trackers.start(cfg, run_dir) if _main_rank() else None  # the logger group's W&B / MLflow runs
+    finished = False
     try:
         splits = (train_ds, eval_ds)
         fitted = _fit(cfg, run_dir, model, tokenizer, splits, data_stats["format"], plan, resume_from, (tb, tracker))
@@ -101,10 +107,16 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict | None, tracker: PeakTr
             out["sharding"] = dist.sharding_figures(fitted.trainer)
         rank = int(os.environ.get("RANK", 0))
         metrics.write_metrics(run_dir, out, name="metrics.json" if _main_rank() else f"metrics.rank{rank}.json")
+        finished = True
     finally:
         if tb is not None:
             tb.close()
-    log.info("metrics: %s", {k: v for k, v in out.items() if k not in ("data", "train_losses")})
+        if tracking is not None:
+            tracking.close(failed=not finished)
+    if _main_rank():  # adapter/README.md: the model card; with hub.push=true, the adapter to the hub
+        hub.publish_adapter(cfg, run_dir)
+    if _main_rank():  # the figures a user reads and what to run next; metrics.json has them all
+        print_summary(out, run_dir, next_commands(command(), run_dir, task_overrides(), out["steps"]))
     return out
 
 
@@ -112,12 +124,15 @@ def _check_and_plan(cfg: DictConfig, run_dir: Path, choices: dict | None, gpu: b
     """Everything that can refuse a run from its config and model dir, before anything is loaded or
     written; a plan that does not fit is written (config.yaml, plan.json with its ladder), then refused."""
     validate(cfg, gpu_available=gpu)
+    # the causes a user can fix by hand first: a data file missing, then the model out of reach
+    check_local_source(cfg.data.path, "data.path")
+    if cfg.data.eval_path is not None:
+        check_local_source(cfg.data.eval_path, "data.eval_path")
+    check_hub_model(cfg.model)
     validate_model(cfg)
     resume_from = resume_checkpoint(cfg, run_dir)  # checks the saved config first
-    # one rank's share under FSDP/ZeRO-3 on GPUs, the whole stack otherwise; CPU ranks (gloo) are
-    # planned as one whole replica each, an upper bound (the per-rank view is of GPUs)
-    cpu_shards = not gpu and cfg.dist.strategy in planner.SHARDED
-    plan = planner.plan(cfg, world_size=1 if cpu_shards else None)
+    # one rank's share (WORLD_SIZE ranks): FSDP/ZeRO-3 on GPUs, every strategy on CPU ranks (gloo)
+    plan = planner.plan(cfg)
     if not (plan["fits"] or cfg.force):
         _write_run_files(cfg, run_dir, choices, plan, on_write)
     planner.refuse_unless_fits(plan, force=cfg.force)
@@ -128,6 +143,7 @@ def _write_run_files(cfg: DictConfig, run_dir: Path, choices: dict | None, plan:
     """config.yaml and plan.json (and the caller's files), all or none: Ctrl-C waits for the group."""
     if not _main_rank():
         return
+    print(f"run dir: {shown_path(run_dir)}", flush=True)
     print_stack(cfg, choices)
     with sigint_deferred():
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -159,6 +175,7 @@ def _fit(cfg, run_dir, model, tokenizer, splits, data_format, plan, resume_from,
     def make_trainer(c: DictConfig):
         tb_callback = TensorBoardCallback(tb_writer=tb)
         tb_callback.logging_dir = str(run_dir / "tb")  # where it reopens after train() closes it
+        tb_callbacks = [tb_callback] if "tensorboard" in trackers.enabled(c) else []  # logger=none: no tb/
         memory_log = MemoryLogger(run_dir, c.trainer.memory_log_steps, tb, tracker, planned)
         dist.prepare_ranks(c, gpu)
         trainer = lifecycle.GuardedTrainer(
@@ -167,11 +184,12 @@ def _fit(cfg, run_dir, model, tokenizer, splits, data_format, plan, resume_from,
             train_dataset=train_ds,
             eval_dataset=eval_ds,
             processing_class=tokenizer,
-            callbacks=[memory_log, tb_callback, preemption],
+            callbacks=[memory_log, *tb_callbacks, preemption],
         )
         trainer.adapter_sha256_step0 = dist.sync_adapters(model)  # every rank starts from rank 0's adapters
         return trainer
 
+    stack.note_optimizer_fallback(cfg, gpu)
     started = time.time()
     preemption.install()
     try:
@@ -246,11 +264,25 @@ def _run_figures(fitted: _Fitted, plan: dict, resume_from: str | None) -> dict:
 
 
 def _save_adapter(trainer, tokenizer, run_dir: Path) -> None:
-    """The adapter dir appears complete or not at all (written aside, then renamed)."""
+    """The adapter dir appears complete or not at all (written aside, then renamed); a full disk
+    (or Ctrl-C) while writing leaves no adapter.partial, and the checkpoints as they were."""
     staging = run_dir / "adapter.partial"
-    if not dist.save_gathered_adapter(trainer, str(staging), _main_rank()):
-        trainer.save_model(str(staging))  # rank 0 writes (ZeRO-3 gathers the adapter first)
+    try:
+        if not dist.save_gathered_adapter(trainer, str(staging), _main_rank()):
+            trainer.save_model(str(staging))  # rank 0 writes (ZeRO-3 gathers the adapter first)
+        if _main_rank():
+            tokenizer.save_pretrained(staging)
+    except BaseException as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        if _disk_full(err):
+            kept = find_checkpoint(run_dir / "checkpoints")
+            raise UserError(
+                f"disk full while saving the adapter in {run_dir}: nothing of it was kept"
+                + (f" and the checkpoints are intact (newest: {kept})" if kept else "")
+                + f"; free space and run again (resume=auto hydra.run.dir={shlex.quote(shown_path(run_dir))} "
+                "resumes from the newest checkpoint)"
+            ) from None
+        raise
     if _main_rank():
-        tokenizer.save_pretrained(staging)
         shutil.rmtree(run_dir / "adapter", ignore_errors=True)
         staging.rename(run_dir / "adapter")

@@ -18,6 +18,7 @@ from .cli import command
 from .errors import UserError
 from .modelcheck import check_model_dir
 from .schema import PACKING_STRATEGIES, PEFT_METHODS, QUANT_METHODS, TrainConfig, padding_free_on
+from .trackers import check as check_trackers
 from .units import PRECISION_DTYPE, cfg_get, dtype_name
 
 CHOICES = {
@@ -124,7 +125,13 @@ ATTENTION = (
 )
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 # Fault injection for tests (lifecycle.faults): QLORA_RECIPES_FAULTS="key=int,key=int".
-FAULT_KEYS = ("oom_above_micro_batch", "nan_at_step", "sigterm_at_step", "adapter_skew_rank")  # the last: dist.py
+FAULT_KEYS = (
+    "oom_above_micro_batch",
+    "nan_at_step",
+    "sigterm_at_step",
+    "preempt_at_step",
+    "adapter_skew_rank",
+)  # the last: dist.py
 
 
 def unknown_keys(cfg: DictConfig, schema: type = TrainConfig, prefix: str = "") -> list[str]:
@@ -172,6 +179,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_ranges(cfg)
     _check_choices(cfg)
     _check_combinations(cfg)
+    check_trackers(cfg)  # the logger group: each tracker's package importable, its options valid
     check_model_dir(cfg.model)
 
 
@@ -232,6 +240,10 @@ def validate(cfg: DictConfig, gpu_available: bool, world_size: int | None = None
         raise UserError("quant.storage_dtype only applies to 4-bit quantization; drop it or use quant=nf4")
     validate_hardware(cfg)
     validate_dist(cfg, gpu_available, world_size)
+    if cfg_get(cfg, "hub.push", False):  # a repo id, a token and the hub in reach, before hours of training
+        from .hub import check_push
+
+        check_push(cfg.hub.repo_id, cfg.hub.revision)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,6 +379,13 @@ def _check_combinations(cfg: DictConfig) -> None:
         raise UserError(
             f"optim.scheduler={scheduler} steps on the eval loss: set trainer.eval_steps=N (N >= 1) and keep an "
             "eval split (data.eval_fraction > 0 or data.eval_path)"
+        )
+    if t.eval_steps > 0 and not has_eval:
+        # the trainer would skip every evaluation without a word (stack.sft_config turns it off)
+        raise UserError(
+            f"trainer.eval_steps={t.eval_steps} but the run has no eval split (data.eval_path is null and "
+            "data.eval_fraction=0): hold out rows with data.eval_fraction=0.1 or set data.eval_path=FILE, or set "
+            "trainer.eval_steps=0 to train without evaluation"
         )
 
 

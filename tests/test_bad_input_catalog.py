@@ -172,6 +172,12 @@ OVERRIDES = [
     (["+foo=1"], ["unknown key foo"]),
     (["optim.lr=${model.nope}"], ["model.nope"]),
     (["recipe=nope"], ["recipe=nope is not an option", "tiny-cpu"]),
+    # evaluation asked for, with nothing to evaluate on (transformers would skip it without a word)
+    (
+        ["trainer.eval_steps=2", "data.eval_path=null", "data.eval_fraction=0"],
+        ["trainer.eval_steps=2", "no eval split", "data.eval_fraction", "trainer.eval_steps=0"],
+    ),
+    (["trainer=standard", "data.eval_path=null", "data.eval_fraction=0"], ["trainer.eval_steps=200", "no eval split"]),
 ]
 # Variants of the cases above: the same checks with other values (`make test-all` runs them).
 MORE_OVERRIDES = [

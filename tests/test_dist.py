@@ -1,8 +1,8 @@
 """Scale-out: the shipped launch configs parse with the libraries' own loaders and agree with what
 qlora_recipes/dist.py passes to the trainer; combinations that cannot work are rejected with one
 line; FSDP/ZeRO-3 plans are per rank; and 2-process DDP on CPU (torchrun, gloo) trains the tiny
-model through the real train.py with both ranks in step. FSDP and ZeRO-2/3 on CPU ranks:
-tests/test_sharded.py."""
+model through the real train.py with both ranks in step; ranks started seconds apart by a plain
+torchrun agree on one run dir. FSDP and ZeRO-2/3 on CPU ranks: tests/test_sharded.py."""
 
 import json
 import os
@@ -274,3 +274,85 @@ def test_two_process_ddp_on_cpu_trains_with_ranks_in_step(tmp_path):
     rows = ranks[0]["data"]["rows"]["train"]
     epochs = [float(e) for e in re.findall(r"'epoch': '([0-9.e-]+)'", proc.stdout + proc.stderr)]
     assert epochs and epochs[-1] == pytest.approx(3 * 2 * 2 / rows, abs=6e-4), epochs
+
+
+# --------------------------------------------------------------- one run dir for every rank
+def _store_env(monkeypatch, port: int, world_size: int = 2) -> None:
+    for key, value in {"WORLD_SIZE": str(world_size), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+
+
+def test_ranks_with_different_clocks_agree_on_the_first_ranks_run_dir(monkeypatch):
+    """Two ranks whose clocks read different seconds (Hydra would give them two dirs) get the run
+    dir the first of them set in the launcher's store; a dir given on the command line is kept."""
+    import datetime as dt
+
+    from torch.distributed import TCPStore
+
+    agent = TCPStore("127.0.0.1", 0, 1, is_master=True)  # what torchrun's agent hosts
+    _store_env(monkeypatch, agent.port)
+    first = dist.shared_run_dir(["trainer=smoke"], now=dt.datetime(2026, 1, 2, 3, 4, 5))
+    second = dist.shared_run_dir(["trainer=smoke"], now=dt.datetime(2026, 1, 2, 3, 4, 7))
+    assert first == second == ["hydra.run.dir=runs/2026-01-02/03-04-05"]
+    assert dist.shared_run_dir(["hydra.run.dir=/x"]) == []
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert dist.shared_run_dir([]) == []
+
+
+def test_ranks_without_a_launcher_store_take_the_slurm_jobs_dir_or_must_name_one(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # srun-started ranks: one job, one dir
+    assert dist.shared_run_dir(["trainer=smoke"]) == [f"hydra.run.dir={tmp_path}/runs/slurm/4242-train"]
+    monkeypatch.delenv("SLURM_JOB_ID")
+    with pytest.raises(UserError, match="pass hydra.run.dir="):
+        dist.shared_run_dir(["trainer=smoke"])
+
+
+# Rank 1 starts 1.5 s after rank 0, so its clock reads another second than rank 0's.
+_LATE_RANK = """
+import os, sys, time
+if os.environ["RANK"] == "1":
+    time.sleep(1.5)
+from qlora_recipes import dist
+print("RUN_DIR", os.environ["RANK"], dist.shared_run_dir(sys.argv[1:])[0], flush=True)
+"""
+
+
+def test_torchrun_ranks_started_seconds_apart_agree_on_one_run_dir(tmp_path):
+    """Through torchrun's own store (--standalone, the c10d rendezvous): both ranks print the
+    same hydra.run.dir although they start in different seconds."""
+    script = tmp_path / "late_rank.py"
+    script.write_text(_LATE_RANK)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+         "trainer=smoke"],
+        cwd=tmp_path, env={**ENV, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("RUN_DIR")]
+    assert sorted(rank for _, rank, _ in lines) == ["0", "1"]
+    assert len({d for _, _, d in lines}) == 1 and lines[0][2].startswith("hydra.run.dir=runs/"), lines
+
+
+@pytest.mark.slow
+def test_plain_torchrun_train_writes_one_run_dir(tmp_path):
+    """`torchrun --nproc_per_node 2 train.py trainer=smoke` with no hydra.run.dir, rank 1 started
+    1.5 s late: one run dir under ./runs with rank 0's metrics.json and rank 1's metrics.rank1.json."""
+    script = tmp_path / "late_train.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '1':\n    time.sleep(1.5)\n"
+        "from qlora_recipes.commands import train\ntrain.run(sys.argv[1:], prog='train.py')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+         "trainer=smoke", "data.metric=null"],
+        cwd=tmp_path, env={**ENV, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_dirs = [p for p in (tmp_path / "runs").glob("*/*") if p.is_dir()]
+    assert len(run_dirs) == 1, run_dirs
+    assert {"metrics.json", "metrics.rank1.json"} <= {p.name for p in run_dirs[0].iterdir()}

@@ -360,6 +360,63 @@ def test_prompt_formats_of_alpaca_and_chat_runs(tmp_path):
     assert load_prompt_format(tmp_path / "nothing", "alpaca") == PromptFormat(style="alpaca")
 
 
+SAMPLE_FORMAT = {"style": "plain", "prefix": "order: ", "suffix": "\n", "system": None}
+
+
+def _copy_run(run: Path, to: Path) -> Path:
+    shutil.copytree(run, to, ignore=shutil.ignore_patterns("merged", "checkpoints", "tb"))
+    return to
+
+
+def test_a_run_dir_from_before_the_prompt_format_record_is_wrapped_as_its_data_was(nf4_run, tmp_path, caplog):
+    """An older run's metrics.json has no data.prompt_format: plain prompts used to go in bare (`qcab`
+    instead of `order: qcab\n`, the garbage issue 14 saw); the format now comes from its config.yaml's data."""
+    import logging
+
+    from qlora_recipes.generation import load_for_generation
+    from qlora_recipes.prompts import Prompt, PromptFormat, render
+
+    old = _copy_run(nf4_run, tmp_path / "old-run")
+    metrics = json.loads((old / "metrics.json").read_text())
+    del metrics["data"]["prompt_format"]
+    (old / "metrics.json").write_text(json.dumps(metrics))
+    with caplog.at_level(logging.INFO, logger="qlora_recipes.runs"):
+        _, tokenizer, info = load_for_generation(old)
+    assert info["format"] == PromptFormat(style="plain", prefix="order: ", suffix="\n")
+    assert render(tokenizer, Prompt("text", "qcab"), info["format"]) == ("order: qcab\n", True)
+    assert render(tokenizer, Prompt("text", "order: qcab"), info["format"]) == ("order: qcab\n", True)
+    assert any("records no prompt format" in r.getMessage() for r in caplog.records)
+
+
+def test_merge_records_the_prompt_format_and_a_moved_merged_dir_keeps_it(nf4_run, nf4_merged, tmp_path):
+    """merge_report.json carries the run's whole prompt format (not only its style), so a merged dir
+    copied away from its run dir still wraps `qcab` as `order: qcab\n`; merge's --prompts lines are
+    wrapped the same way."""
+    from transformers import AutoTokenizer
+
+    from qlora_recipes.generation import load_for_generation
+    from qlora_recipes.merge.quality import compare_prompts
+    from qlora_recipes.prompts import PromptFormat
+    from qlora_recipes.runs import load_run_config, run_prompt_format
+
+    assert nf4_merged["prompt_format"] == SAMPLE_FORMAT
+    moved = tmp_path / "moved"
+    shutil.copytree(nf4_run / "merged", moved)
+    report = json.loads((moved / "merge_report.json").read_text())
+    report["run_dir"] = str(tmp_path / "gone")  # the run dir deleted after merging
+    (moved / "merge_report.json").write_text(json.dumps(report))
+    _, _, info = load_for_generation(moved)
+    assert info["format"] == PromptFormat(style="plain", prefix="order: ", suffix="\n")
+
+    cfg = load_run_config(nf4_run)
+    tokenizer = AutoTokenizer.from_pretrained(str(nf4_run / "adapter"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("qcab\norder: fed\\n\n")
+    batches, _ = compare_prompts(cfg, tokenizer, str(prompts), run_prompt_format(nf4_run, cfg, "plain"))
+    expected = [tokenizer(t, return_tensors="pt")["input_ids"] for t in ("order: qcab\n", "order: fed\n")]
+    assert [b["input_ids"].tolist() for b in batches] == [e.tolist() for e in expected]
+
+
 def _tiny_model():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

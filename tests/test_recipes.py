@@ -17,7 +17,14 @@ from qlora_recipes.errors import UserError
 from qlora_recipes.validate import validate
 
 RECIPES = options("recipe")
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+# Without the make variables of a `make test ARGS=...` this suite may run under: a make started
+# here must see only its own command line.
+MAKE_VARIABLES = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "ARGS")
+ENV = {
+    **{k: v for k, v in os.environ.items() if k not in MAKE_VARIABLES},
+    "HF_HUB_OFFLINE": "1",
+    "PYTHONWARNINGS": "ignore",
+}
 GiB = 2**30
 # Recipes the issue asks for; more may be added, none may disappear.
 REQUIRED = {
@@ -200,6 +207,27 @@ def test_make_plan_target_prints_the_plan_for_the_declared_hardware():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "planned for 2 x 23.5 GiB GPUs" in proc.stdout and "FITS" in proc.stdout
     assert "dist=fsdp: one rank of 2" in proc.stdout
+
+
+def test_make_test_args_stay_with_pytest():
+    """`make test ARGS='-x -q ...'` (issue 14): the pytest arguments must not reach the `make plan-...`
+    the selected test starts, neither through MAKEFLAGS nor the environment; here the outer make
+    runs with this test's own environment, as a user's shell would."""
+    selected = "tests/test_recipes.py::test_make_plan_target_prints_the_plan_for_the_declared_hardware"
+    outer = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = run(*MAKE, "test", f"ARGS=-x -q -p no:cacheprovider {selected}", env=outer)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "1 passed" in proc.stdout
+
+
+def test_the_makefile_passes_no_command_line_variable_down():
+    """The Makefile's side of the same fix: a process a target starts (its environment, MAKEFLAGS
+    included, is what a nested make would read) sees none of the command-line variables."""
+    proc = run(*MAKE, "--eval=print-env: ; @env", "print-env", "ARGS=-x -q tests/x.py", "SWEEP=optim_quant")
+    assert proc.returncode == 0, proc.stderr
+    child_env = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    assert "ARGS" not in child_env and "SWEEP" not in child_env
+    assert "ARGS=" not in child_env.get("MAKEFLAGS", "") and "SWEEP=" not in child_env.get("MAKEFLAGS", "")
 
 
 @pytest.mark.parametrize("name,target_gib", [("llama3.1-8b-8gb", 7.0), ("llama2-70b-a100", 41.0)])

@@ -111,6 +111,18 @@ def assert_one_adapter_file(run: Path, ranks: list[dict]) -> None:
     assert not (run / "adapter.partial").exists()
 
 
+def assert_rank_peaks_against_the_rank_plan(run: Path, strategy: str, ranks: list[dict]) -> None:
+    """Every rank records its own peak RSS, beside the plan of one CPU rank (plan.json is that plan:
+    planner/sharded.py plan_cpu_rank; bench/results/planner-sharded.json compares the two)."""
+    from qlora_recipes.peak import CPU_QUANTITY, planned_peak_gib
+
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["dist"] == {"strategy": strategy, "world_size": 2, "ranks_per_node": 2, "cpu_ranks": True}
+    for m in ranks:
+        assert m["peak_quantity"] == CPU_QUANTITY and m["peak_mem_gib"] > 0.3, m
+        assert m["planned_peak_gib"] == planned_peak_gib(plan, gpu=False)
+
+
 def _peaks(ranks: list[dict]) -> str:
     return ", ".join(f"rank {i} peak RSS {m['peak_mem_gib']:.3f} GiB" for i, m in enumerate(ranks))
 
@@ -171,6 +183,7 @@ def test_two_cpu_ranks_shard_train_and_agree(strategy, tmp_path):
     assert_ranks_agree(ranks, steps=3)
     assert_sharded(strategy, ranks)
     assert_one_adapter_file(run, ranks)
+    assert_rank_peaks_against_the_rank_plan(run, strategy, ranks)
     checkpoint = run / "checkpoints" / "checkpoint-2"
     assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= {p.name for p in checkpoint.iterdir()}
     if strategy == "fsdp":  # torch.distributed.checkpoint: one file per rank

@@ -90,6 +90,42 @@ def test_slices_for_offloading_cover_trls_forward_stash():
     assert slice_layers(compose([])) is None  # the 2-layer tiny model is traced whole
 
 
+def test_split_extrapolation_is_affine_in_both_counts():
+    """Offloading recipes: three slices (k GPU + m offloaded layers, one more of each) give every
+    phase at G GPU and O offloaded layers exactly when each count adds its own bytes per layer."""
+    from bench.trace.offload import extrapolate_split
+
+    def result(g: int, o: int) -> dict:
+        comps = {"quantized_weights": 7 * g, "lora_weights": 3 * (g + o), "offload_staging": 900}
+        phases = {"cuda:0|backward": {"total": 2000 + 7 * g + 3 * (g + o) + 900, "components": comps}}
+        return {"offload_split": [g, o], "phases": phases, "static": {"cuda:0": {"lora_weights": 3 * (g + o)}}}
+
+    out = extrapolate_split(result(2, 1), result(3, 1), result(2, 2), 63, 21)
+    assert out["phases"]["cuda:0|backward"]["total"] == 2000 + 7 * 63 + 3 * 84 + 900
+    assert out["peak_components"]["cuda:0"] == {
+        "quantized_weights": 7 * 63,
+        "lora_weights": 3 * 84,
+        "offload_staging": 900,
+    }
+    assert out["static"]["cuda:0"]["lora_weights"] == 3 * 84
+
+
+def test_offloading_recipes_are_sliced_as_their_plan_places_them():
+    """llama3.1-70b-48gb offloads its last layers to host RAM: the slices keep that split, the LM
+    head on the GPU (the planner pins it: TRL's fused head reads its weight outside the offload hook)."""
+    from bench.trace.offload import offloaded_counts, slice_map
+    from bench.trace.run import plan_for, recipe_gpus
+
+    overrides = ["recipe=llama3.1-70b-48gb"]
+    plan = plan_for(overrides, recipe_gpus(overrides))
+    gpu, off = offloaded_counts(plan)
+    assert gpu + off == 80 and off > 0
+    assert plan["device_map"]["lm_head"] == 0 and plan["device_map"]["model.norm"] == "cpu"
+    dmap = slice_map(plan, 2, 1)
+    assert [dmap[f"model.layers.{i}"] for i in range(3)] == [0, 0, "cpu"]
+    assert dmap["lm_head"] == 0 and dmap["model.embed_tokens"] == 0 and dmap["model.norm"] == "cpu"
+
+
 def _can_build() -> bool:
     from bench.trace import fakecuda
 

@@ -55,29 +55,25 @@ def trace(spec: dict) -> dict:
     bnbf.name2qmap["dynamic"] = qmap
     if device == "cuda":
         contexts.append(runtime_shim())
-    skeleton, quantizer = meta_base(cfg, spec.get("layers"))
+    offload_map = spec.get("offload_map")
+    skeleton, quantizer = meta_base(cfg, spec.get("layers"), offload_map)
     linears = four_bit_linears(skeleton)
     model = make_trainable(cfg, skeleton, quantizer)
     with contextlib.ExitStack() as outer:
         for ctx in contexts:
             outer.enter_context(ctx)
         model = materialize(model, linears, device)
+        tracker_ref: dict = {}
+        if offload_map:
+            from bench.trace.offload import offload_blocks
+
+            offload_blocks(model, offload_map, device, tracker_ref)
         built = time.perf_counter()
         tracker = PlanTracker()
+        tracker_ref["t"] = tracker
         tracker.census = bool(spec.get("census"))
-        gpu_modes: list = []
+        gpu_modes = _kernel_modes(cfg, spec, fake, device)
         kernel_mode = kernels.GpuKernels
-        if fake:
-            from qlora_recipes.schema import padding_free_on
-
-            packed_rows = padding_free_on(cfg.data) and int(cfg.trainer.micro_batch_size) > 1
-            gpu_modes += [kernels.trl_offload_keys(), kernels.known_sequences(not packed_rows)]
-        if device == "cuda":
-            gpu_modes.append(kernels.trl_triton_folds())
-            # flash attention needs sm80+ (Ampere); a recipe declaring no bf16 (T4 / V100) runs the
-            # memory-efficient kernel instead
-            flash = spec.get("flash", (cfg.get("hardware") or {}).get("bf16", True) is not False)
-            kernels.gpu_dispatch(flash=bool(flash))
         if not fake:
             _init_weights(model)
         with contextlib.ExitStack() as inner:
@@ -104,6 +100,26 @@ def trace(spec: dict) -> dict:
         "wall_s": round(time.perf_counter() - started, 2),
         "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
     }
+
+
+def _kernel_modes(cfg, spec: dict, fake: bool, device: str) -> list:
+    """The contexts the traced step runs in: what fake tensors cannot decide themselves (TRL's
+    offload keys, known sequence lengths) and, on the fake CUDA device, the kernels a GPU picks."""
+    from bench.trace import kernels
+
+    modes: list = []
+    if fake:
+        from qlora_recipes.schema import padding_free_on
+
+        packed_rows = padding_free_on(cfg.data) and int(cfg.trainer.micro_batch_size) > 1
+        modes += [kernels.trl_offload_keys(), kernels.known_sequences(not packed_rows)]
+    if device == "cuda":
+        modes.append(kernels.trl_triton_folds())
+        # flash attention needs sm80+ (Ampere); a recipe declaring no bf16 (T4 / V100) runs the
+        # memory-efficient kernel instead
+        flash = spec.get("flash", (cfg.get("hardware") or {}).get("bf16", True) is not False)
+        kernels.gpu_dispatch(flash=bool(flash))
+    return modes
 
 
 def _init_weights(model) -> None:

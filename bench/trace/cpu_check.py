@@ -9,10 +9,12 @@ come from MemTracker itself; the child's peak RSS is recorded beside them (it ad
 Python, the libraries, the allocator's free lists). Equal peaks and components mean the fake
 tensors see every tensor the real kernels allocate on this device.
 
-`offload_repro` records why the two recipes with layers offloaded to host RAM or disk are not traced:
-on the loader's real path (from_pretrained with a device map and an offload folder, then
-modeling.make_trainable), peft moves the adapters of an offloaded layer to the device of its base
-weight, which accelerate's offload hook keeps on `meta`, and the first backward fails.
+`offload_repro` checks the bug the two recipes with layers offloaded to host RAM or disk used to hit:
+on the loader's path (from_pretrained with a device map and an offload folder, then
+modeling.make_trainable), peft moved the adapters of an offloaded layer to the device of its base
+weight, which accelerate's offload hook keeps on `meta`, and the first backward failed ("expected
+device meta but got cpu"). modeling._adapters_off_meta re-creates them on the execution device;
+the repro records where they are and that backward runs (tests/test_offload.py trains them).
 """
 
 from __future__ import annotations

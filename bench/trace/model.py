@@ -96,10 +96,12 @@ def quant_state_tensors(state) -> list:
     return out
 
 
-def meta_base(cfg: Any, layers: int | None = None):
+def meta_base(cfg: Any, layers: int | None = None, device_map: dict | None = None):
     """The model skeleton from_pretrained builds before loading: on the meta device, in the precision
     dtype, 4-bit linears swapped in by transformers' quantizer. Call outside the FakeTensorMode (a
-    Params4bit cannot wrap a fake tensor). Returns (model, hf_quantizer or None)."""
+    Params4bit cannot wrap a fake tensor). `device_map`: an offloading map (bench/trace/offload.py),
+    whose cpu/disk modules the quantizer leaves unquantized as the loader's does. Returns (model,
+    hf_quantizer or None)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -121,7 +123,7 @@ def meta_base(cfg: Any, layers: int | None = None):
 
         quantizer = AutoHfQuantizer.from_config(qconf, pre_quantized=False)
         quantizer.preprocess_model(
-            model=model, dtype=dtype, device_map={"": 0}, checkpoint_files=None, use_kernels=False
+            model=model, dtype=dtype, device_map=device_map or {"": 0}, checkpoint_files=None, use_kernels=False
         )
     return model, quantizer
 

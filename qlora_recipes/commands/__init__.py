@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "plan": ("plan", "memory plan of a stack for the GPUs you name, without loading anything"),
     "launch": ("launch", "run a recipe on the hardware it is sized for (torchrun/accelerate for several GPUs)"),
     "merge": ("merge", "merge a run's adapter into its base, with a merge-quality check"),
+    "push": ("push", "push a run's adapter or a merged model, with its model card, to the Hugging Face Hub"),
     "generate": ("generate", "generate from a run (4-bit base + adapter) or a merged model"),
     "summarize": ("summarize", "summary.csv/.md/.png of a sweep dir, Pareto front marked"),
     "bench": ("bench", "the benchmark harness of a source checkout (bench/): cpu, gpu, smoke, report"),

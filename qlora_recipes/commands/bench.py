@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..cli import run_plain
 from ..errors import UserError
+from .helptext import readme_pointer
 
 
 def _checkout() -> Path:
@@ -31,6 +32,9 @@ def run(argv: list[str], prog: str = "qlora bench") -> None:
     def bench() -> int:
         root = _checkout()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-        return subprocess.call([sys.executable, "-m", "bench", *argv], cwd=root, env=env)
+        code = subprocess.call([sys.executable, "-m", "bench", *argv], cwd=root, env=env)
+        if code == 0 and any(a in ("-h", "--help") for a in argv):
+            print(readme_pointer("Benchmarks"))
+        return code
 
     run_plain(bench)

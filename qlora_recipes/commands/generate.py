@@ -18,10 +18,11 @@ import sys
 
 from ..cli import ArgumentParser, quiet_libraries, run_plain
 from ..errors import UserError
+from .helptext import readme_pointer
 
 
 def _parser(prog: str) -> ArgumentParser:
-    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1])
+    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1], epilog=readme_pointer("After training"))
     parser.add_argument("path", help="a run dir (config.yaml + adapter/) or a merged model dir")
     parser.add_argument("prompt", nargs="?", help="the prompt (\\n for a newline)")
     parser.add_argument("--file", help="more prompts: one per line, or JSON lines")

@@ -1,4 +1,9 @@
-"""`--help` for the Hydra commands: the config groups and their options, read from conf/ on disk."""
+"""`--help` text shared by the commands: the config groups and their options (read from conf/ on disk, so
+a new option file shows up by itself), the common overrides, and where the README explains more.
+
+Help stays short (under 50 lines): no composed-config dump; `--cfg job` prints that, and
+`--hydra-help` Hydra's own page.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +13,35 @@ from ..resources import CONF_DIR, RECIPES_DIR
 
 # Groups a user picks with `+GROUP=...` (presets) or that are Hydra's own are listed apart.
 _NOT_STACK_GROUPS = ("hydra", "recipe", "sweep")
+COMMON_OVERRIDES = """common overrides:
+  data.path=FILE          your own data (.jsonl/.json/.csv/.parquet, a dir or a hub name; format detected)
+  model.name_or_path=DIR  a local HF model dir or hub id (with model=FAMILY for its architecture figures)
+  trainer.max_steps=N trainer.seq_len=N trainer.micro_batch_size=N trainer.grad_accum=N peft.r=N optim.lr=X
+  quant=nf4|int8|none offload=cpu precision=fp16 (GPUs without bf16)  resume=auto hydra.run.dir=RUN (go on)"""
+HYDRA_FLAGS = (
+    "Hydra flags: -m (sweeps: GROUP=a,b KEY=1,2), --cfg job (the composed config), hydra.run.dir=DIR, --hydra-help"
+)
 
 
-def _defaults() -> dict[str, str]:
+def readme_pointer(*sections: str) -> str:
+    """The README sections that explain a command (tests/test_help.py checks that each one exists)."""
+    return "more: README.md, " + ", ".join(f"section '{s}'" for s in sections)
+
+
+def stack_groups() -> list[str]:
+    """The config groups a stack is composed of (conf/'s folders, Hydra's own and presets aside)."""
+    return sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name not in _NOT_STACK_GROUPS)
+
+
+def _defaults() -> dict[str, set[str]]:
+    """Each group's default option(s) in train.yaml (a list for groups that take several, like logger)."""
     chosen = {}
     for item in OmegaConf.load(CONF_DIR / "train.yaml").get("defaults", []):
         if isinstance(item, dict) or OmegaConf.is_dict(item):
             for group, option in dict(item).items():
                 if not str(group).startswith("override"):
-                    chosen[str(group)] = str(option)
+                    several = OmegaConf.is_list(option) or isinstance(option, list)
+                    chosen[str(group)] = {str(o) for o in option} if several else {str(option)}
     return chosen
 
 
@@ -27,11 +52,11 @@ def _options(folder) -> list[str]:
 def groups_help() -> str:
     """One line per group: its options, the default marked with *."""
     defaults = _defaults()
-    groups = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name not in _NOT_STACK_GROUPS)
+    groups = stack_groups()
     width = max(map(len, groups + ["recipe", "+sweep"]))
     lines = ["config groups (GROUP=OPTION, * = default; any key: GROUP.KEY=VALUE):"]
     for group in groups:
-        marked = [f"{o}*" if o == defaults.get(group) else o for o in _options(CONF_DIR / group)]
+        marked = [f"{o}*" if o in defaults.get(group, ()) else o for o in _options(CONF_DIR / group)]
         lines.append(f"  {group:<{width}}  {', '.join(marked)}")
     lines.append(f"  {'recipe':<{width}}  {', '.join(_options(RECIPES_DIR))}")
     lines.append(f"  {'+sweep':<{width}}  {', '.join(_options(CONF_DIR / 'sweep'))}  (presets for -m)")
@@ -48,12 +73,13 @@ def recipes_help() -> str:
     return "\n".join(lines)
 
 
-def hydra_help(usage: str, flags: str = "") -> str:
-    parts = [usage.strip(), "", groups_help(), ""]
+def hydra_help(usage: str, flags: str = "", readme: tuple[str, ...] = ()) -> str:
+    """The --help of a command that takes Hydra overrides: usage, groups, common overrides, its own
+    flags, Hydra's flags, and the README sections."""
+    parts = [usage.strip(), "", groups_help(), "", COMMON_OVERRIDES, ""]
     if flags:
         parts += [flags.strip(), ""]
-    parts += [
-        "Hydra flags: -m/--multirun (sweeps: GROUP=a,b KEY=1,2), --cfg job (print the composed config),",
-        "  hydra.run.dir=DIR (the run dir), --hydra-help (Hydra's own help).",
-    ]
+    parts.append(HYDRA_FLAGS)
+    if readme:
+        parts.append(readme_pointer(*readme))
     return "\n".join(parts)

@@ -23,7 +23,29 @@ from pathlib import Path
 
 from ..cli import ArgumentParser, run_plain
 from ..schema import compose
-from .helptext import recipes_help
+from .helptext import groups_help, readme_pointer, recipes_help
+
+USAGE = """usage: qlora launch [--plan [--check] | --dry-run | --cpu] RECIPE [GROUP=OPTION ...] [GROUP.KEY=VALUE ...]
+       (also: make RECIPE ARGS='...', make plan-RECIPE)
+
+  qlora launch llama2-70b-a100                        checks the GPUs here, then trains
+  qlora launch llama2-70b-a100 trainer.max_steps=100 data.path=my.jsonl
+  qlora launch --plan llama3.1-70b-2x24gb             the plan for the recipe's hardware node
+  qlora launch --cpu llama3.1-70b-2x24gb model=tiny data=order trainer=smoke    its ranks on this CPU
+
+flags:
+  --plan     print the plan for the recipe's hardware node; train nothing (for GPUs you name instead:
+             qlora plan --gpus SIZES recipe=NAME)
+  --check    with --plan: exit 1 when the plan does not fit
+  --dry-run  print the command it would run (accelerate or torchrun for several GPUs); start nothing
+  --cpu      the recipe's ranks on this machine's CPU over gloo: its launcher and trainer path, no GPU"""
+README_SECTIONS = ("Recipes", "Multi-GPU")
+
+
+def help_text() -> str:
+    """Short: the flags, the recipes, the groups the overrides after RECIPE pick from."""
+    overrides = "overrides after RECIPE: as for qlora train (its --help lists the common ones); " + groups_help()
+    return "\n".join([USAGE, "", recipes_help(), "", overrides, readme_pointer(*README_SECTIONS)])
 
 
 def plan(recipe: str, overrides: list[str], check: bool) -> int:
@@ -67,6 +89,9 @@ def launch(recipe: str, overrides: list[str], dry_run: bool, cpu: bool = False) 
 
 
 def run(argv: list[str], prog: str = "qlora launch") -> None:
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        raise SystemExit(0)
     parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1], epilog=recipes_help())
     parser.add_argument("--plan", action="store_true", help="print the plan for the recipe's hardware; train nothing")
     parser.add_argument("--check", action="store_true", help="with --plan: exit 1 when the plan does not fit")

@@ -1,7 +1,7 @@
 """`qlora merge RUN_DIR`: merge a run's adapter into its base and save a standalone model.
 
     qlora merge RUN_DIR [--out DIR] [--from-original] [--shard-size 2GB] [--prompts FILE]
-                        [--dtype bfloat16|float16|float32]
+                        [--dtype bfloat16|float16|float32] [--push-to-hub REPO [--private] [--revision BRANCH]]
 
 Default: into the dequantized 4-bit base the adapter was trained against, saved in the run's
 precision dtype under RUN_DIR/merged as safetensors shards + index, config.json and the tokenizer
@@ -16,10 +16,12 @@ from __future__ import annotations
 import logging
 
 from ..cli import ArgumentParser, quiet_libraries, run_plain
+from ..errors import UserError
+from .helptext import readme_pointer
 
 
 def _parser(prog: str) -> ArgumentParser:
-    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1])
+    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1], epilog=readme_pointer("After training"))
     parser.add_argument("run_dir", help="a run dir written by train (config.yaml + adapter/)")
     parser.add_argument("--out", help="where to write the merged model (default: RUN_DIR/merged)")
     parser.add_argument(
@@ -34,6 +36,12 @@ def _parser(prog: str) -> ArgumentParser:
         choices=["bfloat16", "float16", "float32"],
         help="dtype of the saved weights (default: the run's precision dtype)",
     )
+    hub = parser.add_argument_group("push to the Hugging Face Hub (token: HF_TOKEN or `hf auth login`)")
+    hub.add_argument(
+        "--push-to-hub", metavar="REPO", help="then push the merged dir, with its model card, to USER/NAME"
+    )
+    hub.add_argument("--private", action="store_true", default=None, help="create the repo private (when new)")
+    hub.add_argument("--revision", help="the branch to commit to (created when missing; default: main)")
     return parser
 
 
@@ -42,6 +50,8 @@ def run(argv: list[str], prog: str = "qlora merge") -> None:
 
     def merge_run() -> int:
         args = parser.parse_args(argv)
+        if not args.push_to_hub and (args.private or args.revision):
+            raise UserError("--private and --revision apply to a push: add --push-to-hub REPO, or drop them")
         quiet_libraries(logging.INFO)
         from ..merge.pipeline import merge
         from ..merge.quality import quality_line
@@ -53,12 +63,17 @@ def run(argv: list[str], prog: str = "qlora merge") -> None:
             shard_size=args.shard_size,
             prompts_file=args.prompts,
             dtype=args.dtype,
+            push_to_hub=args.push_to_hub,
+            private=args.private,
+            revision=args.revision,
         )
         print(
             f"merged {report['peft']} adapter into the {report['merged_into']}: {report['out_dir']} "
             f"({len(report['files'])} shard(s), {report['total_bytes'] / 2**20:.1f} MiB {report['dtype']})"
         )
         print(quality_line(report))
+        if report.get("pushed_to"):
+            print(f"pushed to {report['pushed_to']}")
         return 0
 
     run_plain(merge_run)

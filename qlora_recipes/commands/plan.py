@@ -29,14 +29,14 @@ USAGE = """usage: qlora plan [--gpus SIZES] [--host-ram SIZE] [--check] [GROUP=O
 
   qlora plan recipe=llama2-70b-a100
   qlora plan model=llama3.1-8b quant=nf4 trainer.seq_len=4096
-  qlora plan --gpus 80GB model=llama2-70b trainer=standard        plan for GPUs you name
-  qlora plan --gpus 2x40GiB --host-ram 256GiB offload=cpu model=llama2-70b"""
+  qlora plan --gpus 2x40GiB --host-ram 256GiB offload=cpu model=llama2-70b     plan for hardware you name"""
 FLAGS = """flags:
   --gpus SIZES     the GPUs to plan for: 80GB, 80GiB, 2x80GB, 24GB,24GB or none (env QLORA_PLAN_GPUS);
                    default: this machine's GPUs; without one, the recipe's hardware node, else the CPU
   --host-ram SIZE  host RAM to plan with, e.g. 256GiB (env QLORA_PLAN_HOST_RAM); default: this machine's
   --check          exit 1 when the plan does not fit (0 otherwise; 2 on bad input)
   --longest-seq    also print the longest trainer.seq_len (a multiple of 64) at which the stack fits"""
+README_SECTIONS = ("Recipes", "The groups and their options")
 
 
 def _take_flag(argv: list[str], name: str) -> str | None:
@@ -121,7 +121,7 @@ def main(cfg: DictConfig) -> None:
 
 def run(argv: list[str], prog: str = "qlora plan") -> None:
     if any(a in ("-h", "--help") for a in argv):
-        print(hydra_help(USAGE, FLAGS))
+        print(hydra_help(USAGE, FLAGS, readme=README_SECTIONS))
         sys.exit(0)
     argv = list(argv)
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..cli import ArgumentParser, run_plain
 from ..errors import UserError
+from .helptext import readme_pointer
 
 
 def summarize(sweep_dir: Path) -> int:
@@ -25,7 +26,7 @@ def summarize(sweep_dir: Path) -> int:
     rows = write_summary(sweep_dir)
     print((sweep_dir / "summary.md").read_text(), end="")
     counts = {s: sum(r["status"] == s for r in rows) for s in dict.fromkeys(r["status"] for r in rows)}
-    front = ", ".join(r["job"] for r in rows if r["pareto"]) or "none"
+    front = ", ".join(f"{r['job']} ({r['label']})" for r in rows if r["pareto"]) or "none"
     print(f"{len(rows)} jobs ({', '.join(f'{n} {s}' for s, n in counts.items())}); Pareto front: jobs {front}")
     for name in ("summary.csv", "summary.md", "summary.png"):
         if (sweep_dir / name).is_file():
@@ -34,6 +35,6 @@ def summarize(sweep_dir: Path) -> int:
 
 
 def run(argv: list[str], prog: str = "qlora summarize") -> None:
-    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1].strip())
+    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1].strip(), epilog=readme_pointer("Sweeps"))
     parser.add_argument("sweep_dir", type=Path, help="a Hydra multirun dir, e.g. runs/multirun/DATE/TIME")
     run_plain(lambda: summarize(parser.parse_args(argv).sweep_dir))

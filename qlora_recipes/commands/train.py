@@ -30,7 +30,10 @@ TRL SFTTrainer -> eval -> adapter + metrics.json in the run dir (runs/DATE/TIME)
   qlora train                                  the embedded default (tiny model, runs on CPU)
   qlora train quant=nf4 optim=paged8bit peft.r=64
   qlora train recipe=tiny-cpu                  a full stack from recipes/
-  qlora train -m peft.r=4,8 optim=paged8bit,adamw8bit    a sweep: one job per combination"""
+  qlora train -m peft.r=4,8 optim=paged8bit,adamw8bit    a sweep: one job per combination
+It trains on the GPUs it finds (none: the CPU). To plan a stack for GPUs you name, before renting
+them: qlora plan --gpus 24GB [the same overrides]; a recipe on its hardware: qlora launch RECIPE."""
+README_SECTIONS = ("Running", "Your own data", "The groups and their options")
 # Flags with which Hydra prints something and runs no job: their output stays Hydra's own.
 _NO_JOB_FLAGS = ("--cfg", "-c", "--info", "-i", "--hydra-help", "--shell-completion", "-sc")
 
@@ -170,13 +173,28 @@ def run(argv: list[str], prog: str = "qlora train") -> None:
     if any(a in ("-h", "--help") for a in argv):
         from .helptext import hydra_help
 
-        print(hydra_help(USAGE))
+        print(hydra_help(USAGE, readme=README_SECTIONS))
         sys.exit(0)
+    if any(a == "--gpus" or a.startswith("--gpus=") for a in argv):  # Hydra would dump its whole usage
+        print(
+            f"error: {prog} has no --gpus: it trains on the GPUs it finds (CUDA_VISIBLE_DEVICES picks them); to plan "
+            "for GPUs you name: qlora plan --gpus 24GB [the same overrides]",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     _Launch.started = time.time()
     cli.set_command(prog)
     multirun = any(a in ("-m", "--multirun") for a in argv)
     own_subdir = any(a.lstrip("+").startswith("hydra.output_subdir=") for a in argv)
     _Launch.deferred_hydra_files = not (multirun or own_subdir or any(a in _NO_JOB_FLAGS for a in argv))
     extra = ["hydra.output_subdir=null"] if _Launch.deferred_hydra_files else []
-    sys.argv = [prog, *argv, *extra]
-    cli.run(_hydra_main)
+
+    def hydra_main() -> None:
+        if not (multirun or any(a in _NO_JOB_FLAGS for a in argv)):  # ranks of one launch: one run dir
+            from .. import dist
+
+            extra.extend(dist.shared_run_dir(argv))
+        sys.argv = [prog, *argv, *extra]
+        _hydra_main()
+
+    cli.run(hydra_main)

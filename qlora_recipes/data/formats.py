@@ -15,6 +15,7 @@ fields and the exact-match (prompt, reference) pairs each format needs.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
@@ -24,6 +25,9 @@ from .readers import Rows
 if TYPE_CHECKING:
     from datasets import Dataset
 
+# Sources up to this size convert into an in-memory dataset (as all did before streaming); larger ones
+# into a memory-mapped Arrow file, so their rows never sit in memory as Python objects.
+IN_MEMORY_BYTES = 32 << 20
 # Each format and the fields a row of it holds (for the error messages).
 FORMAT_FIELDS = {
     "alpaca": "instruction, [input], output",
@@ -96,9 +100,9 @@ def check_format_name(fmt: Any, allow_auto: bool = True) -> str:
 
 def detect(rows: Rows) -> str:
     """The format the first row's keys name (`data.format: auto`)."""
-    first = rows.rows[0]
+    key, first = rows.first()
     if not isinstance(first, dict):
-        raise UserError(f"{rows.where(0)}: expected an object with named fields, got {type(first).__name__}")
+        raise UserError(f"{rows.where(key)}: expected an object with named fields, got {type(first).__name__}")
     keys = set(first)
     if "conversations" in keys:
         return "sharegpt"
@@ -115,12 +119,12 @@ def detect(rows: Rows) -> str:
         return "text"
     known = "; ".join(f"{name} ({fields})" for name, fields in FORMAT_FIELDS.items())
     raise UserError(
-        f"{rows.where(0)}: cannot detect the data format from the first row's keys {sorted(keys)}; "
+        f"{rows.where(key)}: cannot detect the data format from the first row's keys {sorted(keys)}; "
         f"known formats: {known}; rename the fields or set data.format"
     )
 
 
-def _string(rows: Rows, i: int, row: dict, field: str, required: bool = True) -> str:
+def _string(rows: Rows, i: Any, row: dict, field: str, required: bool = True) -> str:
     if field not in row or row[field] is None:
         if not required:
             return ""
@@ -136,7 +140,7 @@ def _string(rows: Rows, i: int, row: dict, field: str, required: bool = True) ->
     return value
 
 
-def _json_cell(rows: Rows, i: int, field: str, text: str) -> Any:
+def _json_cell(rows: Rows, i: Any, field: str, text: str) -> Any:
     """A CSV cell's message list: CSV cells are all strings, so lists come written as JSON text."""
     try:
         return json.loads(text)
@@ -147,7 +151,7 @@ def _json_cell(rows: Rows, i: int, field: str, text: str) -> Any:
         ) from None
 
 
-def _messages(rows: Rows, i: int, row: dict, field: str, need_assistant: bool) -> list[dict]:
+def _messages(rows: Rows, i: Any, row: dict, field: str, need_assistant: bool) -> list[dict]:
     at = rows.where(i)
     if field not in row or row[field] is None:
         raise UserError(f"{at}: missing field '{field}'; every row needs it (or set data.format)")
@@ -193,7 +197,7 @@ def _sharegpt_field(row: dict) -> str:
     return "conversations" if "conversations" in row or "messages" not in row else "messages"
 
 
-def _sharegpt(rows: Rows, i: int, row: dict) -> list[dict]:
+def _sharegpt(rows: Rows, i: Any, row: dict) -> list[dict]:
     """A ShareGPT conversation as {role, content} messages (then checked like any messages row)."""
     field = _sharegpt_field(row)
     if field not in row or row[field] is None:
@@ -239,45 +243,68 @@ def _sharegpt(rows: Rows, i: int, row: dict) -> list[dict]:
     return turns
 
 
-def convert(rows: Rows, fmt: str) -> tuple[dict[str, list], bool]:
-    """Validate every row for `fmt` and build the columns TRL expects (ShareGPT: `messages`).
-    Returns (columns, conversational)."""
-    conversational = False
-    if fmt == "prompt_completion":
-        first = rows.rows[0]
-        conversational = isinstance(first, dict) and isinstance(first.get("prompt"), list)
-    columns: dict[str, list] = {}
-    for i, row in enumerate(rows.rows):
-        if not isinstance(row, dict):
+def convert(rows: Rows, fmt: str) -> tuple[Dataset, bool]:
+    """Validate every row for `fmt` and build the dataset of the columns TRL expects (ShareGPT:
+    `messages`). Returns (dataset, conversational). A streamed source larger than IN_MEMORY_BYTES is
+    converted batch by batch into datasets' Arrow cache (memory-mapped, keyed on the file's path, size
+    and mtime as `load_dataset` keys local files); smaller ones, and rows already held in memory (.json,
+    .csv), become an in-memory dataset as before (datasets' own `IN_MEMORY_MAX_SIZE` idea)."""
+    from datasets import Dataset
+
+    first = rows.first()
+    conversational = (
+        fmt == "prompt_completion" and isinstance(first[1], dict) and isinstance(first[1].get("prompt"), list)
+    )
+    if rows.in_memory or rows.nbytes <= IN_MEMORY_BYTES:
+        columns: dict[str, list] = {}
+        for key, row in rows.items():
+            for name, value in convert_row(rows, key, row, fmt, conversational).items():
+                columns.setdefault(name, []).append(value)
+        return Dataset.from_dict(columns), conversational
+    from datasets.exceptions import DatasetGenerationError
+
+    try:
+        ds = Dataset.from_generator(_converted, gen_kwargs={"rows": rows, "fmt": fmt, "conversational": conversational})
+    except DatasetGenerationError as err:  # a bad row stops the generator: its UserError is the cause
+        if isinstance(err.__cause__, UserError):
+            raise err.__cause__ from None
+        raise
+    return ds, conversational
+
+
+def _converted(rows: Rows, fmt: str, conversational: bool) -> Iterator[dict]:
+    for key, row in rows.items():
+        yield convert_row(rows, key, row, fmt, conversational)
+
+
+def convert_row(rows: Rows, i: Any, row: Any, fmt: str, conversational: bool) -> dict[str, Any]:
+    """One row validated for `fmt` and converted to TRL's columns; `rows.where(i)` names it in an error."""
+    if not isinstance(row, dict):
+        raise UserError(
+            f"{rows.where(i)}: expected an object with fields ({FORMAT_FIELDS[fmt]}), got "
+            f"{type(row).__name__} {_short(row)}"
+        )
+    if fmt == "text":
+        return {"text": _string(rows, i, row, "text")}
+    if fmt == "alpaca":
+        instruction = _string(rows, i, row, "instruction")
+        extra = _string(rows, i, row, "input", required=False)
+        output = _string(rows, i, row, "output")
+        return {"prompt": alpaca_prompt(instruction, extra), "completion": output}
+    if fmt == "messages":
+        return {"messages": _messages(rows, i, row, "messages", need_assistant=True)}
+    if fmt == "sharegpt":
+        return {"messages": _sharegpt(rows, i, row)}
+    if conversational:
+        if not isinstance(row.get("prompt"), list) and row.get("prompt") is not None:
             raise UserError(
-                f"{rows.where(i)}: expected an object with fields ({FORMAT_FIELDS[fmt]}), got "
-                f"{type(row).__name__} {_short(row)}"
+                f"{rows.where(i)}: field 'prompt' must be a list of {{role, content}} objects like the first "
+                f"row's, got {type(row['prompt']).__name__} {_short(row['prompt'])}"
             )
-        if fmt == "text":
-            record = {"text": _string(rows, i, row, "text")}
-        elif fmt == "alpaca":
-            instruction = _string(rows, i, row, "instruction")
-            extra = _string(rows, i, row, "input", required=False)
-            output = _string(rows, i, row, "output")
-            record = {"prompt": alpaca_prompt(instruction, extra), "completion": output}
-        elif fmt == "messages":
-            record = {"messages": _messages(rows, i, row, "messages", need_assistant=True)}
-        elif fmt == "sharegpt":
-            record = {"messages": _sharegpt(rows, i, row)}
-        elif conversational:
-            if not isinstance(row.get("prompt"), list) and row.get("prompt") is not None:
-                raise UserError(
-                    f"{rows.where(i)}: field 'prompt' must be a list of {{role, content}} objects like the first "
-                    f"row's, got {type(row['prompt']).__name__} {_short(row['prompt'])}"
-                )
-            prompt = _messages(rows, i, row, "prompt", need_assistant=False)
-            completion = _messages(rows, i, row, "completion", need_assistant=True)
-            record = {"prompt": prompt, "completion": completion}
-        else:
-            record = {"prompt": _string(rows, i, row, "prompt"), "completion": _string(rows, i, row, "completion")}
-        for key, value in record.items():
-            columns.setdefault(key, []).append(value)
-    return columns, conversational
+        prompt = _messages(rows, i, row, "prompt", need_assistant=False)
+        completion = _messages(rows, i, row, "completion", need_assistant=True)
+        return {"prompt": prompt, "completion": completion}
+    return {"prompt": _string(rows, i, row, "prompt"), "completion": _string(rows, i, row, "completion")}
 
 
 def format_kwargs(data_cfg: Any, fmt: str) -> dict:

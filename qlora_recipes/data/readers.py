@@ -4,12 +4,20 @@
 Nothing is validated against a format here; `Rows` keeps how to name each row (1-based line number for
 `.jsonl`, 0-based row index otherwise) so the format checks can point at the exact place. A source that
 cannot be read stops the run with one line naming the file and what to do about it.
+
+`.jsonl`, `.parquet`, saved and hub datasets are streamed: `formats.convert` reads them batch by batch
+into datasets' memory-mapped Arrow, so a corpus never sits in memory as Python objects. JSON lines are
+parsed by Python's `json`, not by `load_dataset("json")`: datasets 5.2 casts a later chunk's values to
+the first chunk's types (an int `completion` becomes "7") and JSON-encodes fields of mixed types, where
+the row checks must see each value as written.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +26,25 @@ from ..errors import UserError
 FILE_TYPES = (".jsonl", ".json", ".csv", ".parquet")
 EVAL_SPLIT_NAMES = ("validation", "valid", "val", "eval", "test", "dev")
 # Every field some format reads (formats.FORMAT_FIELDS); kept here so hub datasets load only these columns.
+BATCH_ROWS = 1000  # rows read (and converted) at a time from a streamed source
 KNOWN_FIELDS = ("messages", "conversations", "prompt", "completion", "instruction", "input", "output", "text")
 
 
 class Rows:
-    """Raw rows from one source, and how to name a row in an error message."""
+    """Raw rows from one source, and how to name a row in an error message.
+
+    A row is reached by a key: its 0-based index, or for `.jsonl` its 1-based line number. In-memory
+    sources (`.json`, `.csv`) hold a list; the others (`.jsonl`, `.parquet`, saved and hub datasets) are
+    read batch by batch when converted, so a large corpus never sits in memory as Python objects.
+    """
+
+    in_memory = True
+    nbytes = 0  # a streamed source: its size on disk (formats.convert keeps small ones in memory)
 
     def __init__(self, label: str, rows: list[Any], line_numbers: list[int] | None = None):
         self.label = label  # the file (or dataset) as the user should see it
         self.rows = rows
-        self.line_numbers = line_numbers  # .jsonl: the 1-based line of each row
+        self.line_numbers = line_numbers  # .jsonl read whole: the 1-based line of each row
         self.text_cells = False  # CSV: every cell is a string, lists come as JSON text
 
     def where(self, i: int) -> str:
@@ -35,26 +52,103 @@ class Rows:
             return f"{self.label} line {self.line_numbers[i]}"
         return f"{self.label} row index {i}"
 
+    def items(self) -> Iterator[tuple[int, Any]]:
+        """(key, row) in order; `where(key)` names the row."""
+        return enumerate(self.rows)
+
+    def first(self) -> tuple[int, Any] | None:
+        """The first (key, row), None for a source without rows (format detection reads it)."""
+        return next(iter(self.items()), None)
+
+
+class _JsonlRows(Rows):
+    """A `.jsonl` file read line by line (blank lines skipped); a row's key is its line number."""
+
+    in_memory = False
+
+    def __init__(self, path: Path, label: str):
+        super().__init__(label, [])
+        self.path = path
+        stat = path.stat()
+        self.version = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)  # the cache of its conversion
+        self.nbytes = stat.st_size
+
+    def where(self, i: int) -> str:
+        return f"{self.label} line {i}"
+
+    def items(self) -> Iterator[tuple[int, Any]]:
+        try:
+            with open(self.path, encoding="utf-8-sig", newline=None) as f:
+                for number, line in enumerate(f, start=1):
+                    if line.strip():  # universal newlines: every line ends in "\n" alone (but the last)
+                        yield number, _json_line(self.label, number, line.removesuffix("\n"))
+        except UnicodeDecodeError:
+            raise UserError(
+                f"{self.label}: not UTF-8 text (byte {_bad_utf8_byte(self.path)}); save the file as UTF-8"
+            ) from None
+        except OSError as err:
+            raise UserError(
+                f"{self.label}: cannot be read ({err.strerror or err}); check the file's permissions"
+            ) from None
+
+
+class _ArrowRows(Rows):
+    """Rows of a Parquet file or a loaded `datasets.Dataset`, read in record batches; key: the row index."""
+
+    in_memory = False
+
+    def __init__(self, label: str, batches: Callable[[], Iterator[list[dict]]], version: tuple, nbytes: int):
+        super().__init__(label, [])
+        self._batches = batches
+        self.version = version
+        self.nbytes = nbytes
+
+    def items(self) -> Iterator[tuple[int, Any]]:
+        i = 0
+        for batch in self._batches():
+            for row in batch:
+                yield i, row
+                i += 1
+
+    def __getstate__(self) -> dict:  # what the conversion cache is keyed on: the source, not its reader
+        return {"label": self.label, "version": self.version}
+
 
 def _one_line(text: str, limit: int = 200) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _json_line(label: str, number: int, line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise UserError(
+            f"{label} line {number}: not valid JSON ({err.msg}: column {err.colno}); "
+            "fix or remove that line (each line must be one JSON object)"
+        ) from None
+
+
+def _bad_utf8_byte(path: Path) -> int:
+    """The offset of the first byte of `path` that is not UTF-8 (read in chunks, not whole)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as err:
+                return offset + err.start
+            offset += len(chunk)
+    return offset
+
+
 def _read_jsonl_text(label: str, text: str) -> Rows:
     rows, lines = [], []
     for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UserError(
-                f"{label} line {number}: not valid JSON ({err.msg}: column {err.colno}); "
-                "fix or remove that line (each line must be one JSON object)"
-            ) from None
-        rows.append(row)
-        lines.append(number)
+        if line.strip():
+            rows.append(_json_line(label, number, line))
+            lines.append(number)
     return Rows(label, rows, lines)
 
 
@@ -125,17 +219,26 @@ def _read_parquet(path: Path, label: str) -> Rows:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        pq.read_metadata(path)
     except Exception as err:  # pyarrow raises ArrowInvalid / OSError subclasses for unreadable files
         raise UserError(f"{label}: not a readable Parquet file ({_one_line(err)})") from None
-    return Rows(label, table.to_pylist())
+
+    def batches() -> Iterator[list[dict]]:
+        try:
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS):
+                yield batch.to_pylist()
+        except Exception as err:  # a corrupt row group surfaces only when it is read
+            raise UserError(f"{label}: not a readable Parquet file ({_one_line(err)})") from None
+
+    stat = path.stat()
+    return _ArrowRows(label, batches, (str(path.resolve()), stat.st_size, stat.st_mtime_ns), stat.st_size)
 
 
 def _read_file(path: Path) -> Rows:
     label = str(path)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return _read_jsonl_text(label, _read_text(path, label))
+        return _JsonlRows(path, label)
     if suffix == ".json":
         return _read_json(path, label)
     if suffix == ".csv":
@@ -150,11 +253,16 @@ def _read_file(path: Path) -> Rows:
 
 def _rows_from_dataset(label: str, ds: Any) -> Rows:
     """Rows of a loaded `datasets.Dataset`, reading only the columns some format uses (hub datasets often
-    carry others, e.g. images); with none of them, the first row whole, for the detection error."""
+    carry others, e.g. images); with none of them, the first row whole, for the detection error.
+    Read batch by batch from its memory-mapped Arrow table."""
     columns = [c for c in ds.column_names if c in KNOWN_FIELDS]
-    if not columns:
-        return Rows(label, ds.select(range(min(1, len(ds)))).to_list())
-    return Rows(label, ds.select_columns(columns).to_list())
+    ds = ds.select_columns(columns) if columns else ds.select(range(min(1, len(ds))))
+
+    def batches() -> Iterator[list[dict]]:
+        for batch in ds.iter(batch_size=BATCH_ROWS):
+            yield [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+
+    return _ArrowRows(label, batches, (label, ds._fingerprint), ds.data.nbytes)
 
 
 def _pick_split(label: str, available: list[str], wanted: tuple[str, ...], field: str) -> str | None:
@@ -218,19 +326,22 @@ def _read_dir(path: Path, wanted: tuple[str, ...], field: str) -> tuple[Rows, st
 
 
 class _Concat(Rows):
-    """Rows of several files, each still named by its own file and line."""
+    """Rows of several files, each still named by its own file and line (and converted on its own)."""
 
     def __init__(self, parts: list[Rows]):
-        super().__init__(", ".join(p.label for p in parts), [r for p in parts for r in p.rows])
-        self._parts = parts
+        super().__init__(", ".join(p.label for p in parts), [])
+        self.parts = parts
+        self.in_memory = all(p.in_memory for p in parts)
+        self.nbytes = sum(p.nbytes for p in parts)
         self.text_cells = any(p.text_cells for p in parts)
 
-    def where(self, i: int) -> str:
-        for part in self._parts:
-            if i < len(part.rows):
-                return part.where(i)
-            i -= len(part.rows)
-        raise IndexError(i)
+    def where(self, key: tuple[int, Any]) -> str:
+        return self.parts[key[0]].where(key[1])
+
+    def items(self) -> Iterator[tuple[tuple[int, Any], Any]]:
+        for n, part in enumerate(self.parts):
+            for key, row in part.items():
+                yield (n, key), row
 
 
 def _hub_offline() -> bool:
@@ -275,10 +386,25 @@ def _read_hub(name: str, split: str | None, field: str) -> tuple[Rows, str]:
     return _rows_from_dataset(label, loaded), f"hub:{name} (split {split})"
 
 
-def read_source(spec: Any, split: str, field: str) -> tuple[Rows, str]:
-    """Rows and a description of the source for `data.path` (split `split`) or `data.eval_path`."""
+def check_local_source(spec: Any, field: str) -> None:
+    """What `read_source` refuses without reading: an empty value, a local path that is missing or
+    not a file/dir. Cheap, so a run checks it before it looks up the model."""
     if spec is None or not str(spec).strip():
         raise UserError(f"{field} is empty; set it to a data file, a dataset dir or a hub dataset name")
+    spec = str(spec).strip()
+    path = Path(os.path.expanduser(spec))
+    if path.exists() and not (path.is_dir() or path.is_file()):
+        raise UserError(f"{field}: {spec} is not a regular file or dir; point it at a data file or a dataset dir")
+    if not path.exists() and _looks_local(spec):
+        raise UserError(
+            f"{field}: {spec} does not exist (relative paths resolve from {Path.cwd()}); "
+            "check the path or pass a hub dataset name"
+        )
+
+
+def read_source(spec: Any, split: str, field: str) -> tuple[Rows, str]:
+    """Rows and a description of the source for `data.path` (split `split`) or `data.eval_path`."""
+    check_local_source(spec, field)
     spec = str(spec).strip()
     path = Path(os.path.expanduser(spec))
     wanted = (split,) if field == "data.path" else EVAL_SPLIT_NAMES
@@ -286,15 +412,8 @@ def read_source(spec: Any, split: str, field: str) -> tuple[Rows, str]:
         rows, source = _read_dir(path, wanted, field)
     elif path.is_file():
         rows, source = _read_file(path), str(path)
-    elif path.exists():
-        raise UserError(f"{field}: {spec} is not a regular file or dir; point it at a data file or a dataset dir")
-    elif _looks_local(spec):
-        raise UserError(
-            f"{field}: {spec} does not exist (relative paths resolve from {Path.cwd()}); "
-            "check the path or pass a hub dataset name"
-        )
     else:
         rows, source = _read_hub(spec, split if field == "data.path" else None, field)
-    if not rows.rows:
+    if rows.first() is None:
         raise UserError(f"{rows.label}: empty, no rows; point {field} at a file with examples")
     return rows, source

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from datasets import Dataset
@@ -21,7 +22,7 @@ from ..errors import UserError
 from ..units import cfg_get
 from .chat import chat_template_for, resolve_template, use_chat_template
 from .formats import check_format_name, convert, detect, trains_as
-from .readers import read_source
+from .readers import BATCH_ROWS, read_source
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +57,8 @@ def load_splits(data_cfg: Any, tokenizer: Any, seq_len: int, seed: int) -> tuple
     if not isinstance(seq_len, int) or seq_len < 1:
         raise UserError(f"trainer.seq_len: {seq_len!r} must be a positive number of tokens")
 
-    detected, columns, conversational, source = _load(cfg_get(data_cfg, "path"), split, "data.path", configured)
+    detected, train, conversational, source = _load(cfg_get(data_cfg, "path"), split, "data.path", configured)
     fmt = trains_as(detected)
-    train = Dataset.from_dict(columns)
     eval_ds = None
     eval_source = None
     if eval_path not in (None, ""):
@@ -127,17 +127,17 @@ def _metric_name(metric: Any, has_eval: bool) -> str:
     return "eval loss + exact match" if metric == "exact_match" else "eval loss"
 
 
-def _load(spec: Any, split: str, field: str, fmt: str) -> tuple[str, dict[str, list], bool, str]:
+def _load(spec: Any, split: str, field: str, fmt: str) -> tuple[str, Dataset, bool, str]:
     rows, source = read_source(spec, split, field)
     detected = detect(rows) if fmt == "auto" else fmt
-    columns, conversational = convert(rows, detected)
-    return detected, columns, conversational, source
+    dataset, conversational = convert(rows, detected)
+    return detected, dataset, conversational, source
 
 
 def _eval_file(eval_path: Any, split: str, configured: str, fmt: str, conversational: bool) -> tuple[Dataset, str]:
     """The eval set from `data.eval_path`, which must train as the train data does (ShareGPT and messages
     files mix: both are chat messages)."""
-    eval_detected, eval_columns, eval_conv, eval_source = _load(eval_path, split, "data.eval_path", configured)
+    eval_detected, eval_ds, eval_conv, eval_source = _load(eval_path, split, "data.eval_path", configured)
     eval_fmt = trains_as(eval_detected)
     if eval_fmt != fmt or eval_conv != conversational:
         kind = lambda f, c: f + (" (chat messages)" if c else "")  # noqa: E731
@@ -145,7 +145,7 @@ def _eval_file(eval_path: Any, split: str, configured: str, fmt: str, conversati
             f"data.eval_path: {eval_source} is in format {kind(eval_fmt, eval_conv)} but data.path is "
             f"{kind(fmt, conversational)}; give both files the same fields"
         )
-    return Dataset.from_dict(eval_columns), eval_source
+    return eval_ds, eval_source
 
 
 def _hold_out(train: Dataset, eval_fraction: float, source: str, seed: int) -> tuple[Dataset, Dataset, str]:
@@ -160,7 +160,7 @@ def _hold_out(train: Dataset, eval_fraction: float, source: str, seed: int) -> t
             "add rows, lower data.eval_fraction, or pass data.eval_path"
         )
     order = np.random.default_rng(seed).permutation(n)
-    eval_idx, train_idx = sorted(order[:n_eval].tolist()), sorted(order[n_eval:].tolist())
+    eval_idx, train_idx = np.sort(order[:n_eval]), np.sort(order[n_eval:])  # not Python ints: one per row
     return train.select(train_idx), train.select(eval_idx), f"{eval_fraction:g} of {source} (seed {seed})"
 
 
@@ -210,22 +210,36 @@ def prompt_format(train: Dataset, fmt: str, conversational: bool) -> dict[str, A
     if fmt == "text" or len(train) == 0:
         return {"style": "plain", "prefix": "", "suffix": ""}
     if fmt == "messages" or conversational:
-        column = train["messages"] if fmt == "messages" else train["prompt"]
-        systems = {m[0]["content"] if m and m[0]["role"] == "system" else None for m in column}
+        column = "messages" if fmt == "messages" else "prompt"
+        systems = set()
+        for batch in train.select_columns([column]).iter(batch_size=BATCH_ROWS):
+            systems |= {m[0]["content"] if m and m[0]["role"] == "system" else None for m in batch[column]}
+            if len(systems) > 1:
+                break
         system = systems.pop() if len(systems) == 1 else None
         return {"style": "chat", "system": system}
-    prefix, suffix = common_affixes(list(train["prompt"]))
+    batches = (batch["prompt"] for batch in train.select_columns(["prompt"]).iter(batch_size=BATCH_ROWS))
+    prefix, suffix = common_affixes(batches)
     return {"style": "plain", "prefix": prefix, "suffix": suffix}
 
 
-def common_affixes(prompts: list[str]) -> tuple[str, str]:
+def common_affixes(prompts: Iterable[str] | Iterable[list[str]]) -> tuple[str, str]:
     """The text every prompt starts with and ends with, cut back to a non-alphanumeric boundary (so a
-    shared first letter of the content does not count); nothing from fewer than two prompts."""
-    if len(prompts) < 2:
+    shared first letter of the content does not count); nothing from fewer than two prompts. `prompts`
+    may come in batches (lists), so a large dataset's column is never held whole."""
+    count, shortest, prefix, suffix = 0, None, None, None
+    for batch in prompts:
+        batch = [batch] if isinstance(batch, str) else batch
+        if not batch:
+            continue
+        count += len(batch)
+        low = min(len(p) for p in batch)
+        shortest = low if shortest is None else min(shortest, low)
+        prefix = os.path.commonprefix(batch + ([prefix] if prefix is not None else []))
+        reversed_batch = [p[::-1] for p in batch] + ([suffix[::-1]] if suffix is not None else [])
+        suffix = os.path.commonprefix(reversed_batch)[::-1]
+    if count < 2:
         return "", ""
-    prefix = os.path.commonprefix(prompts)
-    suffix = os.path.commonprefix([p[::-1] for p in prompts])[::-1]
-    shortest = min(len(p) for p in prompts)
     if len(prefix) + len(suffix) > shortest:  # overlapping (a prompt is all template): keep the prefix
         suffix = suffix[len(prefix) + len(suffix) - shortest :]
     while prefix and prefix[-1].isalnum():
@@ -338,6 +352,8 @@ def _count(
 ) -> dict[str, Any]:
     """Per-split token statistics: each example's length, how many TRL truncates to `seq_len`, how many of
     those it then drops (every trained token beyond `seq_len`), and the longest example."""
+    from trl.data_utils import common_prefix_length
+
     lengths: list[int] = []
     first_trained: list[int] = []  # index of the first token with a label (TRL drops rows where it's >= seq_len)
     eos = tokenizer.eos_token or ""
@@ -381,13 +397,8 @@ def _count(
                     [p + with_eos(c) for p, c in zip(batch["prompt"], batch["completion"], strict=True)]
                 )["input_ids"]
             for p, f in zip(prompt_ids, full_ids, strict=True):
-                common = 0
-                for a, b in zip(p, f, strict=False):
-                    if a != b:
-                        break
-                    common += 1
-                lengths.append(len(f))
-                first_trained.append(common if completion_only else 0)
+                lengths.append(len(f))  # the completion starts where TRL says: after the common prefix
+                first_trained.append(common_prefix_length(p, f) if completion_only else 0)
     over = sum(1 for n in lengths if n > seq_len)
     dropped = sum(1 for n, k in zip(lengths, first_trained, strict=True) if k >= min(n, seq_len))
     return {"over": over, "dropped": dropped, "max_tokens": max(lengths, default=0), "lengths": lengths}

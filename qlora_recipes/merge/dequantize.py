@@ -1,7 +1,11 @@
-"""Dequantization: the fp32 weight of a bitsandbytes 4-bit or int8 layer, by bitsandbytes' own functional dequantize.
+"""Dequantization: the fp32 weight of a bitsandbytes 4-bit or int8 layer, by the libraries' own dequantizers.
 
 The merge adds the LoRA update to exactly these weights (the ones the adapter was trained against),
 and the quality check runs the quantized stack with them in fp32 as its reference.
+
+peft's `dequantize_bnb_weight` does the int8 case; for 4 bit it would dequantize into the layer's compute
+dtype (bf16 on the default stack) and round away what fp32 keeps, so the 4-bit case calls bitsandbytes'
+`dequantize_4bit` (the function peft calls) with an fp32 output instead.
 """
 
 from __future__ import annotations
@@ -16,16 +20,18 @@ if TYPE_CHECKING:  # torch and bitsandbytes load lazily: the checks of bad input
 def bnb_kind(module) -> str | None:
     """Which bitsandbytes layer this module itself is: "4bit", "8bit" or None (a peft wrapper's `weight`
     is its base layer's, so only the module's own parameters count)."""
+    from peft.utils.integrations import get_bnb_param_type
+
     weight = module._parameters.get("weight")
-    name = type(weight).__name__ if weight is not None else ""
-    return "4bit" if name == "Params4bit" else "8bit" if name == "Int8Params" else None
+    return (get_bnb_param_type(weight) or None) if weight is not None else None
 
 
 def dequantize(module) -> torch.Tensor:
-    """The fp32 weight of a bitsandbytes Linear4bit / Linear8bitLt, by bitsandbytes' own functional
-    dequantize (for 4 bit: the stored codes times the (double-quantized) block absmax, in fp32)."""
+    """The fp32 weight of a bitsandbytes Linear4bit / Linear8bitLt (for 4 bit: the stored codes times the
+    (double-quantized) block absmax, in fp32); any other module's weight as fp32."""
     import bitsandbytes.functional as F
     import torch
+    from peft.utils.integrations import dequantize_bnb_weight
 
     kind = bnb_kind(module)
     weight = module.weight
@@ -40,9 +46,7 @@ def dequantize(module) -> torch.Tensor:
         return F.dequantize_4bit(weight.data, state)
     if kind == "8bit":
         state = getattr(module, "state", None)
-        cb = weight.data if weight.dtype == torch.int8 else state.CB
-        scb = getattr(weight, "SCB", None)
-        if scb is None:
-            scb = state.SCB
-        return F.int8_vectorwise_dequant(cb, scb.to(cb.device)).float()
+        if weight.dtype != torch.int8:  # int8 codes kept in the matmul state rather than in the weight
+            return F.int8_vectorwise_dequant(state.CB, state.SCB.to(state.CB.device)).float()
+        return dequantize_bnb_weight(weight, state).float()
     return weight.detach().float()

@@ -131,3 +131,37 @@ def finish_out(partial: Path, out: Path, report: dict) -> None:
     if out.exists():
         shutil.rmtree(out)
     partial.rename(out)
+
+
+def write_card(partial: Path, run_dir: Path, report: dict, quality: str, repo_id: str | None) -> None:
+    """The merged model's card (README.md) in `partial`, from the run's files and the merge report."""
+    from ..modelcard import run_card
+    from ..modelcard import write_card as write_readme
+
+    write_readme(run_card(run_dir, "merged", repo_id=repo_id, merge={**report, "quality": quality}), partial)
+
+
+def _portable_json(path: Path, paths: tuple[str, ...], name_or_path: str | None = None) -> bytes:
+    """A JSON file as pushed: the named keys' paths of this machine shortened (modelcard.portable)."""
+    from ..modelcard import portable
+
+    data = json.loads(path.read_text())
+    for key in paths:
+        if isinstance(data.get(key), str):
+            data[key] = portable(data[key])
+    if "_name_or_path" in data:
+        data["_name_or_path"] = name_or_path or portable(data["_name_or_path"])
+    return (json.dumps(data, indent=2) + "\n").encode()
+
+
+def push(out: Path, repo_id: str, private: bool | None, revision: str | None, report: dict, base_id: str | None) -> str:
+    """The merged dir in one commit (hub.push_folder); merge_report.json and config.json go with this
+    machine's paths shortened. The commit's URL."""
+    from ..hub import push_folder
+
+    replace = {"config.json": _portable_json(out / "config.json", (), base_id)}
+    if (out / MERGE_REPORT).is_file():
+        replace[MERGE_REPORT] = _portable_json(out / MERGE_REPORT, ("run_dir", "out_dir", "base"), None)
+    what = f"{report.get('peft', 'LoRA')} adapter merged into the {report.get('merged_into', 'base')}"
+    message = f"qlora-recipes: {what}, {report.get('dtype', '')}".rstrip(", ")
+    return push_folder(out, repo_id, private, revision, message, replace=replace)

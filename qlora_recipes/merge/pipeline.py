@@ -1,23 +1,33 @@
 """The whole merge step: check the run, stream the merged weights into `<out>`, measure the merge, report.
 
-    merge(run_dir, out=None, from_original=False, shard_size="2GB", prompts_file=None, dtype=None) -> report
+    merge(run_dir, out=None, from_original=False, shard_size="2GB", prompts_file=None, dtype=None,
+          push_to_hub=None, private=None, revision=None) -> report
 
 Everything that can be checked without loading a model (the run dir, its config, --shard-size,
 --dtype, the prompts file, the adapter's base, the output dir) is checked first. Then: the stack the
 run trained gives the reference logits (quality), its merged tensors stream into shards (tensors,
 export), and the merged model's logits are compared (quality). The report lands in
-`<out>/merge_report.json` with the model.
+`<out>/merge_report.json` with the model, and its model card in `<out>/README.md`. With `push_to_hub`,
+the finished dir goes to that hub repo in one commit (the token and the hub are checked first).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from pathlib import Path
 
 from ..errors import UserError
 from ..prompts import read_prompts
-from ..runs import check_adapter_base, load_run_config, resolve_dir, run_prompt_style, run_tokenizer
+from ..runs import (
+    check_adapter_base,
+    load_run_config,
+    resolve_dir,
+    run_prompt_format,
+    run_prompt_style,
+    run_tokenizer,
+)
 from ..units import PRECISION_DTYPE, dtype_name, torch_dtype
 from . import export, quality
 from .tensors import merged_tensors, original_merged_tensors
@@ -40,9 +50,13 @@ def merge(
     shard_size: str | int = "2GB",
     prompts_file: str | Path | None = None,
     dtype: str | None = None,
+    push_to_hub: str | None = None,
+    private: bool | None = None,
+    revision: str | None = None,
 ) -> dict:
     """Merge the run's adapter, save the standalone model in `out` (default `<run_dir>/merged`),
-    compare logits, write `merge_report.json` there; returns the report."""
+    compare logits, write `merge_report.json` and the model card there, push it when asked; returns
+    the report (with `pushed_to`, the commit's URL, after a push)."""
     started = time.time()
     _, run_dir = resolve_dir(run_dir, allow_merged=False)
     cfg = load_run_config(run_dir)
@@ -52,15 +66,24 @@ def merge(
         read_prompts(prompts_file)  # a bad prompts file fails before any work
     out = Path(out).expanduser() if out else run_dir / "merged"
     adapter_cfg = check_adapter_base(cfg, run_dir)
+    if push_to_hub is not None:
+        from ..hub import check_push
+
+        check_push(push_to_hub, revision, flag="--push-to-hub")
     partial = export.prepare_out(out, run_dir)
     try:
         report = _merge_into(partial, run_dir, cfg, adapter_cfg, from_original, max_bytes, prompts_file, dtype)
+        report["out_dir"] = str(out)
+        report["wall_s"] = time.time() - started
+        export.write_card(partial, run_dir, report, quality.quality_line(report), push_to_hub)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    report["out_dir"] = str(out)
-    report["wall_s"] = time.time() - started
     export.finish_out(partial, out, report)
+    if push_to_hub is not None:
+        from ..modelcard import base_model
+
+        report["pushed_to"] = export.push(out, push_to_hub, private, revision, report, base_model(cfg.model)[0])
     return report
 
 
@@ -92,12 +115,13 @@ def _merge_into(
 ) -> dict:
     out_dtype = torch_dtype(dtype)
     style = run_prompt_style(run_dir, cfg)
+    prompt_format = run_prompt_format(run_dir, cfg, style)  # plain --prompts lines wrapped as generate does
     tokenizer = run_tokenizer(cfg, run_dir)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     pad_id = tokenizer.pad_token_id
     batches, prompts_source = quality.compare_prompts(
-        cfg, tokenizer, str(prompts_file) if prompts_file else None, style
+        cfg, tokenizer, str(prompts_file) if prompts_file else None, prompt_format
     )
 
     # 1. The stack the run trained, in fp32: reference logits (and the base alone, for scale).
@@ -132,6 +156,7 @@ def _merge_into(
         "total_bytes": writer.total,
         "shard_size_bytes": max_bytes,
         "prompt_style": style,
+        "prompt_format": dataclasses.asdict(prompt_format),  # what generate wraps plain prompts in
         "max_new_tokens": cfg.data.max_new_tokens,
         "compare": quality.comparison(logits, batches, prompts_source, forward_dtype, bits, from_original),
         "merge_s": merge_s,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
-from ..prompts import Prompt, data_prompt, read_prompts, render
+from ..prompts import Prompt, PromptFormat, data_prompt, read_prompts, render
 from ..runs import ADAPTER_WEIGHTS, load_stack
 from .dequantize import bnb_kind
 
@@ -132,8 +132,10 @@ def _run_prompts(cfg) -> tuple[list[Prompt], str]:
     return prompts, source
 
 
-def compare_prompts(cfg, tokenizer, prompts_file: str | None, style: str) -> tuple[list[dict], str]:
-    """Tokenized prompts for the comparison (at most MAX_COMPARE_TOKENS each) and where they came from."""
+def compare_prompts(cfg, tokenizer, prompts_file: str | None, style: str | PromptFormat) -> tuple[list[dict], str]:
+    """Tokenized prompts for the comparison (at most MAX_COMPARE_TOKENS each) and where they came from.
+    Plain lines of a prompts file are wrapped in the run's prompt format (`style`: runs.run_prompt_format),
+    as `qlora generate` wraps them."""
     if prompts_file:
         prompts, source = read_prompts(prompts_file), str(prompts_file)
     else:

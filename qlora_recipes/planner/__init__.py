@@ -25,7 +25,7 @@ from .peaks import ok
 from .placement import loader_max_memory
 from .report import DoesNotFit, refuse_unless_fits, render_table, write_plan
 from .search import longest_seq_len as _longest_seq_len
-from .sharded import SHARDED, plan_sharded
+from .sharded import CPU_RANKS, SHARDED, plan_cpu_rank, plan_sharded
 from .single import plan_single
 from .spec import spec_from_cfg
 
@@ -53,7 +53,9 @@ def plan(
     `gpus`: total bytes of each GPU to plan for (default: this machine's GPUs, or its CPU when it
     has none); `host_ram`: bytes (default: this machine's); `world_size`: ranks (default:
     WORLD_SIZE, else the recipe's GPUs x nodes). A plan holds a full replica per GPU (one process,
-    DDP, ZeRO-2); under FSDP / ZeRO-3 the parameters are sharded across `world_size` ranks.
+    DDP, ZeRO-2); under FSDP / ZeRO-3 the parameters are sharded across `world_size` ranks. Without
+    GPUs, several ranks of dist=ddp|fsdp|zero2|zero3 are CPU processes (gloo): the plan is one
+    rank process's (sharded.plan_cpu_rank).
     Returns the plan.json dict.
     """
     strategy = cfg.dist.strategy
@@ -63,6 +65,8 @@ def plan(
     st = with_metric(spec_from_cfg(cfg, world_size), cfg.data)
     hw = _dev.hardware(gpus, host_ram)
     base = plan_single(st, hw)
+    if not hw.has_gpu and strategy in CPU_RANKS and world_size > 1:  # rank processes on CPU (gloo)
+        return plan_cpu_rank(base, st, cfg.dist, world_size, host_ram)
     if strategy not in SHARDED or world_size <= 1:
         if ladder:
             base["ladder"] = ladder_rungs(st, hw, base) if not ok(base) else []

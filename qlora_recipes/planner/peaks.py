@@ -18,7 +18,15 @@ from collections.abc import Callable
 from ..units import GiB
 from .constants import ALLOCATOR_DYNAMIC_FRACTION, ALLOCATOR_STATIC_FRACTION, HEADROOM_TARGET
 
-STATIC = ("quantized_weights", "other_params", "buffers", "lora_weights", "gradients", "optimizer_state")
+STATIC = (
+    "quantized_weights",
+    "other_params",
+    "buffers",
+    "checkpoint_pages",
+    "lora_weights",
+    "gradients",
+    "optimizer_state",
+)
 FIXED = ("cuda_context", "process_baseline", "offload_staging")
 TRANSIENT = (
     "activations",

@@ -51,6 +51,7 @@ def resolve_placement(
     dmap = infer_device_map(st, max_memory, bbs)
     gpu_ids = sorted(v for v in dmap.values() if isinstance(v, int))
     exec_dev = f"cuda:{gpu_ids[0]}" if gpu_ids else ("cuda:0" if hw.has_gpu else "cpu")
+    dmap = pin_output_head(st, dmap, gpu_ids[0] if gpu_ids else (0 if hw.has_gpu else "cpu"), notes)
     if "disk" in dmap.values() and not st.offload_folder:
         n_disk = sum(1 for v in dmap.values() if v == "disk")
         raise UserError(
@@ -58,6 +59,28 @@ def resolve_placement(
             "use offload=disk (folder: offload), set offload.folder=<dir>, or raise offload.max_memory.cpu"
         )
     return exec_dev, dmap, max_memory
+
+
+OUTPUT_HEAD = "lm_head"  # the output embeddings of every family figures.py knows
+
+
+def pin_output_head(st: StackSpec, dmap: OrderedDict, exec_value: Any, notes: list[str]) -> OrderedDict:
+    """The device map the loader is given (modeling passes it as a dict): the inferred one, with
+    the LM head moved to the execution device when inference offloaded it. TRL's fused LM head
+    (add_fused_lm_head) reads `lm_head.weight` directly, outside the module's forward where
+    accelerate's offload hook would onload it, so an offloaded head would reach the loss as a meta
+    tensor. With tied embeddings the input embeddings share that weight and move with it. Its
+    bytes count on the execution device like any block placed there."""
+    heads = [OUTPUT_HEAD] + (["model.embed_tokens"] if st.fig.tie_embeddings else [])
+    moved = [k for k in heads if k in dmap and dmap[k] in ("cpu", "disk") and dmap[k] != exec_value]
+    if not moved:
+        return dmap
+    out = OrderedDict((k, exec_value if k in moved else v) for k, v in dmap.items())
+    notes.append(
+        f"{', '.join(moved)} kept on the execution device ({dev_name(exec_value)}), not offloaded: TRL's fused LM head "
+        "reads its weight outside the offload hook"
+    )
+    return out
 
 
 class _PlannedQuantizer:

@@ -18,6 +18,7 @@ _LABELS = {
     "quantized_weights": "quantized weights",
     "other_params": "other params",
     "buffers": "buffers",
+    "checkpoint_pages": "checkpoint pages (CPU, mapped)",
     "lora_weights": "adapter weights (fp32)",
     "gradients": "gradients (fp32)",
     "optimizer_state": "optimizer state",

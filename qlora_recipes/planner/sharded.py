@@ -1,6 +1,8 @@
 """One rank's plan under parameter sharding (FSDP, ZeRO-3): the one-device plan of a full replica
 rewritten into the rank's share of parameters, gradients and optimizer state, the units it gathers,
-and the load phase in which every rank still holds the whole quantized base.
+and the load phase in which every rank still holds the whole quantized base. On CPU ranks (no GPU,
+gloo: `plan_cpu_rank`) every strategy (DDP, FSDP, ZeRO-2, ZeRO-3) is planned per rank process, as
+each rank's own peak RSS (bench/results/planner-sharded.json measures it).
 """
 
 from __future__ import annotations
@@ -10,13 +12,23 @@ from typing import Any
 
 from .. import devices as _dev
 from ..errors import UserError
-from ..units import GiB
+from ..units import GiB, dtype_bytes
 from .components import block_bytes
 from .constants import CPU_PROCESS_BASELINE_BYTES, CUDA_CONTEXT_BYTES
-from .peaks import COMPONENTS, TRANSIENT, allocated_peak, allocator_bytes, device_entry, peak_allocated_gib, phase_peaks
+from .peaks import (
+    COMPONENTS,
+    STATIC,
+    TRANSIENT,
+    allocated_peak,
+    allocator_bytes,
+    device_entry,
+    peak_allocated_gib,
+    phase_peaks,
+)
 from .spec import StackSpec
 
 SHARDED = ("fsdp", "zero3")  # strategies that shard the (4-bit) parameters across ranks
+CPU_RANKS = ("ddp", "fsdp", "zero2", "zero3")  # strategies planned per rank process on CPU
 
 
 def plan_sharded(
@@ -142,3 +154,118 @@ def _device(rows: dict, name: str, budget: int, ranks_here: int, load_on_cpu: bo
     loaded = full_at_load * (ranks_here if name == "cpu" else 1) if load_on_cpu == (name == "cpu") else 0
     entry["peak_allocated"] = allocated_peak(lambda r: rows.get(r, {}).get(name, 0), loaded)
     return entry
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU ranks: every rank a process on one host (gloo), each with its own RSS.
+# ---------------------------------------------------------------------------------------------
+# What a rank process holds beyond one training process's baseline (CPU_PROCESS_BASELINE_BYTES)
+# before any model bytes: torch.distributed and gloo (the process group's pairs, threads and
+# buffers), what the strategy imports and runs (FSDP2 / DTensor; DeepSpeed's engine and its CPU
+# accelerator with the shared-memory comm extension). Measured with the 1 M-parameter model, whose
+# model, adapters and step are ~0.12 GiB of the peak: the ranks of all four strategies peak at
+# 0.766-0.777 GiB (bench/results/planner-sharded.json) where one process of the same stack is
+# planned at 0.742 GiB (measured 0.737-0.758: bench/results/planner-cpu.json).
+CPU_RANK_EXTRA_BYTES = int(0.027 * GiB)
+
+
+def plan_cpu_rank(base: dict, st: StackSpec, dist: Any, ws: int, host_ram: int | None) -> dict:
+    """One CPU rank's plan (no GPUs: `ws` rank processes on this host over gloo), rewritten from the
+    one-process CPU plan `base`: the same transients (a rank computes its own micro-batch: loss,
+    layer working set, loading) and its strategy's share of the static rows. Every rank loads the
+    whole model first (the load phase is one process's); the host RAM budget is shared by the ranks."""
+    plan = copy.deepcopy(base)
+    # DeepSpeed's cast to 16 bits (_zero_rows) leaves the step's transients as planned for the upcast
+    # model: measured (planner-sharded.json), ZeRO ranks 0.96-1.0 of this plan; planned as
+    # precision.upcast_frozen=false (a 16-bit residual stream), 1.03-1.08
+    rows = _cpu_rank_rows(base["components"], _sizes(st), st, dist.strategy, ws)
+    budget = (host_ram or _dev.host_ram()) // ws
+    _, _, by_phase = phase_peaks(lambda r: rows.get(r, {}).get("cpu", 0), "cpu")
+    # loading is one process's: the whole model before any wrapping, no gathered units or buckets yet
+    single_cpu = next(d for d in base["devices"] if d["device"] == "cpu")
+    by_phase["load"] = single_cpu["peak_by_phase"]["load"] + CPU_RANK_EXTRA_BYTES
+    fixed = sum(rows.get(r, {}).get("cpu", 0) for r in ("process_baseline", "offload_staging"))
+    rows["load_transient"] = {
+        "cpu": max(0, by_phase["load"] - fixed - sum(rows.get(r, {}).get("cpu", 0) for r in STATIC))
+    }
+    phase = max(by_phase, key=lambda k: by_phase[k])
+    entry = device_entry("cpu", budget, by_phase[phase], phase)
+    entry["peak_by_phase"] = by_phase
+    entry["peak_allocated"] = allocated_peak(lambda r: rows.get(r, {}).get("cpu", 0))
+    plan["components"] = {k: rows[k] for k in COMPONENTS if k in rows}
+    plan["devices"] = [entry]
+    plan["fits"] = entry["peak"] <= budget
+    plan["peak_gib"] = round(entry["peak"] / GiB, 3)
+    plan["peak_allocated_gib"] = peak_allocated_gib([entry])
+    plan["ladder"] = []
+    plan["notes"] = [*plan["notes"], _CPU_NOTES[dist.strategy].format(ws=ws), f"host RAM shared by {ws} ranks"]
+    plan["stack"]["dist"] = dist.strategy
+    plan["dist"] = {"strategy": dist.strategy, "world_size": ws, "ranks_per_node": ws, "cpu_ranks": True}
+    return plan
+
+
+_CPU_NOTES = {
+    "ddp": "dist=ddp: one rank of {ws} on CPU, a full replica; 'offload staging' = DDP's gradient buckets",
+    "fsdp": "dist=fsdp: one rank of {ws} on CPU; parameter shards, gradients and optimizer state 1/{ws} each; "
+    "'offload staging' = all-gathered units (2 decoder layers + the root: embeddings, norm, lm_head)",
+    "zero2": "dist=zero2: one rank of {ws} on CPU; whole 16-bit weights, fp32 master weights, gradients and "
+    "optimizer state 1/{ws}; 'offload staging' = the 16-bit gradients before the reduce-scatter",
+    "zero3": "dist=zero3: one rank of {ws} on CPU; 16-bit parameter partitions, fp32 master weights, gradients "
+    "and optimizer state 1/{ws}; 'offload staging' = the gathered parameters (kept from forward to backward: "
+    "stage3_max_reuse_distance) and the 16-bit gradients",
+}
+
+
+def _cpu_rank_rows(comps: dict, sizes: dict[str, int], st: StackSpec, strategy: str, ws: int) -> dict:
+    """One CPU rank's bytes per component (all on "cpu"): the one-process transients (a rank
+    computes its own micro-batch), the process baseline with the rank's extra, and the static rows
+    as the strategy holds them."""
+    rows: dict[str, dict[str, int]] = {}
+
+    def cpu(row: str) -> int:
+        return comps.get(row, {}).get("cpu", 0)
+
+    for row in TRANSIENT:
+        if row not in ("load_transient", "optimizer_scratch"):
+            _put(rows, row, "cpu", cpu(row))
+    _put(rows, "process_baseline", "cpu", cpu("process_baseline") + CPU_RANK_EXTRA_BYTES)
+    _put(rows, "buffers", "cpu", cpu("buffers"))
+    if strategy in ("zero2", "zero3"):
+        _zero_rows(rows, cpu, sizes, st, strategy, ws)
+        return rows
+    k = ws if strategy == "fsdp" else 1
+    _put(rows, "quantized_weights", "cpu", sizes["quant_data"] / k + sizes["quant_state"])
+    for row in ("other_params", "lora_weights", "gradients", "optimizer_state", "optimizer_scratch"):
+        _put(rows, row, "cpu", cpu(row) / k)
+    # DDP: the reducer's flat gradient buckets; FSDP2: the all-gathered units
+    _put(rows, "offload_staging", "cpu", cpu("gradients") if strategy == "ddp" else sizes["gathered"])
+    return rows
+
+
+def _zero_rows(rows: dict, cpu, sizes: dict[str, int], st: StackSpec, strategy: str, ws: int) -> None:
+    """DeepSpeed's engine with bf16/fp16 on (the trainer passes precision's dtype) casts every float
+    parameter to it (engine._cast_module_mixed_precision): the fp32 embeddings, norms, lm_head and
+    adapters of k-bit prep become 2 bytes per element; the ZeRO optimizer keeps an fp32 master copy of
+    this rank's partition of the trainable weights, their fp32 gradient partition and the optimizer
+    state of that partition, and the 16-bit gradients until they are reduced. ZeRO-3 also partitions
+    the parameters (the 4-bit data with them; the quantization state stays with each module) and
+    gathers them to compute."""
+    half = dtype_bytes(st.dtype) == 2
+    lora_numel = cpu("lora_weights") // 4
+    other = cpu("other_params") * 2 // st.frozen_bytes if half else cpu("other_params")
+    lora_model = 2 * lora_numel if half else 4 * lora_numel
+    k = ws if strategy == "zero3" else 1
+    _put(rows, "quantized_weights", "cpu", sizes["quant_data"] / k + sizes["quant_state"])
+    _put(rows, "other_params", "cpu", other / k)
+    _put(rows, "lora_weights", "cpu", lora_model / k + (4 * lora_numel / ws if half else 0))
+    _put(rows, "gradients", "cpu", 4 * lora_numel / ws)
+    _put(rows, "optimizer_state", "cpu", cpu("optimizer_state") / ws)
+    _put(rows, "optimizer_scratch", "cpu", cpu("optimizer_scratch") / ws)
+    staging = lora_model  # the 16-bit gradients of the whole adapter before the reduce-scatter
+    if strategy == "zero3":
+        # gathered to compute, and with the shipped stage3_max_reuse_distance and
+        # stage3_max_live_parameters (1e9 elements each) not released before backward reuses them:
+        # for a model under 1e9 parameters, the whole model at 16 bits (measured: llama-50m's ranks
+        # 0.6 % under this plan; without the gathered model they would be 4 % over)
+        staging += sizes["quant_data"] + other + lora_model
+    _put(rows, "offload_staging", "cpu", staging)

@@ -101,6 +101,14 @@ def plan_single(st: StackSpec, hw: _dev.Hardware) -> dict:
     return _plan_dict(st, hw, t, devices, dmap, max_memory, paged_total, notes)
 
 
+def offloaded_working_bytes(st: StackSpec, blk) -> int:
+    """An offloaded block on the execution device in its backward: the largest linear onloaded at the
+    frozen dtype (fp32 after k-bit prep) and the compute-dtype copies autocast makes of every linear,
+    which autograd keeps for backward (bench/trace/offload.py traces them)."""
+    numels = [lin.numel for lin in blk.linears] or [0]
+    return max(numels) * st.frozen_bytes + (sum(numels) * st.act_bytes if st.frozen_bytes != st.act_bytes else 0)
+
+
 def _tally_blocks(st: StackSpec, hw: _dev.Hardware, bbs: list, dmap: dict, exec_dev: str) -> _Tally:
     """Static rows per block's device. Gradients are fp32, one per trainable element, and like the
     adapters they stay in host RAM for a block on disk (trainable tensors cannot live on disk)."""
@@ -119,12 +127,14 @@ def _tally_blocks(st: StackSpec, hw: _dev.Hardware, bbs: list, dmap: dict, exec_
         comp["buffers"][where] += bb.buffers
         if where == "disk":
             t.disk_max = max(t.disk_max, bb.placed_bytes)
-        if where in ("cpu", "disk") and compute != where:
-            t.offloaded_max = max(t.offloaded_max, bb.placed_bytes)
+        offloaded = where in ("cpu", "disk") and compute != where
+        if offloaded:
+            t.offloaded_max = max(t.offloaded_max, offloaded_working_bytes(st, blk))
+        trainable_on = compute if offloaded else holder  # modeling._adapters_off_meta
         if bb.lora_numel:
-            comp["lora_weights"][holder] += 4 * bb.lora_numel
-            comp["gradients"][holder] += 4 * bb.lora_numel
-            t.trainable_shapes[holder] += bb.lora_tensors
+            comp["lora_weights"][trainable_on] += 4 * bb.lora_numel
+            comp["gradients"][trainable_on] += 4 * bb.lora_numel
+            t.trainable_shapes[trainable_on] += bb.lora_tensors
         if blk.is_layer:
             t.layers_on[compute].append(bb)
         # dequant scratch: the largest quantized weight dequantized to the compute dtype (forward
@@ -209,18 +219,26 @@ def _prep_rows(t: _Tally) -> None:
 
 
 def _load_rows(st: StackSpec, hw: _dev.Hardware, t: _Tally) -> None:
-    """Training on the CPU (no GPU): while from_pretrained reads the checkpoint, its safetensors
-    files are memory-mapped and every page read stays resident until loading ends, beside the
-    model being built (weights quantized or copied at the load dtype). File-backed pages are
-    reclaimable, but they are in the process's RSS, the quantity a CPU plan predicts; for a
-    model of 300 M+ parameters on short sequences this load is the run's peak
-    (bench/results/planner-cpu.json). A checkpoint in the load dtype is counted."""
+    """Training on the CPU (no GPU): from_pretrained memory-maps the checkpoint's safetensors files;
+    a non-quantized parameter kept in the checkpoint's dtype is a view of the mapping (no copy), and
+    every page read stays resident while the mapping lives. The mapping lives as long as one view
+    does (bench/results/planner-cpu.json; /proc/self/smaps shows it):
+    - k-bit prep upcasts every view to fp32, one at a time: until the last one is cast, the whole
+      file is resident beside the quantized weights and the fp32 copies - the load phase, the peak
+      of a 300 M+ model on short sequences; then the mapping is gone.
+    - without the upcast (quant=none, precision.upcast_frozen=false) the views stay, and so does
+      the file for the whole run: a static row, the file's bytes beyond the views' own.
+    A checkpoint in the load dtype is counted."""
     if hw.has_gpu or "cpu" not in t.layers_on:
         return
-    comp, counts = t.comp, t.counts
+    comp = t.comp
+    file_bytes = t.counts["params_total"] * dtype_bytes(st.dtype)
+    if st.frozen_bytes == dtype_bytes(st.dtype):  # no upcast: the other params are the file's views
+        comp["checkpoint_pages"]["cpu"] += max(0, file_bytes - comp["other_params"].get("cpu", 0))
+        return
+    held = sum(comp[k].get("cpu", 0) for k in ("quantized_weights", "other_params", "buffers"))
     static = sum(comp[k].get("cpu", 0) for k in STATIC)
-    loading = counts["params_total"] * dtype_bytes(st.dtype) + counts["footprint_at_load"]
-    comp["load_transient"]["cpu"] = max(comp["load_transient"].get("cpu", 0), loading - static)
+    comp["load_transient"]["cpu"] = max(comp["load_transient"].get("cpu", 0), file_bytes + held - static)
 
 
 def _eval_rows(st: StackSpec, t: _Tally) -> None:
@@ -274,8 +292,8 @@ def _notes(st: StackSpec, hw: _dev.Hardware, placed: dict[str, str], paged_total
     if st.quantized and any(v in ("cpu", "disk") for v in placed.values()) and hw.has_gpu:
         notes.append(
             "layers on cpu/disk with a bitsandbytes model need "
-            "BitsAndBytesConfig(llm_int8_enable_fp32_cpu_offload=True); "
-            "their LoRA adapters, gradients and optimizer state are planned on cpu"
+            "BitsAndBytesConfig(llm_int8_enable_fp32_cpu_offload=True) (the loader sets it); "
+            "their LoRA adapters, gradients and optimizer state live on the GPU, where the layer computes"
         )
     if not st.quantized:
         notes.append("quant=none: no prepare_model_for_kbit_training, weights stay in the precision dtype")

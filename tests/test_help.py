@@ -1,0 +1,81 @@
+"""`--help` of every command is short and useful (issue 14.6, issue 13): exit 0, under 50 lines, no
+composed-config dump; the commands that take overrides name every config group on disk and say where
+`--gpus` goes; each points at README sections that exist. Hydra's own `--hydra-help` and `--cfg job`
+stay available.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+from conftest import REPO
+
+PY = sys.executable
+# (command, takes Hydra overrides)
+COMMANDS = {
+    "python train.py": ([PY, "train.py"], True),
+    "qlora train": ([PY, "-m", "qlora_recipes", "train"], True),
+    "qlora plan": ([PY, "-m", "qlora_recipes", "plan"], True),
+    "scripts/plan.py": ([PY, "scripts/plan.py"], True),
+    "qlora launch": ([PY, "-m", "qlora_recipes", "launch"], True),
+    "qlora merge": ([PY, "-m", "qlora_recipes", "merge"], False),
+    "qlora generate": ([PY, "-m", "qlora_recipes", "generate"], False),
+    "qlora summarize": ([PY, "-m", "qlora_recipes", "summarize"], False),
+    "scripts/summarize_sweep.py": ([PY, "scripts/summarize_sweep.py"], False),
+    "qlora bench": ([PY, "-m", "qlora_recipes", "bench"], False),
+}
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _start(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(argv, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _groups_on_disk() -> list[str]:
+    """conf/'s groups (Hydra's own aside) and the recipes, read here independently of helptext.py."""
+    groups = [p.name for p in (REPO / "conf").iterdir() if p.is_dir() and p.name not in ("hydra", "sweep")]
+    return sorted(groups)
+
+
+def _readme_headings() -> set[str]:
+    return {m.group(1).strip() for m in re.finditer(r"^#{2,4} (.+)$", (REPO / "README.md").read_text(), re.M)}
+
+
+def test_every_command_help_is_short_names_the_groups_and_points_at_the_readme():
+    procs = {name: _start([*argv, "--help"]) for name, (argv, _) in COMMANDS.items()}
+    results = {name: (*proc.communicate(timeout=300), proc.returncode) for name, proc in procs.items()}
+    headings = _readme_headings()
+    for name, (stdout, stderr, code) in results.items():
+        assert code == 0, (name, stderr[-2000:])
+        assert "Traceback" not in stderr, (name, stderr[-2000:])
+        lines = stdout.rstrip("\n").splitlines()
+        assert 5 < len(lines) < 50, (name, len(lines), stdout)
+        assert "== Config ==" not in stdout and "_target_" not in stdout, (name, "config dump")
+        sections = re.findall(r"section '([^']+)'", stdout)
+        assert "more: README.md" in stdout and sections, (name, stdout[-500:])
+        assert set(sections) <= headings, (name, set(sections) - headings)
+        if COMMANDS[name][1]:
+            named = {ln.split()[0] for ln in lines if ln.startswith("  ") and ln.split()}
+            missing = [g for g in _groups_on_disk() if g not in named]
+            assert not missing, (name, missing, stdout)
+            assert "--gpus" in stdout, (name, "no --gpus")
+    for name in ("python train.py", "qlora plan"):
+        assert "common overrides:" in results[name][0] and "data.path=FILE" in results[name][0]
+
+
+def test_hydras_own_help_and_config_print_stay_available():
+    own = _start([*COMMANDS["qlora train"][0], "--hydra-help"])
+    job = _start([*COMMANDS["qlora train"][0], "--cfg", "job"])
+    stdout, stderr = own.communicate(timeout=300)
+    assert own.returncode == 0 and "Hydra" in stdout, stderr[-2000:]
+    stdout, stderr = job.communicate(timeout=300)
+    assert job.returncode == 0, stderr[-2000:]
+    assert "model:" in stdout and "trainer:" in stdout and len(stdout.splitlines()) > 50
+
+
+def test_train_given_gpus_says_where_gpus_go_in_one_line():
+    proc = _start([*COMMANDS["python train.py"][0], "--gpus", "24GB", "trainer=smoke"])
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and stderr.count("\n") == 1, stderr
+    assert stderr.startswith("error: ") and "qlora plan --gpus" in stderr and "usage:" not in stdout + stderr

@@ -1,0 +1,267 @@
+"""Model cards and pushes to the Hugging Face Hub: the card's contents, no local path in it, the token
+never written, and a hub out of reach (a closed local port) answered with one line and nothing pushed."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+from conftest import REPO, compose_cfg
+from omegaconf import OmegaConf
+
+from qlora_recipes import hub, modelcard
+from qlora_recipes.errors import UserError
+
+SECRET = "hf_qlora_recipes_test_token_never_written_0123456789"
+SMOKE = ["trainer=smoke", "data.metric=exact_match", "data.metric_examples=4", "data.max_new_tokens=4"]
+ABSOLUTE_PATH = re.compile(r"(?:^|[\s`'\"(=:])(/(?:[\w.-]+/)+[\w.-]*)", re.MULTILINE)
+
+
+def _closed_port() -> str:
+    """An endpoint nothing listens on: a port the kernel just handed out and that is closed again."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def hub_out_of_reach(monkeypatch):
+    """A token in the environment, the hub switched on, and its endpoint a closed local port."""
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", _closed_port())
+
+
+def _no_absolute_path(text: str) -> None:
+    found = [m for m in ABSOLUTE_PATH.findall(text) if not m.startswith("//")]
+    assert not found, found
+    assert str(REPO) not in text
+
+
+def _fake_run(run_dir: Path, *overrides: str, metrics: dict | None = None) -> Path:
+    """A run dir as train writes it (config.yaml, metrics.json, .hydra/overrides.yaml), without training."""
+    cfg = compose_cfg(*overrides)
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (run_dir / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(list(overrides)))
+    (run_dir / "metrics.json").write_text(json.dumps(metrics or {}))
+    return run_dir
+
+
+# ------------------------------------------------------------------------------------------------
+# The card: the base model by its hub id, never by a path; data, stack, memory, results, command
+# ------------------------------------------------------------------------------------------------
+def test_base_model_is_named_by_its_hub_id_never_a_local_path(tmp_path):
+    assert modelcard.base_model(compose_cfg("model=llama3.1-8b").model)[0] == "meta-llama/Llama-3.1-8B"
+    tiny_id, tiny_text = modelcard.base_model(compose_cfg().model)
+    assert tiny_id is None and "`assets/tiny-llama`" in tiny_text and "local tiny model" in tiny_text
+    local = tmp_path / "my-base"  # a local copy of a hub model: its config.json remembers the hub id
+    local.mkdir()
+    (local / "config.json").write_text(json.dumps({"_name_or_path": "org/base-7b", "model_type": "llama"}))
+    model = OmegaConf.create({"name_or_path": str(local), "hub_id": None})
+    assert modelcard.base_model(model)[0] == "org/base-7b"
+    (local / "config.json").write_text(json.dumps({"_name_or_path": str(local), "model_type": "llama"}))
+    unknown_id, unknown_text = modelcard.base_model(model)
+    assert unknown_id is None and "`my-base`" in unknown_text and str(tmp_path) not in unknown_text
+
+
+def test_card_of_a_hub_base_names_base_dataset_stack_memory_results_and_command(tmp_path):
+    metrics = {
+        "eval_loss": 1.25,
+        "eval_perplexity": 3.49,
+        "eval_exact_match_before": 0.1,
+        "eval_exact_match": 0.9,
+        "planned_peak_gib": 7.5,
+        "peak_mem_gib": 7.1,
+        "plan_ratio": 0.947,
+        "peak_quantity": "cuda max_memory_allocated",
+        "device": "NVIDIA H100",
+        "steps": 100,
+        "data": {"rows": {"train": 51000, "eval": 520}, "format": "alpaca"},
+    }
+    overrides = ("model=llama3.1-8b", "data=alpaca", "peft.r=64", f"data.eval_path={tmp_path}/held.jsonl")
+    run_dir = _fake_run(tmp_path / "2026-01-31" / "12-00-00", *overrides, metrics=metrics)
+    card = modelcard.run_card(run_dir, "adapter", repo_id="someone/llama-alpaca-qlora")
+    text = str(card)
+    assert card.data.base_model == "meta-llama/Llama-3.1-8B" and card.data.library_name == "peft"
+    assert card.data.datasets == ["tatsu-lab/alpaca"]
+    assert "base_model:adapter:meta-llama/Llama-3.1-8B" in card.data.tags
+    for needle in (
+        "# someone/llama-alpaca-qlora",
+        "r 64, alpha",  # the stack's keys
+        "nf4 (double quant True",
+        "| planned peak (plan.json) | 7.5 |",
+        "| measured peak | 7.1 |",
+        "| eval loss | 1.25 |",
+        "| eval exact match | 0.9 |",
+        "qlora train model=llama3.1-8b data=alpaca peft.r=64 data.eval_path=held.jsonl",  # paths shortened
+        "AutoPeftModelForCausalLM as Auto",
+    ):
+        assert needle in text, needle
+    _no_absolute_path(text)
+    assert {r.metric_type for r in card.data.eval_results} == {"loss", "exact_match"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks before any work: repo id, offline, token, the hub in reach
+# ------------------------------------------------------------------------------------------------
+def test_push_checks_fail_fast_with_one_line(monkeypatch, tmp_path, hub_out_of_reach):
+    with pytest.raises(UserError, match="hub.push=true needs hub.repo_id=USER/NAME"):
+        hub.check_push(None, None)
+    with pytest.raises(UserError, match="is not a hub repo id"):
+        hub.check_push("not a repo//id", None)
+    with pytest.raises(UserError, match="cannot reach the hub at http://127.0.0.1"):
+        hub.check_push("someone/model", None)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError, match="HF_HUB_OFFLINE=1"):
+        hub.check_push("someone/model", None)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    with pytest.raises(
+        UserError, match="needs a Hugging Face token with write access: set HF_TOKEN or run `hf auth login`"
+    ):
+        hub.check_push("someone/model", None)
+
+
+def test_config_has_no_key_for_a_token():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="hub.token"):
+        compose_cfg("hub.push=true", "hub.repo_id=a/b", "hub.token=abc")
+
+
+def test_train_with_the_hub_out_of_reach_stops_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "HF_TOKEN": SECRET, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": _closed_port()}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            *SMOKE,
+            "hub.push=true",
+            "hub.repo_id=someone/tiny",
+            f"hydra.run.dir={out}",
+        ],
+        cwd=REPO,
+        env={**env, "PYTHONWARNINGS": "ignore"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "cannot reach the hub" in errors[0] and SECRET not in proc.stderr + proc.stdout
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# A trained run: its adapter card, a failed push of the adapter and of the merged model, the token
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """The default stack trained by `train.py` (so Hydra records its overrides) with a token in the environment."""
+    out = tmp_path_factory.mktemp("hub") / "run"
+    env = {**os.environ, "HF_TOKEN": SECRET, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *SMOKE, "peft.r=8", f"hydra.run.dir={out}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_adapter_card_is_written_with_the_run(trained):
+    text = (trained / "adapter" / "README.md").read_text()
+    card = huggingface_hub.ModelCard.load(trained / "adapter" / "README.md")
+    assert card.data.library_name == "peft" and card.data.base_model is None  # the tiny base is not on the hub
+    metrics = json.loads((trained / "metrics.json").read_text())
+    for needle in (
+        "the local tiny model `assets/tiny-llama`",
+        "`assets/data/order/train.jsonl`",
+        "groups: `model=tiny, data=order, quant=nf4, peft=lora, optim=paged8bit",
+        f"| planned peak (plan.json) | {metrics['planned_peak_gib']:.4g} |",
+        f"| measured peak | {metrics['peak_mem_gib']:.4g} |",
+        f"| eval loss | {metrics['eval_loss']:.4g} |",
+        f"| eval exact match | {metrics['eval_exact_match']:.4g} |",
+        "qlora train trainer=smoke data.metric=exact_match data.metric_examples=4 data.max_new_tokens=4 peft.r=8",
+    ):
+        assert needle in text, needle
+    _no_absolute_path(text)
+
+
+def test_failed_adapter_push_is_one_line_and_leaves_the_run_as_it_was(trained, hub_out_of_reach):
+    cfg = OmegaConf.load(trained / "config.yaml")
+    cfg.hub.push, cfg.hub.repo_id = True, "someone/tiny-adapter"
+    before = {p: p.stat().st_size for p in (trained / "adapter").iterdir()}
+    with pytest.raises(UserError, match="to someone/tiny-adapter failed, nothing was committed .*Connection refused"):
+        hub.publish_adapter(cfg, trained)
+    assert {p: p.stat().st_size for p in (trained / "adapter").iterdir()}.keys() == before.keys()
+    card = huggingface_hub.ModelCard.load(trained / "adapter" / "README.md")
+    assert card.data.model_name == "someone/tiny-adapter"  # the card names the repo it is meant for
+    pushed = hub.portable_adapter_config(trained / "adapter", None)["adapter_config.json"].decode()
+    assert json.loads(pushed)["base_model_name_or_path"] == "assets/tiny-llama"  # no local path leaves
+
+
+@pytest.fixture(scope="module")
+def merged(trained) -> dict:
+    from qlora_recipes.merge.pipeline import merge
+
+    return merge(trained, out=trained / "merged")
+
+
+def test_merged_model_card_and_a_refused_push(trained, merged, hub_out_of_reach):
+    from qlora_recipes.merge import export
+    from qlora_recipes.merge.pipeline import merge
+
+    text = (trained / "merged" / "README.md").read_text()
+    card = huggingface_hub.ModelCard.load(trained / "merged" / "README.md")
+    assert card.data.library_name == "transformers"
+    for needle in (
+        "## Merge",
+        "merged into the dequantized 4-bit nf4 base",
+        "merge quality: max |dlogit|",
+        "qlora merge RUN_DIR",
+    ):
+        assert needle in text, needle
+    _no_absolute_path(text)
+    # --push-to-hub with the hub out of reach: refused before the merge starts, the earlier merge untouched
+    with pytest.raises(UserError, match="--push-to-hub: cannot reach the hub"):
+        merge(trained, out=trained / "merged-2", push_to_hub="someone/tiny-merged")
+    assert not (trained / "merged-2").exists() and not (trained / "merged-2.partial").exists()
+    with pytest.raises(UserError, match="nothing was committed"):
+        export.push(trained / "merged", "someone/tiny-merged", None, None, merged, None)
+    report = json.loads(export._portable_json(trained / "merged" / "merge_report.json", ("run_dir", "out_dir", "base")))
+    assert not report["run_dir"].startswith("/") and report["base"] == "assets/tiny-llama"
+
+
+def test_the_token_is_written_nowhere_in_the_run_dir(trained, merged):
+    leaks = [p for p in trained.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+    assert not leaks, leaks
+
+
+def test_qlora_push_of_a_run_with_the_hub_out_of_reach_is_one_line(trained):
+    env = {**os.environ, "HF_TOKEN": SECRET, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": _closed_port()}
+    proc = subprocess.run(
+        [sys.executable, "-m", "qlora_recipes", "push", str(trained), "someone/tiny-adapter", "--revision", "v1"],
+        cwd=REPO,
+        env={**env, "PYTHONWARNINGS": "ignore"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().startswith("error: qlora push: cannot reach the hub") and "\n" not in proc.stderr.strip()
+    assert SECRET not in proc.stderr + proc.stdout

@@ -1,0 +1,81 @@
+"""Issue 12's leftovers: Ctrl-C at any moment of start-up is one line and exit 130 (imports
+included, before our handlers exist), and a full disk while the final adapter is written is one
+line, with no adapter.partial left and the checkpoints intact."""
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, compose_cfg
+from transformers import Trainer
+
+from qlora_recipes.checkpoints import checkpoint_problem
+from qlora_recipes.errors import UserError
+from qlora_recipes.training import train
+
+STARTING = "stopped by SIGINT (Ctrl-C) while starting; nothing was written"
+INTERRUPTED_LINES = (STARTING, "stopped by SIGINT (Ctrl-C) before anything was written")
+
+
+def interpreter_start_s() -> float:
+    """How long this machine takes to start Python itself (site and .pth files included): a
+    signal before that lands in CPython's own start-up, which no code of ours runs in."""
+    started = time.time()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    return time.time() - started
+
+
+def test_ctrl_c_at_any_moment_of_start_up_is_one_line_and_exit_130(tmp_path):
+    base = 1.5 * interpreter_start_s()
+    # dense over the first tenths (our package's imports: a traceback there before), then sparse
+    for delay in (0.0, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.4, 0.8, 1.5, 3.0):
+        cwd = tmp_path / f"at-{delay}"
+        cwd.mkdir()
+        child = subprocess.Popen(
+            [sys.executable, str(REPO / "train.py"), "trainer=smoke", "hydra.run.dir=runs/x"],
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(base + delay)
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=300)
+        where = f"SIGINT {base + delay:.2f}s after the start: rc={child.returncode} stderr={err!r}"
+        assert "Traceback" not in err, where
+        assert child.returncode == 130 and err.strip() in INTERRUPTED_LINES, where
+        assert not any(p.is_file() for p in cwd.rglob("*")), where  # nothing written, no empty run dir left
+
+
+@pytest.fixture
+def small(tmp_path) -> list[str]:
+    """64 training rows and 8 eval rows of the shipped sample: loading and the final eval stay short."""
+    for name, keep in (("train", 64), ("eval", 8)):
+        rows = (REPO / f"assets/data/order/{name}.jsonl").read_text().splitlines()[:keep]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
+    return [f"data.path={tmp_path / 'train.jsonl'}", f"data.eval_path={tmp_path / 'eval.jsonl'}"]
+
+
+def test_disk_full_while_saving_the_adapter_is_one_line_and_leaves_no_partial(small, tmp_path, monkeypatch):
+    real = Trainer.save_model
+
+    def disk_full_in_the_adapter(self, output_dir=None, _internal_call=False):
+        if output_dir and os.path.basename(output_dir) == "adapter.partial":
+            real(self, output_dir, _internal_call)  # the files are written, then the disk fills
+            raise OSError(errno.ENOSPC, "No space left on device", os.path.join(output_dir, "tokenizer.json"))
+        return real(self, output_dir, _internal_call)
+
+    monkeypatch.setattr(Trainer, "save_model", disk_full_in_the_adapter)
+    run_dir = tmp_path / "run"
+    overrides = ["trainer=smoke", "data.metric=null", "trainer.max_steps=2", "trainer.save_steps=1", *small]
+    with pytest.raises(UserError, match=r"disk full while saving the adapter in .*checkpoints are intact") as err:
+        train(compose_cfg(*overrides), run_dir)
+    assert "\n" not in str(err.value) and "resume=auto hydra.run.dir=" in str(err.value)
+    assert not (run_dir / "adapter.partial").exists() and not (run_dir / "adapter").exists()
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert kept == ["checkpoint-1", "checkpoint-2"]
+    assert all(checkpoint_problem(run_dir / "checkpoints" / name, deep=True) is None for name in kept)

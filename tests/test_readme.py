@@ -1,0 +1,430 @@
+"""README.md is tested from the README itself (issue 14): every command of its ```bash blocks runs
+here, as written, in a sandbox that a fresh clone after the README's set-up looks like, and ends
+with exit 0 or the one-line refusal this machine must give; every number it states is compared with
+a run or the planner.
+
+How each command runs is in REGISTRY, keyed by the command's text: a command added to the README
+without an entry fails `test_every_readme_command_has_a_registry_entry`. Each runs in a fresh bash
+after the README's own `source .venv/bin/activate`, from a sandbox dir whose entries link to the
+checkout (so runs/, merged dirs and data files land in the sandbox, never in the checkout). Commands
+that train get `trainer=smoke` appended (size only); placeholders (`runs/DATE/TIME`, `RUN`,
+`runs/multirun/DATE/TIME`) become the run dir an earlier command wrote. `make train` runs in full:
+it is the default run the README's figures describe, and the run the walk merges and generates from.
+The sweeps of 9 and 20 jobs and the other extra training variants are marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import REPO, compose_cfg
+
+from qlora_recipes import devices, planner
+
+README = REPO / "README.md"
+GiB = 2**30
+SMOKE = ("trainer=smoke",)
+MAKE_VARIABLES = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "ARGS")
+NOT_LINKED = {"runs", ".git", "outputs", "multirun", ".pytest_cache", ".ruff_cache"}
+MAKE_OWN_LINE = re.compile(r"^make(\[\d+\])?: \*\*\* ")  # make's "Error 2" line after a refused target
+ACTIVATE = "source .venv/bin/activate"
+GPU_HERE = bool(devices.detect_gpus())
+
+
+@dataclass(frozen=True)
+class How:
+    """How one README command runs here and what it must give."""
+
+    kind: str = "run"  # run: exit 0 | refuse: exit 2 and one `error:` line | setup | dry (make -n)
+    suffix: tuple[str, ...] = ()  # appended, e.g. SMOKE: the size, never the meaning
+    expect: str = ""  # run: a regex stdout must match; refuse: the regex the one error line matches
+    needs: str = ""  # the command whose run dir fills the placeholders
+    files: tuple[str, ...] = ()  # sandbox files (FILES) present while it runs; removed after
+    creates: tuple[str, ...] = ()  # paths (placeholders allowed) that must exist afterwards
+    slow: bool = False
+    walk: str = ""  # generate: the answer the trained default run must give
+    leaves: str = ""  # refuse: what a refusal may leave behind (a regex on the new dirs); nothing by default
+    timeout: int = 900
+
+
+DEFAULT_RUN = "make train"
+SWEEP_4 = "python train.py -m peft.r=4,8 optim=paged8bit,adamw8bit"
+REGISTRY: dict[str, How] = {
+    # set-up
+    "make train": How(creates=("RUN/metrics.json", "RUN/adapter"), timeout=1800),
+    ACTIVATE: How(kind="setup"),
+    "make test": How(kind="dry", expect=r"python -m pytest"),  # the suite itself: .ci/run runs it
+    # running
+    "python train.py": How(suffix=SMOKE),
+    "python train.py quant=nf4 optim=paged8bit peft.r=64": How(suffix=SMOKE, slow=True),
+    "python train.py model=llama3.1-8b trainer=standard data.path=my.jsonl": How(
+        kind="refuse", expect=r"data\.path.*my\.jsonl"
+    ),
+    "python train.py recipe=tiny-cpu": How(suffix=(*SMOKE, "trainer.max_steps=3"), slow=True),
+    SWEEP_4: How(suffix=SMOKE, expect=r"", creates=("runs/multirun/DATE/TIME/summary.csv",), timeout=1800),
+    "python train.py --cfg job": How(expect=r"(?m)^quant:$"),
+    # trackers and the hub
+    "python train.py logger=none": How(suffix=SMOKE),
+    "python train.py hub.push=true hub.repo_id=me/llama-order-qlora": How(kind="refuse", expect=r"hub|token"),
+    # your own data
+    "python train.py data.path=my.jsonl": How(suffix=SMOKE, files=("my.jsonl",)),
+    "python train.py data.path=chats.jsonl data.chat_template=chatml": How(suffix=SMOKE, files=("chats.jsonl",)),
+    "python train.py data.path=my.jsonl data.eval_path=held_out.jsonl data.metric=exact_match": How(
+        suffix=SMOKE, files=("my.jsonl", "held_out.jsonl"), slow=True
+    ),
+    # after training: the walk, from the full default run
+    "python scripts/merge.py runs/DATE/TIME": How(
+        needs=DEFAULT_RUN, creates=("runs/DATE/TIME/merged/merge_report.json", "runs/DATE/TIME/merged/config.json")
+    ),
+    "python scripts/merge.py RUN --from-original --shard-size 5GB --out merged-16bit": How(needs=DEFAULT_RUN),
+    r"python scripts/generate.py RUN 'order: dcba\n'": How(needs=DEFAULT_RUN, walk="abcd"),
+    "python scripts/generate.py RUN dcba": How(needs=DEFAULT_RUN, walk="abcd"),  # wrapped as trained
+    "python scripts/generate.py RUN/merged --file prompts.txt --temperature 0.7": How(
+        needs="python scripts/merge.py runs/DATE/TIME", files=("prompts.txt",)
+    ),
+    "cat prompts.txt | python scripts/generate.py RUN": How(needs=DEFAULT_RUN, files=("prompts.txt",), walk="abcq"),
+    "python scripts/generate.py RUN --raw 'text as is'": How(needs=DEFAULT_RUN),
+    # make targets for recipes: this machine has no GPU
+    "make help": How(expect=r"llama2-70b-a100"),
+    "make llama2-70b-a100": How(kind="refuse", expect=r"needs 1 x 79 GiB GPU.*make plan-llama2-70b-a100"),
+    "make llama2-70b-a100 ARGS='trainer.max_steps=200'": How(
+        kind="refuse", expect=r"needs 1 x 79 GiB GPU.*make plan-llama2-70b-a100"
+    ),
+    "make plan-llama2-70b-a100": How(expect=r"FITS"),
+    # sweeps
+    "python train.py -m +sweep=rank_lr": How(suffix=SMOKE, slow=True, timeout=3600),
+    "python train.py -m +sweep=optuna": How(suffix=SMOKE, slow=True, timeout=3600),
+    "python train.py -m +sweep=rank_lr hydra/launcher=local": How(suffix=SMOKE, slow=True, timeout=3600),
+    "python train.py -m +sweep=rank_lr recipe=llama3.1-8b-24gb hydra/launcher=slurm": How(
+        kind="refuse",
+        expect=r"srun|SLURM|slurm",
+        leaves=r"^runs/multirun/",  # Hydra's multirun.yaml, before the launcher
+    ),
+    "python scripts/summarize_sweep.py runs/multirun/DATE/TIME": How(
+        needs=SWEEP_4, creates=("runs/multirun/DATE/TIME/summary.md",)
+    ),
+}
+
+
+def _fixture_files() -> dict[str, str]:
+    """The user's own files the README's commands name: built from the shipped sample task."""
+    rows = [json.loads(ln) for ln in (REPO / "assets/data/order/train.jsonl").read_text().splitlines()[:40]]
+    held = [json.loads(ln) for ln in (REPO / "assets/data/order/eval.jsonl").read_text().splitlines()[:8]]
+
+    def own(r: dict) -> str:  # prompt/completion rows: short enough for the tiny default's 64 tokens
+        return json.dumps({"prompt": r["prompt"], "completion": r["completion"]})
+
+    def chat(r: dict) -> str:
+        turns = [{"role": "user", "content": r["prompt"].strip()}, {"role": "assistant", "content": r["completion"]}]
+        return json.dumps({"messages": turns})
+
+    return {
+        "my.jsonl": "\n".join(own(r) for r in rows) + "\n",
+        "held_out.jsonl": "\n".join(own(r) for r in held) + "\n",
+        "chats.jsonl": "\n".join(chat(r) for r in rows) + "\n",
+        "prompts.txt": "order: qcab\n",  # a plain prompt line, as a user types it
+    }
+
+
+FILES = _fixture_files()
+
+
+def readme_commands(text: str | None = None) -> list[str]:
+    """Every command of the README's ```bash blocks: comments dropped, spaces collapsed, in order."""
+    text = README.read_text() if text is None else text
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.splitlines():
+            command = re.sub(r"\s+#.*$", "", line).strip()
+            if command and not command.startswith("#"):
+                commands.append(" ".join(command.split()))
+    return commands
+
+
+@dataclass
+class Outcome:
+    proc: subprocess.CompletedProcess
+    run_dir: str | None  # the run or sweep dir it wrote, relative to the sandbox
+    new_dirs: list[str]
+
+
+class Sandbox:
+    """A dir that looks like the checkout after `make setup`, where README commands run."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        for entry in REPO.iterdir():
+            if entry.name not in NOT_LINKED:
+                (root / entry.name).symlink_to(entry)
+        self.outcomes: dict[str, Outcome] = {}
+
+    def run_dirs(self) -> set[str]:
+        found = {p for p in self.root.glob("runs/*/*") if p.parent.name != "multirun"}
+        found |= set(self.root.glob("runs/multirun/*/*"))
+        return {str(p.relative_to(self.root)) for p in found if p.is_dir()}
+
+    def substitute(self, command: str, how: How) -> str:
+        if not how.needs:
+            return command
+        run_dir = self.outcome(how.needs).run_dir
+        assert run_dir, f"{how.needs!r} wrote no run dir, so {command!r} has none to use"
+        command = command.replace("runs/multirun/DATE/TIME", run_dir).replace("runs/DATE/TIME", run_dir)
+        return re.sub(r"\bRUN\b", run_dir, command)
+
+    def outcome(self, command: str) -> Outcome:
+        if command not in self.outcomes:
+            self.outcomes[command] = self._run(command, REGISTRY[command])
+        return self.outcomes[command]
+
+    def _run(self, command: str, how: How) -> Outcome:
+        line = self.substitute(command, how)
+        if line.startswith("make "):  # set-up is done: never reinstall from a test
+            line = "make -o .venv/.installed " + line[len("make ") :]
+        if how.kind == "dry":
+            line = line.replace("make ", "make -n ", 1)
+        line = " ".join([line, *how.suffix])
+        for name in how.files:
+            (self.root / name).write_text(FILES[name])
+        env = {k: v for k, v in os.environ.items() if k not in MAKE_VARIABLES}
+        env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        before = self.run_dirs()
+        try:
+            proc = subprocess.run(
+                ["bash", "-c", f"set -eo pipefail; {ACTIVATE}; {line}"],
+                cwd=self.root,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=how.timeout,
+            )
+        finally:
+            for name in how.files:
+                (self.root / name).unlink(missing_ok=True)
+        new = sorted(self.run_dirs() - before)
+        run_dir = new[-1] if new else (self.outcome(how.needs).run_dir if how.needs else None)
+        return Outcome(proc, run_dir, new)
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory) -> Sandbox:
+    return Sandbox(tmp_path_factory.mktemp("readme"))
+
+
+def _params():
+    seen = []
+    for command in dict.fromkeys(readme_commands()):
+        how = REGISTRY.get(command)
+        if how is None:
+            continue  # reported by test_every_readme_command_has_a_registry_entry
+        marks = [pytest.mark.slow] if how.slow else []
+        seen.append(pytest.param(command, marks=marks, id=command[:60]))
+    return seen
+
+
+def test_every_readme_command_has_a_registry_entry():
+    commands = readme_commands()
+    missing = [c for c in commands if c not in REGISTRY]
+    assert not missing, f"README commands with no entry in tests/test_readme.py REGISTRY: {missing}"
+    stale = [c for c in REGISTRY if c not in commands]
+    assert not stale, f"REGISTRY entries no README command has any more: {stale}"
+    assert readme_commands("```bash\nmake x   # c\n  # more\npython a.py 'b c'\n```\n") == [
+        "make x",
+        "python a.py 'b c'",
+    ]
+
+
+def test_the_setup_block_says_how_the_commands_run():
+    """The first block is the set-up; it activates .venv, so every later `python ...` finds hydra."""
+    first = re.search(r"```bash\n(.*?)```", README.read_text(), re.S).group(1)
+    assert ACTIVATE in first
+
+
+def _stderr_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [ln for ln in proc.stderr.splitlines() if ln.strip() and not MAKE_OWN_LINE.match(ln)]
+
+
+@pytest.mark.parametrize("command", _params())
+def test_readme_command(command, sandbox):
+    how = REGISTRY[command]
+    if how.kind == "setup":
+        proc = subprocess.run(
+            ["bash", "-c", f"{ACTIVATE}; python -c 'import hydra, trl, qlora_recipes'; command -v qlora"],
+            cwd=sandbox.root, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return
+    if how.kind == "refuse" and GPU_HERE and "make " in command:
+        pytest.skip("this machine has a GPU: the recipe would start, not refuse")
+    out = sandbox.outcome(command)
+    proc = out.proc
+    tail = f"\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+    if how.kind == "refuse":
+        errors = _stderr_lines(proc)
+        assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: "), tail
+        assert re.search(how.expect, errors[0]), errors[0]
+        left = [d for d in out.new_dirs if not (how.leaves and re.search(how.leaves, d))]
+        assert not left, f"a refused command left {left}"  # stops before writing
+        return
+    assert proc.returncode == 0, tail
+    if how.expect:
+        assert re.search(how.expect, proc.stdout), tail
+    for path in how.creates:
+        assert (sandbox.root / sandbox.substitute(path, How(needs=how.needs or command))).exists(), (path, tail)
+    if command == "python train.py --cfg job":
+        assert not out.new_dirs, "--cfg job must run nothing"
+    if how.walk:  # the walk: the trained default run answers the sample task
+        assert how.walk in proc.stdout, tail
+
+
+# ----------------------------------------------------------------------------------------------
+# Every figure the README states, against a run or the planner
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else None]
+
+
+def test_default_run_figures_are_a_real_default_runs(sandbox):
+    """Loss first -> last and exact match before -> after, as the set-up section states them, from
+    the full default run `make train` wrote (deterministic on CPU: one eval example is 1/64)."""
+    stated = re.search(
+        r"loss falls from ([0-9.]+) to ([0-9.]+) and exact match.*?rises from ([0-9.]+) to ([0-9.]+)",
+        " ".join(_section("Set-up").split()),
+    )
+    assert stated, "the set-up section no longer states the default run's loss and exact match"
+    first, last, before, after = (float(x) for x in stated.groups())
+    out = sandbox.outcome(DEFAULT_RUN)
+    assert out.proc.returncode == 0, out.proc.stderr[-3000:]
+    m = json.loads((sandbox.root / out.run_dir / "metrics.json").read_text())
+    assert abs(m["train_loss_first"] - first) <= 0.05, m["train_loss_first"]
+    assert abs(m["train_loss_last"] - last) <= 0.01 + 0.5 * last, m["train_loss_last"]
+    assert abs(m["eval_exact_match_before"] - before) <= 0.02, m["eval_exact_match_before"]
+    assert abs(m["eval_exact_match"] - after) <= 0.02, m["eval_exact_match"]
+
+
+def test_merge_figures_are_the_default_runs_merge(sandbox):
+    """'saved in bf16, the default: max 2.4e-2 on logits up to 14': the walk's own merge report."""
+    stated = re.search(
+        r"bf16, the default: max ([0-9.e-]+) on logits up to ([0-9.]+)", " ".join(README.read_text().split())
+    )
+    assert stated
+    max_diff, absmax = float(stated.group(1)), float(stated.group(2))
+    out = sandbox.outcome("python scripts/merge.py runs/DATE/TIME")
+    assert out.proc.returncode == 0, out.proc.stderr[-3000:]
+    report = json.loads((sandbox.root / out.run_dir / "merged" / "merge_report.json").read_text())
+    main = report["compare"]["vs_base_plus_adapter"]
+    assert max_diff / 2 <= main["max_abs_diff"] <= max_diff * 2, main
+    assert abs(main["ref_logit_absmax"] - absmax) <= 0.15 * absmax, main
+
+
+def test_the_tiny_models_parameter_count():
+    from math import prod
+
+    from safetensors import safe_open
+
+    stated = re.search(r"`assets/tiny-llama`, ([0-9.]+) M parameters", README.read_text())
+    assert stated
+    with safe_open(str(REPO / "assets/tiny-llama/model.safetensors"), "pt") as f:
+        params = sum(prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert f"{params / 1e6:.2f}" == stated.group(1), params
+
+
+def _gib(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"([0-9]+(?:\.[0-9]+)?) GiB", text)]
+
+
+def _half_last_digit(figure: str) -> float:
+    """The rounding a stated figure carries: "0.6" may be 0.55 to 0.65."""
+    decimals = len(figure.split(".")[1]) if "." in figure else 0
+    return 0.5 * 10**-decimals + 1e-9
+
+
+def test_the_recipe_table_is_the_planners():
+    """Each row's planner peak (`make plan-<recipe>`): the first device's peak and budget, its
+    allocated peak, and host RAM / disk where stated, within rounding (2 %)."""
+    rows = re.findall(r"^\| `([^`]+)` \| [^|]+ \| ([^|]+) \|$", _section("Recipes"), re.M)
+    assert {name for name, _ in rows} == set(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+    drift = []
+    for name, cell in rows:
+        cfg = compose_cfg(f"recipe={name}")
+        plan = planner.plan(
+            cfg,
+            gpus=devices.declared_gpus(cfg),
+            host_ram=devices.declared_host_ram(cfg),
+            world_size=devices.ranks(cfg),
+        )
+        first, *rest = plan["devices"]
+        want = {"peak": first["peak"] / GiB, "budget": first["budget"] / GiB, "allocated": plan["peak_allocated_gib"]}
+        got = re.match(r"([0-9.]+) GiB of ([0-9.]+) GiB", cell)
+        assert got, (name, cell)
+        stated = {"peak": got.group(1), "budget": got.group(2)}
+        stated["allocated"] = re.search(r"([0-9.]+) GiB allocated", cell).group(1)
+        for d in rest:
+            key = {"cpu": "host RAM", "disk": "disk"}[d["device"]]
+            found = re.search(rf"{key} ([0-9.]+)", cell)
+            if found:
+                stated[key], want[key] = found.group(1), d["peak"] / GiB
+        drift += [
+            f"{name}: {key} {value} but the planner says {want[key]:.2f}"
+            for key, value in stated.items()
+            if abs(float(value) - want[key]) > max(0.02 * want[key], _half_last_digit(value))
+        ]
+    assert not drift, "README's recipe table (run `make plan-<recipe>` and update it): " + "; ".join(drift)
+
+
+def test_every_module_is_named_where_the_readme_points():
+    """The README's layout points to docs/ARCHITECTURE.md for the modules: its rooms name them all."""
+    assert "docs/ARCHITECTURE.md names every module" in _section("Layout")
+    doc = (REPO / "docs/ARCHITECTURE.md").read_text()
+    rooms = doc[doc.index("## The rooms") : doc.index("## Where a new thing goes")]
+    package = REPO / "qlora_recipes"
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package)
+        if path.name == "__init__.py" or "__pycache__" in rel.parts or "shipped" in rel.parts:
+            continue
+        if len(rel.parts) == 1:
+            named = f"`{path.name}`" in rooms or f"`{path.stem}.py`" in rooms or f", `{path.name}" in rooms
+        else:  # planner/peaks.py: its package's row names `peaks`
+            row = next((ln for ln in rooms.splitlines() if ln.startswith(f"| `{rel.parts[0]}/`")), "")
+            named = re.search(rf"\b{re.escape(path.stem)}\b", row) is not None
+        if not named:
+            missing.append(str(rel))
+    assert not missing, f"modules docs/ARCHITECTURE.md's rooms table does not name: {missing}"
+
+
+def test_the_offload_folder_refusal_the_readme_shows_is_reachable():
+    from qlora_recipes.errors import UserError
+    from qlora_recipes.validate import validate
+
+    assert "`offload=disk offload.folder=null`: `error: offload=disk needs an offload folder" in README.read_text()
+    assert compose_cfg("offload=disk").offload.folder == "offload"  # offload=disk brings a folder
+    with pytest.raises(UserError, match=r"^offload=disk needs an offload folder: set offload.folder=PATH"):
+        validate(compose_cfg("offload=disk", "offload.folder=null"), gpu_available=False, world_size=1)
+
+
+def test_the_printed_stack_has_the_models_own_figures():
+    """The stack tree prints conf/model's figures, plan.json the model dir's: for the shipped tiny
+    model they must be one set (issue 14: vocab_size 99 printed, 100 planned)."""
+    model = compose_cfg().model
+    config = json.loads((REPO / "assets/tiny-llama/config.json").read_text())
+    pairs = {
+        "hidden_size": "hidden_size",
+        "num_layers": "num_hidden_layers",
+        "num_heads": "num_attention_heads",
+        "num_kv_heads": "num_key_value_heads",
+        "intermediate_size": "intermediate_size",
+        "vocab_size": "vocab_size",
+        "tie_embeddings": "tie_word_embeddings",
+        "max_position_embeddings": "max_position_embeddings",
+    }
+    assert {ours: model[ours] for ours in pairs} == {ours: config[theirs] for ours, theirs in pairs.items()}

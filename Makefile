@@ -22,7 +22,8 @@ SWEEP ?= rank_lr
 $(VENV)/.installed: requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
+	@echo "installing requirements.txt into $(VENV) (CPU torch; a few minutes the first time):"
+	$(PY) -m pip install --progress-bar on -r requirements.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 

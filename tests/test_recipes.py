@@ -239,3 +239,12 @@ def test_lean_recipes_meet_their_allocated_targets(name, target_gib):
     assert plan["fits"] and plan["peak_allocated_gib"] <= target_gib, plan["peak_allocated_gib"]
     assert cfg.trainer.seq_len == 2048 and cfg.trainer.micro_batch_size == 1
     assert not any("logits" in name for name in plan["components"])
+
+
+def test_the_install_shows_its_progress():
+    """Issue 14: `make train` / `make test` on a fresh clone installed for minutes with no output
+    (pip -q). The requirements install says what it does and shows pip's own progress."""
+    out = run("make", "-n", "-B", ".venv/.installed").stdout
+    install = [ln for ln in out.splitlines() if "pip install" in ln and "requirements.txt" in ln]
+    assert install and all(" -q" not in ln for ln in install), out
+    assert "installing requirements.txt" in out, out

@@ -279,8 +279,8 @@ OFFLOAD_NOTE = (
     "(bench/trace/offload.py), layers on disk as layers in host RAM (the GPU sees the same onload). The loader "
     "keeps offloaded layers unquantized (fp32 after k-bit prep), onloads each linear's weight to the GPU for its "
     "forward and recompute, and keeps the adapters of offloaded layers on the GPU with their gradients and "
-    "optimizer state (qlora_recipes/modeling.py). Where the plan differs: it puts those adapters, gradients and "
-    "optimizer state in host RAM; its offload_staging row is one offloaded block at its load size, where the GPU "
-    "holds the largest offloaded linear in fp32; and in an offloaded layer's backward autograd keeps the "
-    "compute-dtype copies autocast made of its weights (counted under layer_working)."
+    "optimizer state (qlora_recipes/modeling.py). The plan does the same (planner/single.py): those adapters, "
+    "gradients and optimizer state on the GPU, and as offload_staging the largest offloaded linear in fp32 plus the "
+    "compute-dtype copies autocast makes of an offloaded layer's weights, which autograd keeps for its backward; "
+    "the trace books part of these under layer_working, hence the component differences below."
 )

@@ -43,5 +43,12 @@ def main(argv: list[str] | None = None) -> None:
     if name not in SUBCOMMANDS:
         print(f"error: qlora {name}: no such command; choose one of: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         sys.exit(2)
-    module = importlib.import_module(f"{__name__}.{SUBCOMMANDS[name][0]}")
-    module.run(rest, prog=f"qlora {name}")
+    try:  # Ctrl-C while the subcommand's imports run: one line, as in train.py (its own handling is not in place yet)
+        module = importlib.import_module(f"{__name__}.{SUBCOMMANDS[name][0]}")
+        module.run(rest, prog=f"qlora {name}")
+    except KeyboardInterrupt:
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the exit itself is not interrupted again
+        print(f"qlora {name}: stopped by SIGINT (Ctrl-C)", file=sys.stderr, flush=True)
+        sys.exit(130)

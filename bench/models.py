@@ -102,13 +102,22 @@ def model_disk_bytes(fig: Mapping[str, Any], quantize: str | None) -> int:
     return total
 
 
-def write_tokenizer(out: Path, vocab_size: int, max_length: int = 1 << 20) -> None:
-    """A word-level tokenizer with exactly `vocab_size` entries: the 4 specials, then w4 ... w{V-1}."""
+def write_tokenizer(out: Path, vocab_size: int, max_length: int = 1 << 20, byte_alphabet: bool = False) -> None:
+    """A word-level tokenizer with exactly `vocab_size` entries: the 4 specials, then w4 ... w{V-1}.
+    `byte_alphabet`: ids 4-259 are the byte-level alphabet instead (the w-words follow), for model
+    types whose tokenizer class transformers fixes whatever tokenizer_config names (qwen2 ->
+    Qwen2Tokenizer, a byte-level BPE built from this vocab): it then reads text a byte a token,
+    where the w-words alone would give it nothing (every row one token)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update({f"w{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size)})
+    first = len(SPECIAL_TOKENS)
+    if byte_alphabet:
+        alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+        vocab.update({ch: first + i for i, ch in enumerate(alphabet)})
+        first += len(alphabet)
+    vocab.update({f"w{i}": i for i in range(first, vocab_size)})
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.add_special_tokens(list(SPECIAL_TOKENS))

@@ -109,7 +109,7 @@ def build_model(name: str, cache: Path) -> Path:
     model = AutoModelForCausalLM.from_config(model_config(name), dtype=torch.bfloat16)
     model.save_pretrained(out)
     del model
-    write_tokenizer(out, MODELS[name][6])
+    write_tokenizer(out, MODELS[name][6], byte_alphabet=MODELS[name][0] == "qwen2")
     write_text_data(out / "data.jsonl", MODELS[name][6], rows=64, min_words=1100, max_words=1100)
     (out / "done").write_text("ok\n")
     return out

@@ -176,7 +176,11 @@ SHARDED = ("fsdp", "zero2", "zero3")  # strategies run by the trainer's FSDP / D
 
 
 def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    """WORLD_SIZE as a number; a value that is not one counts as 1 here (validation names it)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return 1
 
 
 def prepare_ranks(cfg: Any, on_gpu: bool) -> None:

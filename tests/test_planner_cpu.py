@@ -34,12 +34,7 @@ def test_the_suite_spans_sizes_families_and_stacks():
 # Cases the planner misses by more than 10 %, each with what is known; they must not get worse.
 KNOWN_MISSES: dict[str, float] = {
     # case name -> the largest |measured / planned - 1| accepted for a miss we understand but have
-    # not yet modelled (each capped at 0.15).
-    # Without checkpointing, Qwen2's training step is planned >= 0.3 GiB above what it measures (the
-    # run's peak is its load, 2.21 GiB; the plan's train phase is 2.51): its 24 layers' kept
-    # activations (f/h = 5.4, q/k/v biases) or the tied 152k-vocab head's tiles are over-counted
-    # on CPU; Llama at 600 M without checkpointing is within 2 %. Not yet located.
-    "qwen2-500m/nf4-adamw-nockpt": 0.15,
+    # not yet modelled (each capped at 0.15); none today.
 }
 
 

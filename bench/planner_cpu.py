@@ -251,6 +251,36 @@ def write_results(path: Path, meta: dict, entries: list[dict]) -> None:
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
+def suite_start(args, prog: str, argv: list[str], suite: str, all_cases: list[dict], **extra) -> tuple:
+    """What a planner suite starts from (planner-cpu, planner-sharded): the model cache (the same
+    models for both), the work dir, the cases --only picks, the cases and runs its results file
+    already holds, and the results' header with this run appended to its runs."""
+    cache = Path(args.cache or Path(os.environ.get("QLORA_RECIPES_CACHE", Path.home() / ".cache/qlora-recipes")))
+    cache = cache / "bench" / "planner-cpu"
+    work = Path(args.work_dir or REPO / "runs" / "bench" / f"{suite}-{time.strftime('%Y%m%d-%H%M%S')}")
+    results = Path(args.results)
+    todo = all_cases
+    if args.only:
+        globs = args.only.split(",")
+        todo = [c for c in todo if any(fnmatch.fnmatch(c["name"], g) for g in globs)]
+    kept: dict[str, dict] = {}
+    runs: list[dict] = []
+    if results.with_suffix(".json").is_file():
+        old = json.loads(results.with_suffix(".json").read_text())
+        kept, runs = {e["name"]: e for e in old["cases"]}, old.get("runs", [])
+    runs.append({"command": " ".join([prog, *argv]), "started": now_iso(), "load_average_before": load_average()})
+    meta = {
+        "suite": suite,
+        "date": now_iso()[:10],
+        "device": describe_device(True)["name"],
+        "environment": environment(),
+        "tolerance": TOLERANCE,
+        **extra,
+        "runs": runs,
+    }
+    return cache, work, todo, kept, meta
+
+
 def main(argv: list[str], prog: str = "python -m bench planner-cpu") -> None:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--only", help="comma-separated globs of case names (model/stack)")
@@ -265,28 +295,8 @@ def main(argv: list[str], prog: str = "python -m bench planner-cpu") -> None:
         "--replan", action="store_true", help="no runs: re-plan the measured cases with the planner as it is now"
     )
     args = p.parse_args(argv)
-    cache = Path(args.cache or Path(os.environ.get("QLORA_RECIPES_CACHE", Path.home() / ".cache/qlora-recipes")))
-    cache = cache / "bench" / "planner-cpu"
-    work = Path(args.work_dir or REPO / "runs" / "bench" / f"planner-cpu-{time.strftime('%Y%m%d-%H%M%S')}")
+    cache, work, todo, kept, meta = suite_start(args, prog, argv, "planner-cpu", cases())
     results = Path(args.results)
-    todo = cases()
-    if args.only:
-        globs = args.only.split(",")
-        todo = [c for c in todo if any(fnmatch.fnmatch(c["name"], g) for g in globs)]
-    kept: dict[str, dict] = {}
-    runs: list[dict] = []
-    if results.with_suffix(".json").is_file():
-        old = json.loads(results.with_suffix(".json").read_text())
-        kept, runs = {e["name"]: e for e in old["cases"]}, old.get("runs", [])
-    runs.append({"command": " ".join([prog, *argv]), "started": now_iso(), "load_average_before": load_average()})
-    meta = {
-        "suite": "planner-cpu",
-        "date": now_iso()[:10],
-        "device": describe_device(True)["name"],
-        "environment": environment(),
-        "tolerance": TOLERANCE,
-        "runs": runs,
-    }
     todo = [c for c in todo if not ((args.resume or args.replan) and kept.get(c["name"], {}).get("status") == "ok")]
     for e in kept.values():  # re-scored by the planner as it is now
         if e.get("status") == "ok" and e["model"] in MODELS:

@@ -16,7 +16,6 @@ and rank planned, measured and their ratio; the goal is every rank within 10 %.
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import json
 import os
 import subprocess
@@ -25,8 +24,7 @@ import time
 from pathlib import Path
 
 from bench import REPO
-from bench.machine import describe_device, environment, load_average, now_iso
-from bench.planner_cpu import TOLERANCE, build_model, job_overrides, planning_dir, shapes_for
+from bench.planner_cpu import TOLERANCE, build_model, job_overrides, planning_dir, shapes_for, suite_start
 
 RESULTS = REPO / "bench" / "results" / "planner-sharded"
 WORLD_SIZE = 2
@@ -180,28 +178,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str], prog: str = "python -m bench planner-sharded") -> None:
     args = _parser(prog).parse_args(argv)
-    cache = Path(args.cache or Path(os.environ.get("QLORA_RECIPES_CACHE", Path.home() / ".cache/qlora-recipes")))
-    cache = cache / "bench" / "planner-cpu"  # the same models as planner-cpu
-    work = Path(args.work_dir or REPO / "runs" / "bench" / f"planner-sharded-{time.strftime('%Y%m%d-%H%M%S')}")
+    cache, work, todo, kept, meta = suite_start(args, prog, argv, "planner-sharded", cases(), world_size=WORLD_SIZE)
     results = Path(args.results)
-    todo = cases()
-    if args.only:
-        todo = [c for c in todo if any(fnmatch.fnmatch(c["name"], g) for g in args.only.split(","))]
-    kept: dict[str, dict] = {}
-    runs: list[dict] = []
-    if results.with_suffix(".json").is_file():
-        old = json.loads(results.with_suffix(".json").read_text())
-        kept, runs = {e["name"]: e for e in old["cases"]}, old.get("runs", [])
-    runs.append({"command": " ".join([prog, *argv]), "started": now_iso(), "load_average_before": load_average()})
-    meta = {
-        "suite": "planner-sharded",
-        "date": now_iso()[:10],
-        "device": describe_device(True)["name"],
-        "environment": environment(),
-        "tolerance": TOLERANCE,
-        "world_size": WORLD_SIZE,
-        "runs": runs,
-    }
     todo = [c for c in todo if not ((args.resume or args.replan) and kept.get(c["name"], {}).get("status") == "ok")]
     if args.collect:  # finished run dirs of a harness that was stopped
         for case in todo:

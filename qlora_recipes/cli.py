@@ -114,35 +114,14 @@ def run(hydra_main: Callable[[], object]) -> None:
     """Run a Hydra command: a user's mistake is one `error:` line on stderr and exit 2, Ctrl-C one
     line and exit 130 (the imports of the command's heavy modules belong inside `hydra_main`)."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing; also when set to 0
-    interrupted = _note_interrupts()
     try:
         _hydra_errors_as_user_errors(hydra_main)
     except Stop as stop:
         _exit(stop.message, stop.code)
     except UserError as err:
-        # a Ctrl-C inside OmegaConf's object set-up surfaces as its error about a half-built node
-        if interrupted:
-            _exit(INTERRUPTED, 130)
         _exit(f"error: {err}", 2)
     except KeyboardInterrupt:
         _exit(INTERRUPTED, 130)
-
-
-def _note_interrupts() -> list[int]:
-    """Python's own Ctrl-C behaviour (KeyboardInterrupt), remembering that it happened: a list that
-    is non-empty once SIGINT came. Handlers installed later (the trainer's) replace this one."""
-    received: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        return received
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return received
-
-    def on_sigint(signum, frame):
-        received.append(signum)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, on_sigint)
-    return received
 
 
 def _hydra_errors_as_user_errors(hydra_main: Callable[[], object]) -> None:

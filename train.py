@@ -14,9 +14,9 @@ if __name__ == "__main__":
     try:  # first: Ctrl-C while the imports below run is one line too (even `import sys` can be hit)
         import sys
 
-        from qlora_recipes import cli
+        from qlora_recipes import interrupts
 
-        cli.redeliver_swallowed_interrupts()
+        interrupts.install()  # from here on a Ctrl-C never lands inside an import
         from qlora_recipes.commands import train
 
         train.run(sys.argv[1:], prog="train.py")

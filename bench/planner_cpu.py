@@ -17,10 +17,7 @@ the same runs measure torch.cuda.max_memory_allocated against the plan's peak_al
 
 from __future__ import annotations
 
-import argparse
-import fnmatch
 import json
-import os
 import subprocess
 import sys
 import time
@@ -28,10 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench import REPO
-from bench.machine import describe_device, environment, load_average, now_iso
 from bench.models import write_text_data, write_tokenizer
+from bench.planner_suite import TOLERANCE, collect, in_suite_order, parser, suite_start, worst_ratio
+from bench.planner_suite import write_results as write_results_files
 
-TOLERANCE = 0.10
 RESULTS = REPO / "bench" / "results" / "planner-cpu"
 
 # name -> (family, hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings)
@@ -218,82 +215,31 @@ def write_results(path: Path, meta: dict, entries: list[dict]) -> None:
         "cases": len(entries),
         "measured": len(ok),
         "within_10pct": within,
-        "worst_ratio": max((e["ratio"] for e in ok), key=lambda r: abs(r - 1), default=None),
+        "worst_ratio": worst_ratio([e["ratio"] for e in ok]),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".json").write_text(json.dumps({**meta, "summary": summary, "cases": entries}, indent=1) + "\n")
-    lines = [
-        f"### planner vs CPU peak RSS — {meta['device']} — {meta['date']}",
-        "",
-        *(
-            f"- `{r['command']}` at {r['started']}; load average before {r['load_average_before']}"
-            for r in meta["runs"]
-        ),
-        f"- {meta['environment']}",
-        "- measured: the run's own peak RSS (metrics.json `peak_mem_gib`: the kernel's high-water mark from the"
-        " run's start);"
-        " planned: the plan's cpu-device peak (metrics.json `planned_peak_gib`); two optimizer steps",
-        f"- {within} of {len(ok)} measured cases within 10 % ({len(entries)} cases)",
-        "",
+    notes = [
+        "measured: the run's own peak RSS (metrics.json `peak_mem_gib`: the kernel's high-water mark from the"
+        " run's start); planned: the plan's cpu-device peak (metrics.json `planned_peak_gib`); two optimizer steps",
+        f"{within} of {len(ok)} measured cases within 10 % ({len(entries)} cases)",
+    ]
+    table = [
         "| case | params | overrides | planned GiB | measured GiB | ratio | phase |",
         "|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         if e.get("status") != "ok":
-            lines.append(
-                f"| {e['name']} | – | `{' '.join(e['overrides'])}` | – | failed (rc {e.get('rc')}) | – | – | – |"
-            )
+            table.append(f"| {e['name']} | – | `{' '.join(e['overrides'])}` | – | failed (rc {e.get('rc')}) | – | – |")
             continue
-        lines.append(
+        table.append(
             f"| {e['name']} | {e['params_total'] / 1e6:.1f} M | `{' '.join(e['overrides'])}` | {e['planned_gib']:.3f} "
             f"| {e['measured_gib']:.3f} | {e['ratio']:.3f} | {e['planned_phase']} |"
         )
-    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
-
-
-def suite_start(args, prog: str, argv: list[str], suite: str, all_cases: list[dict], **extra) -> tuple:
-    """What a planner suite starts from (planner-cpu, planner-sharded): the model cache (the same
-    models for both), the work dir, the cases --only picks, the cases and runs its results file
-    already holds, and the results' header with this run appended to its runs."""
-    cache = Path(args.cache or Path(os.environ.get("QLORA_RECIPES_CACHE", Path.home() / ".cache/qlora-recipes")))
-    cache = cache / "bench" / "planner-cpu"
-    work = Path(args.work_dir or REPO / "runs" / "bench" / f"{suite}-{time.strftime('%Y%m%d-%H%M%S')}")
-    results = Path(args.results)
-    todo = all_cases
-    if args.only:
-        globs = args.only.split(",")
-        todo = [c for c in todo if any(fnmatch.fnmatch(c["name"], g) for g in globs)]
-    kept: dict[str, dict] = {}
-    runs: list[dict] = []
-    if results.with_suffix(".json").is_file():
-        old = json.loads(results.with_suffix(".json").read_text())
-        kept, runs = {e["name"]: e for e in old["cases"]}, old.get("runs", [])
-    runs.append({"command": " ".join([prog, *argv]), "started": now_iso(), "load_average_before": load_average()})
-    meta = {
-        "suite": suite,
-        "date": now_iso()[:10],
-        "device": describe_device(True)["name"],
-        "environment": environment(),
-        "tolerance": TOLERANCE,
-        **extra,
-        "runs": runs,
-    }
-    return cache, work, todo, kept, meta
+    write_results_files(path, meta, entries, summary, "planner vs CPU peak RSS", notes, table)
 
 
 def main(argv: list[str], prog: str = "python -m bench planner-cpu") -> None:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    p.add_argument("--only", help="comma-separated globs of case names (model/stack)")
-    p.add_argument("--resume", action="store_true", help="keep the cases the results file already has")
-    p.add_argument("--cache", default=None, help="where the built models go")
-    p.add_argument("--work-dir", default=None, help="run dirs and logs")
-    p.add_argument("--results", default=str(RESULTS), help="results path without suffix")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
+    p = parser(prog, __doc__, RESULTS, "model/stack")
     p.add_argument("--jobs", type=int, default=1, help="cases run side by side (each peak is its own process's)")
-    p.add_argument("--collect", help="no runs: read the finished run dirs under this work dir into the results")
-    p.add_argument(
-        "--replan", action="store_true", help="no runs: re-plan the measured cases with the planner as it is now"
-    )
     args = p.parse_args(argv)
     cache, work, todo, kept, meta = suite_start(args, prog, argv, "planner-cpu", cases())
     results = Path(args.results)
@@ -302,11 +248,9 @@ def main(argv: list[str], prog: str = "python -m bench planner-cpu") -> None:
         if e.get("status") == "ok" and e["model"] in MODELS:
             replan(e, planning_dir(e["model"], cache))
     if args.collect:  # finished run dirs of a harness that was stopped (their processes ran on)
-        for case in todo:
-            run_dir = Path(args.collect) / case["name"].replace("/", "--")
-            if (run_dir / "metrics.json").is_file():
-                kept[case["name"]] = e = read_case(case, run_dir, 0, None)
-                replan(e, planning_dir(case["model"], cache))
+        for name, e in collect(todo, args.collect, lambda d: (d / "metrics.json").is_file(), read_case).items():
+            kept[name] = e
+            replan(e, planning_dir(e["model"], cache))
     if args.replan or args.collect:
         todo = []
     dirs = {m: build_model(m, cache) for m in dict.fromkeys(c["model"] for c in todo)}
@@ -331,6 +275,4 @@ def main(argv: list[str], prog: str = "python -m bench planner-cpu") -> None:
 
 
 def _write(results: Path, meta: dict, kept: dict[str, dict]) -> None:
-    """The cases of the suite as it is now (in its order) that have a result."""
-    order = [c["name"] for c in cases()]
-    write_results(results, meta, sorted((kept[n] for n in order if n in kept), key=lambda e: order.index(e["name"])))
+    write_results(results, meta, in_suite_order(kept, cases()))

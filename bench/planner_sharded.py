@@ -15,7 +15,6 @@ and rank planned, measured and their ratio; the goal is every rank within 10 %.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -24,7 +23,9 @@ import time
 from pathlib import Path
 
 from bench import REPO
-from bench.planner_cpu import TOLERANCE, build_model, job_overrides, planning_dir, shapes_for, suite_start
+from bench.planner_cpu import build_model, job_overrides, planning_dir, shapes_for
+from bench.planner_suite import TOLERANCE, collect, in_suite_order, parser, suite_start, worst_ratio
+from bench.planner_suite import write_results as write_results_files
 
 RESULTS = REPO / "bench" / "results" / "planner-sharded"
 WORLD_SIZE = 2
@@ -129,63 +130,41 @@ def write_results(path: Path, meta: dict, entries: list[dict]) -> None:
         "measured": len(ok),
         "ranks_measured": len(ranks),
         "ranks_within_10pct": sum(r["within"] for r in ranks),
-        "worst_ratio": max((r["ratio"] for r in ranks), key=lambda x: abs(x - 1), default=None),
+        "worst_ratio": worst_ratio([r["ratio"] for r in ranks]),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".json").write_text(json.dumps({**meta, "summary": summary, "cases": entries}, indent=1) + "\n")
-    lines = [
-        f"### planner per rank vs each rank's CPU peak RSS, {WORLD_SIZE} ranks — {meta['device']} — {meta['date']}",
-        "",
-        *(
-            f"- `{r['command']}` at {r['started']}; load average before {r['load_average_before']}"
-            for r in meta["runs"]
-        ),
-        f"- {meta['environment']}",
-        f"- measured: each rank's own peak RSS (metrics.json / metrics.rank1.json `peak_mem_gib`, the kernel's"
-        f" high-water mark from the run's start); planned: the cpu-device peak of `planner.plan(cfg, gpus=[],"
+    notes = [
+        "measured: each rank's own peak RSS (metrics.json / metrics.rank1.json `peak_mem_gib`, the kernel's"
+        " high-water mark from the run's start); planned: the cpu-device peak of `planner.plan(cfg, gpus=[],"
         f" world_size={WORLD_SIZE})`; `torchrun --standalone --nproc_per_node {WORLD_SIZE} train.py`, gloo,"
         " two optimizer steps",
-        f"- {summary['ranks_within_10pct']} of {len(ranks)} measured ranks within 10 % ({len(entries)} cases)",
-        "",
+        f"{summary['ranks_within_10pct']} of {len(ranks)} measured ranks within 10 % ({len(entries)} cases)",
+    ]
+    table = [
         "| case | params | overrides | planned GiB | phase | rank 0 GiB | ratio | rank 1 GiB | ratio |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         ov = " ".join(e["overrides"])
         if e.get("status") != "ok":
-            lines.append(f"| {e['name']} | – | `{ov}` | – | – | failed (rc {e.get('rc')}) | – | – | – |")
+            table.append(f"| {e['name']} | – | `{ov}` | – | – | failed (rc {e.get('rc')}) | – | – | – |")
             continue
         cells = " | ".join(f"{r['measured_gib']:.3f} | {r['ratio']:.3f}" for r in e["ranks"])
-        lines.append(
+        table.append(
             f"| {e['name']} | {e['params_total'] / 1e6:.1f} M | `{ov}` | {e['planned_gib']:.3f} "
             f"| {e['planned_phase']} | {cells} |"
         )
-    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
-
-
-def _parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    p.add_argument("--only", help="comma-separated globs of case names (model/strategy)")
-    p.add_argument("--resume", action="store_true", help="keep the cases the results file already has")
-    p.add_argument("--cache", default=None, help="where the built models go (planner-cpu's)")
-    p.add_argument("--work-dir", default=None, help="run dirs and logs")
-    p.add_argument("--results", default=str(RESULTS), help="results path without suffix")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
-    p.add_argument("--collect", help="no runs: read the finished run dirs under this work dir into the results")
-    p.add_argument("--replan", action="store_true", help="no runs: re-score the measured cases with today's planner")
-    return p
+    title = f"planner per rank vs each rank's CPU peak RSS, {WORLD_SIZE} ranks"
+    write_results_files(path, meta, entries, summary, title, notes, table)
 
 
 def main(argv: list[str], prog: str = "python -m bench planner-sharded") -> None:
-    args = _parser(prog).parse_args(argv)
+    args = parser(prog, __doc__, RESULTS, "model/strategy").parse_args(argv)
     cache, work, todo, kept, meta = suite_start(args, prog, argv, "planner-sharded", cases(), world_size=WORLD_SIZE)
     results = Path(args.results)
     todo = [c for c in todo if not ((args.resume or args.replan) and kept.get(c["name"], {}).get("status") == "ok")]
     if args.collect:  # finished run dirs of a harness that was stopped
-        for case in todo:
-            run_dir = Path(args.collect) / case["name"].replace("/", "--")
-            if all(f.is_file() for f in rank_metrics_files(run_dir)):
-                kept[case["name"]] = read_case(case, run_dir, 0, None)
+        finished = lambda d: all(f.is_file() for f in rank_metrics_files(d))  # noqa: E731
+        kept.update(collect(todo, args.collect, finished, read_case))
     if args.replan or args.collect:
         todo = []
     for e in kept.values():  # re-scored by the planner as it is now
@@ -205,5 +184,4 @@ def main(argv: list[str], prog: str = "python -m bench planner-sharded") -> None
 
 
 def _write(results: Path, meta: dict, kept: dict[str, dict]) -> None:
-    order = [c["name"] for c in cases()]
-    write_results(results, meta, sorted((kept[n] for n in order if n in kept), key=lambda e: order.index(e["name"])))
+    write_results(results, meta, in_suite_order(kept, cases()))

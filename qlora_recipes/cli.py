@@ -4,7 +4,8 @@ Hydra prints composition errors over several lines (search path, "set HYDRA_FULL
 HYDRA_FULL_ERROR=1 it raises them instead, and `run` condenses them here. An exception escaping a
 Hydra task function gets an "Error executing job with overrides" line first, so a task carries its
 message out as a `Stop` (a BaseException, which Hydra lets pass). Ctrl-C anywhere is one line and
-exit 130. Anything else is a bug in this repository and keeps its traceback.
+exit 130 (interrupts.py keeps it out of imports and finalizers). Anything else is a bug in this
+repository and keeps its traceback.
 """
 
 import argparse
@@ -16,6 +17,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
+from . import interrupts
 from .errors import UserError
 
 INTERRUPTED = "stopped by SIGINT (Ctrl-C) while starting; nothing was written"
@@ -48,26 +50,13 @@ class Stop(BaseException):
 
 
 def _exit(message: str, code: int):
+    if code == 2 and interrupts.received():  # e.g. OmegaConf's error about a node Ctrl-C left half built
+        message, code = INTERRUPTED, 130
     if code == 130 and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # one Ctrl-C, one line: the exit is not interrupted again
     sys.stdout.flush()
     print(message, file=sys.stderr, flush=True)
     sys.exit(code)
-
-
-def redeliver_swallowed_interrupts() -> None:
-    """Ctrl-C that lands while a finalizer runs (a __del__, a weakref callback) is printed by Python
-    as "Exception ignored ... Traceback" and then lost; deliver it again, to whatever handles
-    SIGINT at that moment (KeyboardInterrupt, or the trainer's own handler)."""
-    import _thread
-
-    def hook(unraisable) -> None:
-        if issubclass(unraisable.exc_type, KeyboardInterrupt):
-            _thread.interrupt_main()
-            return
-        sys.__unraisablehook__(unraisable)
-
-    sys.unraisablehook = hook
 
 
 @contextlib.contextmanager
@@ -113,6 +102,7 @@ def one_line(err: Exception) -> str:
 def run(hydra_main: Callable[[], object]) -> None:
     """Run a Hydra command: a user's mistake is one `error:` line on stderr and exit 2, Ctrl-C one
     line and exit 130 (the imports of the command's heavy modules belong inside `hydra_main`)."""
+    interrupts.install()
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing; also when set to 0
     try:
         _hydra_errors_as_user_errors(hydra_main)
@@ -158,6 +148,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def run_plain(command: Callable[[], int | None]) -> None:
     """Run a non-Hydra command: its UserError becomes one line and exit 2; its return is the exit code."""
+    interrupts.install()
     try:
         code = command()
     except UserError as err:

@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: qlora {name}: no such command; choose one of: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         sys.exit(2)
     try:  # Ctrl-C while the subcommand's imports run: one line, as in train.py (its own handling is not in place yet)
+        from .. import interrupts
+
+        interrupts.install()  # a Ctrl-C never lands inside an import (a half-imported library)
         module = importlib.import_module(f"{__name__}.{SUBCOMMANDS[name][0]}")
         module.run(rest, prog=f"qlora {name}")
     except KeyboardInterrupt:

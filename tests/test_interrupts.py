@@ -46,18 +46,17 @@ def _as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _python(code: str, cwd) -> str:
+    """What a child Python running `code` prints (its stderr too, after it, for the failure message)."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=60, preexec_fn=_as_in_a_terminal
+    )
+    return done.stdout.strip() + ("\n" + done.stderr if done.stderr else "")
+
+
 def _child(tmp_path, action: str, ours: bool) -> str:
     (tmp_path / "slow_module.py").write_text(textwrap.dedent(INTERRUPTED_IN_AN_IMPORT))
-    code = textwrap.dedent(CHILD).format(repo=str(REPO), ours=ours, action=action)
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        preexec_fn=_as_in_a_terminal,
-    )
-    return done.stdout.strip()
+    return _python(textwrap.dedent(CHILD).format(repo=str(REPO), ours=ours, action=action), tmp_path).splitlines()[0]
 
 
 @pytest.mark.parametrize("ours", [False, True], ids=["python's-handler", "ours"])
@@ -78,7 +77,7 @@ def test_a_handler_installed_before_is_kept():
         "mine = lambda s, f: None; signal.signal(signal.SIGINT, mine); interrupts.install()\n"
         "print(signal.getsignal(signal.SIGINT) is mine)"
     )
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "True"
+    assert _python(code, REPO) == "True"
 
 
 def test_a_second_ctrl_c_while_the_first_waits_is_not_held(tmp_path):
@@ -94,13 +93,6 @@ def test_a_second_ctrl_c_while_the_first_waits_is_not_held(tmp_path):
         "interrupts.install(); started = time.time()\n"
         "try:\n    import stuck_module\nexcept KeyboardInterrupt:\n    print(f'interrupted after {time.time() - started:.0f} s')"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        preexec_fn=_as_in_a_terminal,
-    )
-    waited = re.fullmatch(r"interrupted after (\d+) s", done.stdout.strip())
-    assert waited and int(waited.group(1)) < 25, done.stdout + done.stderr  # not the 30 s the import would hang
+    said = _python(code, tmp_path)
+    waited = re.match(r"interrupted after (\d+) s", said)
+    assert waited and int(waited.group(1)) < 25, said  # not the 30 s the import would hang

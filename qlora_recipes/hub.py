@@ -5,6 +5,7 @@
     publish_adapter(cfg, run_dir)    adapter/README.md (modelcard.py); with hub.push=true the adapter pushed
     push_adapter(cfg, run_dir, repo_id, private, revision)   that push (also `qlora push RUN_DIR REPO`)
     push_folder(folder, repo_id, private, revision, message, replace)   one commit: every file or none
+    quiet_but_upload_progress(level)   a pushing command's quiet setup that keeps the upload's progress bars
 
 The token is never passed, printed or written by this code: huggingface_hub reads it itself (HF_TOKEN,
 then the token file `hf auth login` wrote), and the config has no key for it. A push is one
@@ -14,9 +15,12 @@ the repo as it was (large files uploaded before the commit stay unreferenced).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import UserError
@@ -28,6 +32,7 @@ log = logging.getLogger("train")
 # machine's paths; a half-written card or weights left by an interrupted write are never pushed.
 NOT_PUSHED = ("training_args.bin",)
 NOT_PUSHED_SUFFIXES = (".partial", ".tmp", ".lock")
+PROGRESS_ENV = "HF_HUB_DISABLE_PROGRESS_BARS"  # huggingface_hub's switch, which wins over its calls
 
 
 def _first_line(err: BaseException) -> str:
@@ -68,6 +73,43 @@ def check_push(repo_id: str | None, revision: str | None, flag: str = "hub.push=
         ) from None
 
 
+def quiet_but_upload_progress(log_level: int) -> None:
+    """cli.quiet_libraries for a command that pushes, minus its HF_HUB_DISABLE_PROGRESS_BARS=1: that
+    variable, read when huggingface_hub is imported, would also silence the upload's own progress
+    bars for good. The bars are switched off in code instead (transformers' loading bars follow
+    that when it is imported), and `upload_progress` switches them on for the push. A user's own
+    HF_HUB_DISABLE_PROGRESS_BARS is kept."""
+    from .cli import quiet_libraries
+
+    users = os.environ.get(PROGRESS_ENV)
+    quiet_libraries(log_level)
+    if users is None:
+        os.environ.pop(PROGRESS_ENV, None)
+        from huggingface_hub import constants
+        from huggingface_hub.utils import disable_progress_bars
+
+        if constants.HF_HUB_DISABLE_PROGRESS_BARS is None:  # huggingface_hub was not imported with it set
+            disable_progress_bars()
+
+
+@contextlib.contextmanager
+def upload_progress() -> Iterator[None]:
+    """huggingface_hub's progress bars on while a push uploads (a merged model takes minutes), unless
+    HF_HUB_DISABLE_PROGRESS_BARS=1 was set when it was imported; as they were afterwards."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_off = are_progress_bars_disabled()
+    if constants.HF_HUB_DISABLE_PROGRESS_BARS is not None or not was_off:  # the variable decides, or on already
+        yield
+        return
+    enable_progress_bars()
+    try:
+        yield
+    finally:
+        disable_progress_bars()
+
+
 def _files(folder: Path) -> list[Path]:
     return sorted(
         p
@@ -98,7 +140,8 @@ def push_folder(
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         if revision:
             api.create_branch(repo_id, branch=revision, exist_ok=True)
-        commit = api.create_commit(repo_id, operations=operations, commit_message=message, revision=revision)
+        with upload_progress():
+            commit = api.create_commit(repo_id, operations=operations, commit_message=message, revision=revision)
     except Exception as err:  # network, permissions, quota: the commit either happened whole or not at all
         raise UserError(
             f"pushing {folder} to {repo_id} failed, nothing was committed ({_first_line(err)}); "

@@ -1,7 +1,8 @@
 """Experiment trackers (the `logger` group): which backends a run reports to, the run's name, and the
 tracker runs opened around training.
 
-    check(cfg)                 a backend's package missing, or a bad option: one UserError line (no import)
+    check(cfg)                 a backend's package missing, a bad option, W&B online without a login:
+                               one UserError line, before anything is written (imports wandb only for that)
     report_to(cfg)             the trainer's report_to: wandb, mlflow, trackio (transformers' own callbacks)
     run_name(cfg, run_dir)     logger.run_name, or the run dir and its overrides: "2026-01-31/12-00-00 peft.r=8"
     start(cfg, run_dir)        W&B and MLflow runs opened in the run dir; `.close()` ends every open run
@@ -18,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +58,8 @@ def report_to(cfg) -> list[str]:
 
 
 def check(cfg) -> None:
-    """Before anything is written: each enabled backend's package is importable, its options valid."""
+    """Before anything is written: each enabled backend's package is importable, its options valid,
+    W&B online logged in."""
     missing = [
         (name, pip)
         for name in report_to(cfg)
@@ -74,6 +77,48 @@ def check(cfg) -> None:
         raise UserError(f"logger.wandb.mode={mode} is not an option; choose one of: {', '.join(WANDB_MODES)}, null")
     if report_to(cfg) and not str(cfg_get(cfg, "logger.project", "") or "").strip():
         raise UserError("logger.project is empty: name the project the trackers file this run under")
+    if "wandb" in report_to(cfg):
+        _check_wandb_login(mode)
+
+
+def _check_wandb_login(mode: str | None) -> None:
+    """W&B online needs credentials, and wandb.init finds none only after config.yaml is written: look
+    where wandb looks (WANDB_API_KEY, an identity token, its settings files, the netrc entry of its
+    host), by its own readers, up front; nothing prompted, nothing written. Another wandb: no check."""
+    online = ("online", "run", "shared")  # not offline, dryrun, disabled
+    if mode is not None and mode not in online:
+        return
+    try:
+        settings = _wandb_settings()  # WANDB_MODE, `wandb offline`, WANDB_BASE_URL, as wandb.init reads them
+        if (mode or settings.mode) not in online:
+            return
+        from wandb.sdk.lib.wbauth import read_netrc_auth
+
+        env_login = os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE")
+        found = env_login or settings.api_key or read_netrc_auth(host=settings.base_url)
+    except (ImportError, AttributeError, TypeError):  # a wandb without these readers: wandb.init will say it
+        return
+    except Exception as err:  # e.g. a malformed key in the netrc: wandb's own words
+        raise UserError(f"logger=wandb: {_first_line(err).rstrip('.')}{_HINTS['wandb']}") from None
+    if not found:
+        raise UserError(
+            f"logger=wandb logs online to {settings.base_url}, and there is no W&B login here (no WANDB_API_KEY, "
+            "no netrc entry): run `wandb login` (or set WANDB_API_KEY), or log offline with "
+            "logger.wandb.mode=offline (or WANDB_MODE=offline) and `wandb sync` later"
+        )
+
+
+def _wandb_settings():
+    """wandb's settings as a new process would load them (its settings files, then WANDB_* variables),
+    without its process-wide singleton, which would keep them (and start a thread) from now on."""
+    from wandb import Settings
+
+    settings = Settings()
+    config_dir = os.environ.get("WANDB_CONFIG_DIR")
+    settings.settings_system = str(Path(config_dir or "~/.config/wandb").expanduser() / "settings")
+    settings.update_from_system_settings()
+    settings.update_from_env_vars(dict(os.environ))
+    return settings
 
 
 def run_overrides(run_dir: Path) -> list[str] | None:

@@ -265,3 +265,77 @@ def test_qlora_push_of_a_run_with_the_hub_out_of_reach_is_one_line(trained):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().startswith("error: qlora push: cannot reach the hub") and "\n" not in proc.stderr.strip()
     assert SECRET not in proc.stderr + proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# Progress: huggingface_hub's own upload bars stay on for `qlora push` (our quiet setup keeps them)
+# ------------------------------------------------------------------------------------------------
+# The hub's network calls answered in the process (the only stand-in here); the rest is the real command.
+# It records, at the commit, whether huggingface_hub's bars are on and transformers' loading bars off.
+PUSH_RECORDING = """
+import json, sys
+from types import SimpleNamespace
+from qlora_recipes import hub
+from qlora_recipes.commands import push
+
+quiet = hub.quiet_but_upload_progress
+
+def setup(level):
+    quiet(level)  # what the command runs, before huggingface_hub is imported
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import are_progress_bars_disabled, tqdm
+    from transformers.utils import logging as hf_logging  # imported after the setup, as merge does
+
+    def commit(self, repo_id, operations, **kwargs):
+        with tqdm(total=1, name="huggingface_hub.lfs_upload") as bar:
+            upload_bar = not bar.disable
+        state = {"hub_bars": not are_progress_bars_disabled(), "upload_bar": upload_bar,
+                 "files": sorted(op.path_in_repo for op in operations),
+                 "transformers_bars": hf_logging.is_progress_bar_enabled()}
+        print("STATE " + json.dumps(state), flush=True)
+        return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0")
+
+    HfApi.whoami = lambda self, *a, **k: {"name": "someone"}
+    HfApi.create_repo = lambda self, *a, **k: None
+    HfApi.create_commit = commit
+
+hub.quiet_but_upload_progress = setup
+push.run(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("user_env,bars", [({}, True), ({"HF_HUB_DISABLE_PROGRESS_BARS": "1"}, False)])
+def test_qlora_push_keeps_the_hubs_upload_progress_bars(tmp_path, user_env, bars):
+    import shutil
+
+    model = tmp_path / "merged"
+    shutil.copytree(REPO / "assets" / "tiny-llama", model)  # a merged dir: config.json + model.safetensors
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    env.update(HF_TOKEN=SECRET, HF_HUB_OFFLINE="0", PYTHONWARNINGS="ignore", **user_env)
+    proc = subprocess.run(
+        [sys.executable, "-c", PUSH_RECORDING, str(model), "someone/tiny-merged"],  # qlora push DIR REPO
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    state = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("STATE "))[6:])
+    assert state["hub_bars"] is bars and state["upload_bar"] is bars  # a user's HF_HUB_DISABLE_PROGRESS_BARS=1 wins
+    assert state["transformers_bars"] is False  # the loading bars stay quiet, as quiet_libraries meant
+    assert "model.safetensors" in state["files"]
+    assert "pushed the merged model to https://huggingface.co/someone/tiny-merged/commit/0" in proc.stdout
+
+
+def test_upload_progress_turns_the_hubs_bars_on_for_the_push_only(monkeypatch):
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_PROGRESS_BARS", None)
+    disable_progress_bars()
+    try:
+        with hub.upload_progress():
+            assert not are_progress_bars_disabled()
+        assert are_progress_bars_disabled()  # as they were: the loading bars stay quiet afterwards
+    finally:
+        enable_progress_bars()

@@ -21,7 +21,6 @@ INTERRUPTED_IN_AN_IMPORT = """
 """
 CHILD = """
     import sys, time
-    sys.path.insert(0, {repo!r})
     if {ours}:
         from qlora_recipes import interrupts
         interrupts.install()
@@ -56,7 +55,7 @@ def _python(code: str, cwd) -> str:
 
 def _child(tmp_path, action: str, ours: bool) -> str:
     (tmp_path / "slow_module.py").write_text(textwrap.dedent(INTERRUPTED_IN_AN_IMPORT))
-    return _python(textwrap.dedent(CHILD).format(repo=str(REPO), ours=ours, action=action), tmp_path).splitlines()[0]
+    return _python(textwrap.dedent(CHILD).format(ours=ours, action=action), tmp_path).splitlines()[0]
 
 
 @pytest.mark.parametrize("ours", [False, True], ids=["python's-handler", "ours"])
@@ -73,7 +72,7 @@ def test_ctrl_c_inside_a_finalizer_is_delivered_after_it(tmp_path, ours):
 
 def test_a_handler_installed_before_is_kept():
     code = (
-        f"import signal, sys; sys.path.insert(0, {str(REPO)!r}); from qlora_recipes import interrupts\n"
+        "import signal; from qlora_recipes import interrupts\n"
         "mine = lambda s, f: None; signal.signal(signal.SIGINT, mine); interrupts.install()\n"
         "print(signal.getsignal(signal.SIGINT) is mine)"
     )
@@ -89,7 +88,7 @@ def test_a_second_ctrl_c_while_the_first_waits_is_not_held(tmp_path):
         "time.sleep(30)  # an import that would hang\n"
     )
     code = (
-        f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from qlora_recipes import interrupts\n"
+        "import time; from qlora_recipes import interrupts\n"
         "interrupts.install(); started = time.time()\n"
         "try:\n    import stuck_module\nexcept KeyboardInterrupt:\n    print(f'interrupted after {time.time() - started:.0f} s')"
     )

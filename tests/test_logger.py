@@ -94,6 +94,65 @@ def test_missing_package_stops_the_command_before_anything_is_written(tmp_path):
     assert not out.exists()
 
 
+@pytest.fixture
+def no_wandb_login(monkeypatch, tmp_path):
+    """No W&B credentials anywhere wandb looks: no key or token in the environment, an empty netrc,
+    no settings files; its server a name nothing answers to (nothing is contacted anyway)."""
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.test")
+    monkeypatch.chdir(tmp_path)  # no workspace settings (./wandb/settings) either
+    return tmp_path / "netrc"
+
+
+@needs("wandb")
+def test_wandb_online_without_a_login_is_refused_up_front(no_wandb_login, monkeypatch):
+    cfg = compose_cfg("logger=[tensorboard,wandb]")
+    with pytest.raises(UserError, match=r"no W&B login here .*`wandb login`.*WANDB_MODE=offline") as err:
+        trackers.check(cfg)
+    assert "\n" not in str(err.value) and "https://wandb.example.test" in str(err.value)
+    trackers.check(compose_cfg("logger=[tensorboard,wandb]", "logger.wandb.mode=offline"))
+    trackers.check(compose_cfg("logger=[tensorboard,wandb]", "logger.wandb.mode=disabled"))
+    trackers.check(compose_cfg("logger=tensorboard"))  # no W&B, no question
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    trackers.check(cfg)
+    monkeypatch.delenv("WANDB_MODE")
+    no_wandb_login.write_text(f"machine wandb.example.test\n  login user\n  password {'k' * 40}\n")  # `wandb login`
+    trackers.check(cfg)
+    no_wandb_login.unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    trackers.check(cfg)
+    monkeypatch.delenv("WANDB_API_KEY")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with pytest.raises(UserError, match="no W&B login here"):  # logger.wandb.mode=online wins over WANDB_MODE
+        trackers.check(compose_cfg("logger=[tensorboard,wandb]", "logger.wandb.mode=online"))
+
+
+@needs("wandb")
+def test_wandb_online_without_a_login_leaves_the_run_dir_untouched(no_wandb_login, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    before = sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*"))
+    env = {k: v for k, v in ENV.items() if not k.startswith("WANDB_") and k != "NETRC"}  # a login of this shell
+    env.update({k: os.environ[k] for k in ("NETRC", "WANDB_CONFIG_DIR", "WANDB_BASE_URL")})  # goes too
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *SMOKE, "logger=[tensorboard,wandb]", f"hydra.run.dir={out}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "`wandb login`" in errors[0] and "logger.wandb.mode=offline" in errors[0]
+    assert sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*")) == before  # no config.yaml
+
+
 def _wandb_run(run_dir: Path) -> Path:
     runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list((run_dir / "wandb").iterdir())

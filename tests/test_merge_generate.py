@@ -182,6 +182,30 @@ def test_from_original_merge_shards_with_an_index_and_matches_peft(nf4_run, tmp_
         torch.testing.assert_close(tensor, ref[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_qlora_merge_reports_layers_and_shards_on_stderr(nf4_run, tmp_path):
+    """A merge piped into a log (stderr not a terminal) shows its progress as plain lines: the decoder
+    layers merged out of all of them and the shards written, first and last; no carriage returns."""
+    import os
+
+    out = tmp_path / "merged"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qlora_recipes", "merge", str(nf4_run), "--out", str(out), "--shard-size", "200KB"],
+        cwd=REPO,
+        env={**os.environ, **ENV_EXTRA},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shards = len(json.loads((out / "merge_report.json").read_text())["files"])
+    assert shards >= 2  # 200KB shards of the tiny model's ~0.6 MB in bf16
+    progress = [ln for ln in proc.stderr.splitlines() if ln.startswith("merging:")]
+    assert progress[0].startswith("merging: 0/2 layers"), proc.stderr[-3000:]  # the tiny model's 2 decoder layers
+    assert progress[-1].startswith("merging: 2/2 layers") and progress[-1].endswith(f", {shards} shards written")
+    assert "\r" not in proc.stderr
+    assert f"({shards} shard(s)," in proc.stdout
+
+
 def test_dora_adapter_merges_correctly(dora_run, tmp_path):
     """DoRA rescales each output row by magnitude / ||W + dW||. A smoke run barely moves the magnitudes,
     so spread them by +-30 % first: a merge that ignored them would be off by far more than the bound."""

@@ -8,7 +8,8 @@ precision dtype under RUN_DIR/merged as safetensors shards + index, config.json 
 (no peft, no bitsandbytes needed to load it). --from-original merges into the original 16-bit
 weights of model.name_or_path instead. Then the merged model's logits are compared with the base +
 adapter's on a few prompts (the run's eval data, or --prompts FILE): one merge-quality line here,
-the figures in OUT/merge_report.json.
+the figures in OUT/merge_report.json. Progress (decoder layers merged, shards written) goes to
+stderr: a bar on a terminal, a line every 30 s in a log.
 """
 
 from __future__ import annotations
@@ -52,7 +53,12 @@ def run(argv: list[str], prog: str = "qlora merge") -> None:
         args = parser.parse_args(argv)
         if not args.push_to_hub and (args.private or args.revision):
             raise UserError("--private and --revision apply to a push: add --push-to-hub REPO, or drop them")
-        quiet_libraries(logging.INFO)
+        if args.push_to_hub:
+            from ..hub import quiet_but_upload_progress
+
+            quiet_but_upload_progress(logging.INFO)  # huggingface_hub's upload bars stay on for the push
+        else:
+            quiet_libraries(logging.INFO)
         from ..merge.pipeline import merge
         from ..merge.quality import quality_line
 

@@ -5,7 +5,8 @@
 
 What `hub.push=true` does after training and `qlora merge --push-to-hub` after merging, for a dir
 already on disk (e.g. after a push that failed). The card is written again naming REPO; the token
-comes from HF_TOKEN or `hf auth login`; the push is one commit, all files or none.
+comes from HF_TOKEN or `hf auth login`; the push is one commit, all files or none, with
+huggingface_hub's upload progress bars (HF_HUB_DISABLE_PROGRESS_BARS=1 turns them off).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import logging
 from pathlib import Path
 
-from ..cli import ArgumentParser, quiet_libraries, run_plain
+from ..cli import ArgumentParser, run_plain
 
 
 def _parser(prog: str) -> ArgumentParser:
@@ -47,8 +48,9 @@ def run(argv: list[str], prog: str = "qlora push") -> None:
 
     def push_run() -> int:
         args = parser.parse_args(argv)
-        quiet_libraries(logging.INFO)
-        from ..hub import check_push, push_adapter
+        from ..hub import check_push, push_adapter, quiet_but_upload_progress
+
+        quiet_but_upload_progress(logging.INFO)  # huggingface_hub's upload bars stay on for the push
         from ..runs import load_run_config, resolve_dir
 
         kind, path = resolve_dir(args.dir, allow_merged=True)

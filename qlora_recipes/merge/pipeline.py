@@ -6,7 +6,7 @@
 Everything that can be checked without loading a model (the run dir, its config, --shard-size,
 --dtype, the prompts file, the adapter's base, the output dir) is checked first. Then: the stack the
 run trained gives the reference logits (quality), its merged tensors stream into shards (tensors,
-export), and the merged model's logits are compared (quality). The report lands in
+export; their progress on stderr), and the merged model's logits are compared (quality). The report lands in
 `<out>/merge_report.json` with the model, and its model card in `<out>/README.md`. With `push_to_hub`,
 the finished dir goes to that hub repo in one commit (the token and the hub are checked first).
 """
@@ -30,6 +30,7 @@ from ..runs import (
 )
 from ..units import PRECISION_DTYPE, dtype_name, torch_dtype
 from . import export, quality
+from .progress import MergeProgress
 from .tensors import merged_tensors, original_merged_tensors
 
 OUT_DTYPES = tuple(PRECISION_DTYPE.values())  # bfloat16, float16, float32: what a merged model is saved in
@@ -94,11 +95,15 @@ def _write_merged(model, cfg, partial: Path, max_bytes: int, out_dtype, from_ori
 
     writer = export.ShardWriter(partial, max_bytes, out_dtype)
     tensors = original_merged_tensors(model, cfg) if from_original else merged_tensors(model)
-    for name, tensor in tensors:
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise UserError(f"the merged {name} has NaN/inf values; the adapter is broken (check the run's loss)")
-        writer.add(name, tensor)
-    files = writer.close()
+    with MergeProgress(model) as progress:  # layers merged, shards written: on stderr
+        for name, tensor in tensors:
+            progress.tensor(name)
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise UserError(f"the merged {name} has NaN/inf values; the adapter is broken (check the run's loss)")
+            writer.add(name, tensor)
+            progress.shards(len(writer.files))
+        files = writer.close()
+        progress.shards(len(files))
     export.write_config(model, partial, out_dtype, writer.names)
     return writer, files
 

@@ -6,7 +6,6 @@ import logging
 # warns when it cannot; we never use that path (modeling._keep_4bit_layout_trainable), so hush it.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
-# Dataset preprocessing bars (tokenizing 2000 rows) drown the training progress bar.
-import os  # noqa: E402
-
-os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+# datasets' progress bars: data.load_splits turns them off (TRL's passes over 2000 rows drowned the
+# training bar) and shows one while a large split is tokenized (data/tokens.py). An environment
+# that sets HF_DATASETS_DISABLE_PROGRESS_BARS decides instead.

@@ -93,6 +93,15 @@ def expected_columns(fmt, row):
     return row
 
 
+# The token columns load_splits adds for TRL (tokenized once: TRL trains on them without tokenizing again).
+TOKEN_COLUMNS = ("input_ids", "completion_mask", "assistant_masks")
+
+
+def rows_of(ds):
+    """The dataset's rows without the token columns."""
+    return ds.remove_columns([c for c in TOKEN_COLUMNS if c in ds.column_names]).to_list()
+
+
 def user_error(match, fn, *args):
     with pytest.raises(UserError, match=match) as info:
         fn(*args)
@@ -115,14 +124,14 @@ def test_each_format_loads_from_each_source(tmp_path, tok, fmt, kind):
         assert stats["format"] == fmt
         assert stats["rows"] == {"train": 3, "eval": 0}
         assert stats["over_seq_len"] == {"train": 0, "eval": 0}
-        assert train.to_list() == [expected_columns(fmt, r) for r in ROWS[fmt]]
+        assert rows_of(train) == [expected_columns(fmt, r) for r in ROWS[fmt]]
         assert (
             set(train.column_names)
             == {
-                "alpaca": {"prompt", "completion"},
-                "prompt_completion": {"prompt", "completion"},
-                "messages": {"messages"},
-                "text": {"text"},
+                "alpaca": {"prompt", "completion", "input_ids", "completion_mask"},
+                "prompt_completion": {"prompt", "completion", "input_ids", "completion_mask"},
+                "messages": {"messages", "input_ids", "assistant_masks"},
+                "text": {"text", "input_ids"},
             }[fmt]
         )
 
@@ -154,7 +163,7 @@ def test_shipped_sample_config_loads(tok):
     assert stats["format"] == "prompt_completion"
     assert stats["rows"] == {"train": 2000, "eval": 64}
     assert stats["over_seq_len"] == {"train": 0, "eval": 0}
-    assert train.column_names == ["prompt", "completion"]
+    assert train.column_names == ["prompt", "completion", "input_ids", "completion_mask"]
     pairs = generation_pairs(eval_ds, stats["format"], data_cfg.metric_examples)
     assert len(pairs) == 64 and pairs[0] == (eval_ds[0]["prompt"], eval_ds[0]["completion"])
 
@@ -167,7 +176,7 @@ def test_json_variants(tmp_path, tok):
     lines.write_text("\n".join(json.dumps(r) for r in rows))
     for path in (wrapped, lines):
         train, _, _ = load_splits(cfg(path), tok, 64, 0)
-        assert train.to_list() == rows
+        assert rows_of(train) == rows
 
 
 def test_chat_prompt_completion(tmp_path, tok):
@@ -431,7 +440,7 @@ def test_hub_dataset_goes_through_load_dataset(monkeypatch, tok):
     assert calls == [("someorg/alpaca-like", "train"), ("someorg/alpaca-like", None)]
     assert stats["format"] == "alpaca" and stats["source"] == "hub:someorg/alpaca-like (split train)"
     assert stats["eval_source"] == "hub:someorg/alpaca-like (split test)"
-    assert (len(train), len(eval_ds)) == (3, 1) and train.column_names == ["prompt", "completion"]
+    assert (len(train), len(eval_ds)) == (3, 1) and rows_of(train)[0].keys() == {"prompt", "completion"}
 
 
 # --------------------------------------------------------------------------------------------------

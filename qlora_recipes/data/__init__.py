@@ -3,8 +3,10 @@
 `readers` turns a source (`data.path`, `data.eval_path`: a local file, a dataset dir or a hub name) into
 raw rows; `formats` detects and checks the format and converts each row (alpaca, messages, ShareGPT,
 prompt_completion, text); `chat` picks the chat template chat data is trained with (`data.chat_template`:
-the tokenizer's own, a built-in, or a file); `splits` ties them together in `load_splits` (eval split,
-token counts, rows over `trainer.seq_len` truncated or dropped, the prompt format generation reuses).
+the tokenizer's own, a built-in, or a file); `tokens` tokenizes each split once, as TRL's SFTTrainer
+would, so TRL trains on those ids without tokenizing again; `splits` ties them together in `load_splits`
+(eval split, token counts, rows over `trainer.seq_len` truncated or dropped, the prompt format generation
+reuses).
 Every bad row or source stops the run with one line naming the file, the row and the field.
 
 The names below load on first use: `qlora_recipes.data.chat` (which validate.py reads) stays light,

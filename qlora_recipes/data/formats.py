@@ -151,6 +151,26 @@ def _json_cell(rows: Rows, i: Any, field: str, text: str) -> Any:
         ) from None
 
 
+# A chat turn's text as each format's error lines name it: (the field, one turn is a, the text is).
+_TURN_TEXT = {"messages": ("content", "message", "the message text"), "sharegpt": ("value", "turn", "the turn's text")}
+
+
+def _turn_text(content: Any, where: str, role: str, speaker: Any, fmt: str) -> str:
+    """One turn's text checked (messages `content`, ShareGPT `value`): present, a string, and not blank
+    in a reply; `where` names the turn, `speaker` is how the row names a blank reply's author."""
+    field, unit, text = _TURN_TEXT[fmt]
+    if content is None:
+        raise UserError(f"{where}.{field}' is missing; give each {unit} its text in '{field}'")
+    if not isinstance(content, str):
+        raise UserError(
+            f"{where}.{field}' must be a string, got {type(content).__name__} {_short(content)}; "
+            f"write {text} as one string"
+        )
+    if role == "assistant" and not content.strip():
+        raise UserError(f"{where}.{field}' is an empty {speaker} turn; give it the reply text or remove it")
+    return content
+
+
 def _messages(rows: Rows, i: Any, row: dict, field: str, need_assistant: bool) -> list[dict]:
     at = rows.where(i)
     if field not in row or row[field] is None:
@@ -175,16 +195,7 @@ def _messages(rows: Rows, i: Any, row: dict, field: str, need_assistant: bool) -
             raise UserError(f"{where}.role' is missing; give each message a role ({', '.join(ROLES)})")
         if role not in ROLES:
             raise UserError(f"{where}.role' is an unknown role {_short(role)}; use one of {', '.join(ROLES)}")
-        content = message.get("content")
-        if content is None:
-            raise UserError(f"{where}.content' is missing; give each message its text in 'content'")
-        if not isinstance(content, str):
-            raise UserError(
-                f"{where}.content' must be a string, got {type(content).__name__} {_short(content)}; "
-                "write the message text as one string"
-            )
-        if role == "assistant" and not content.strip():
-            raise UserError(f"{where}.content' is an empty assistant turn; give it the reply text or remove it")
+        content = _turn_text(message.get("content"), where, role, role, "messages")
         out.append({"role": role, "content": content})
     if need_assistant and not any(m["role"] == "assistant" for m in out):
         raise UserError(
@@ -222,16 +233,7 @@ def _sharegpt(rows: Rows, i: Any, row: dict) -> list[dict]:
         if role is None:
             known = ", ".join(SHAREGPT_ROLES)
             raise UserError(f"{where}.from' is an unknown speaker {_short(speaker)}; use one of {known}")
-        content = turn.get("value", turn.get("content"))
-        if content is None:
-            raise UserError(f"{where}.value' is missing; give each turn its text in 'value'")
-        if not isinstance(content, str):
-            raise UserError(
-                f"{where}.value' must be a string, got {type(content).__name__} {_short(content)}; "
-                "write the turn's text as one string"
-            )
-        if role == "assistant" and not content.strip():
-            raise UserError(f"{where}.value' is an empty {speaker} turn; give it the reply text or remove it")
+        content = _turn_text(turn.get("value", turn.get("content")), where, role, speaker, "sharegpt")
         turns.append({"role": role, "content": content})
     if not turns:
         raise UserError(f"{rows.where(i)}: field '{field}' is an empty list; give it at least one turn")

@@ -1,6 +1,7 @@
 """`load_splits`: read `data.path` (and `data.eval_path`), convert every row to the columns TRL's
 `SFTTrainer` takes as they are, hold out a seeded eval split, set the chat template chat data trains with,
-count tokens the way TRL will, and say in one line what was found.
+tokenize each split once as TRL would (tokens.py: TRL then trains on those ids without tokenizing again),
+count from those tokens, and say in one line what was found.
 
 Rows longer than `trainer.seq_len` tokens: with `data.too_long=truncate` (the default) TRL keeps their
 first seq_len tokens, and the counts say how many examples that touches (and how many TRL then drops for
@@ -20,9 +21,10 @@ from datasets import Dataset
 
 from ..errors import UserError
 from ..units import cfg_get
-from .chat import chat_template_for, resolve_template, use_chat_template
+from .chat import resolve_template, use_chat_template
 from .formats import check_format_name, convert, detect, trains_as
 from .readers import BATCH_ROWS, read_source
+from .tokens import SCRATCH, quiet_datasets, token_figures, tokenization_for, tokenize_split
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +37,11 @@ def load_splits(data_cfg: Any, tokenizer: Any, seq_len: int, seed: int) -> tuple
 
     The datasets have the columns TRL's SFTTrainer reads: `prompt`+`completion` (alpaca and
     prompt_completion; strings, or message lists for a conversational prompt_completion), `messages`
-    (messages and ShareGPT), or `text`. Without `eval_path`, a seeded `eval_fraction` of the rows is held
-    out (None when 0). For chat data the tokenizer gets the chat template it trains with
-    (`data.chat_template`), so the tokenizer saved with the adapter renders prompts the same way.
+    (messages and ShareGPT), or `text`; with a tokenizer also TRL's token columns, `input_ids` and
+    `completion_mask` or `assistant_masks` (tokens.py), so TRL does not tokenize them again. Without
+    `eval_path`, a seeded `eval_fraction` of the rows is held out (None when 0). For chat data the
+    tokenizer gets the chat template it trains with (`data.chat_template`), so the tokenizer saved with
+    the adapter renders prompts the same way.
 
     stats: `format` (what TRL trains: ShareGPT is `messages`), `detected` (the rows' own format),
     `format_from` (`detected` or `data.format`), `conversational`, `source`, `eval_source`, `rows`
@@ -49,6 +53,7 @@ def load_splits(data_cfg: Any, tokenizer: Any, seq_len: int, seed: int) -> tuple
     `prompt_format` (how generation wraps a plain prompt the way this data's prompts look). The token
     figures are None when `tokenizer` is None.
     """
+    quiet_datasets()  # before the first read: datasets' bars would drown ours and the trainer's
     configured = check_format_name(cfg_get(data_cfg, "format", "auto"))
     split = cfg_get(data_cfg, "split", "train") or "train"
     eval_path = cfg_get(data_cfg, "eval_path")
@@ -250,34 +255,35 @@ def common_affixes(prompts: Iterable[str] | Iterable[list[str]]) -> tuple[str, s
 
 
 # --------------------------------------------------------------------------------------------------
-# Token counts (the same tokenization TRL 1.16's SFTTrainer._prepare_dataset does)
+# Token counts, from the ids TRL trains on (tokens.py tokenizes each split once, as TRL 1.16 would)
 # --------------------------------------------------------------------------------------------------
 
 
 def _add_token_stats(
     stats: dict[str, Any], splits: dict[str, Dataset], conversational: bool, tokenizer: Any, data_cfg: Any
 ) -> dict[str, Dataset]:
-    """Fill the token figures of `stats`, drop the rows over seq_len under `too_long=drop`, and say in the
-    log what TRL will truncate and drop; a UserError when a split would keep no trained token at all.
-    Returns the splits as training gets them."""
+    """Tokenize each split for TRL, fill the token figures of `stats`, drop the rows over seq_len under
+    `too_long=drop`, and say in the log what TRL will truncate and drop; a UserError when a split would keep
+    no trained token at all. Returns the splits as training gets them."""
     fmt, seq_len, too_long = stats["format"], stats["seq_len"], stats["too_long"]
-    completion_only = bool(cfg_get(data_cfg, "completion_only_loss", True))
     packing = bool(cfg_get(data_cfg, "packing", False))
-    chat_template = chat_template_for(tokenizer, fmt, conversational, completion_only, stats["source"])
-    trained_only = completion_only and fmt != "text"
-    counts = {
-        k: _count(ds, fmt, conversational, tokenizer, chat_template, trained_only, seq_len) for k, ds in splits.items()
-    }
+    how = tokenization_for(tokenizer, fmt, conversational, data_cfg, stats["source"])
+    tokenized, counts = {}, {}
+    for k, ds in splits.items():
+        ds = tokenize_split(ds, tokenizer, how, k, _where(stats, k))
+        counts[k] = _count(ds, seq_len)
+        tokenized[k] = ds.remove_columns([c for c in SCRATCH if c in ds.column_names])
+        _report_prompt_left_out(k, counts[k])
     keys = ("train", "eval")
     stats["over_seq_len"] = {k: counts[k]["over"] if k in counts else 0 for k in keys}
     stats["max_tokens"] = {k: counts[k]["max_tokens"] if k in counts else 0 for k in keys}
-    kept = dict(splits)
+    kept = dict(tokenized)
     if too_long == "drop":
         stats["dropped_too_long"] = {k: counts[k]["over"] if k in counts else 0 for k in keys}
         stats["truncated"] = {k: 0 for k in keys}
         stats["dropped_by_truncation"] = {k: 0 for k in keys}
         for k, c in counts.items():
-            kept[k] = _drop_long(stats, k, splits[k], c)
+            kept[k] = _drop_long(stats, k, tokenized[k], c)
         return kept
     stats["dropped_too_long"] = {k: 0 for k in keys}
     stats["dropped_by_truncation"] = {k: (0 if packing or k not in counts else counts[k]["dropped"]) for k in keys}
@@ -302,7 +308,7 @@ def _drop_long(stats: dict[str, Any], k: str, ds: Dataset, c: dict[str, Any]) ->
     if c["over"] == n:
         raise UserError(
             f"trainer.seq_len: all {n} {k} examples of {_where(stats, k)} are longer than {seq_len} tokens "
-            f"(shortest {min(c['lengths'])}) and data.too_long=drop drops them all; raise trainer.seq_len or use "
+            f"(shortest {int(c['lengths'].min())}) and data.too_long=drop drops them all; raise trainer.seq_len or use "
             "data.too_long=truncate"
         )
     log.warning(
@@ -314,7 +320,9 @@ def _drop_long(stats: dict[str, Any], k: str, ds: Dataset, c: dict[str, Any]) ->
         seq_len,
         c["max_tokens"],
     )
-    return ds.select([i for i, length in enumerate(c["lengths"]) if length <= seq_len])
+    import numpy as np
+
+    return ds.select(np.flatnonzero(c["lengths"] <= seq_len))
 
 
 def _report_truncation(stats: dict[str, Any], k: str, c: dict[str, Any], packing: bool) -> None:
@@ -341,64 +349,33 @@ def _report_truncation(stats: dict[str, Any], k: str, c: dict[str, Any], packing
     log.warning(msg + "; raise trainer.seq_len to keep them whole, or data.too_long=drop to leave them out")
 
 
-def _count(
-    ds: Dataset,
-    fmt: str,
-    conversational: bool,
-    tokenizer: Any,
-    chat_template: str | None,
-    completion_only: bool,
-    seq_len: int,
-) -> dict[str, Any]:
+def _count(ds: Dataset, seq_len: int) -> dict[str, Any]:
     """Per-split token statistics: each example's length, how many TRL truncates to `seq_len`, how many of
-    those it then drops (every trained token beyond `seq_len`), and the longest example."""
-    from trl.data_utils import common_prefix_length
+    those it then drops (its first trained token at or past min(length, seq_len)), and the longest."""
+    import numpy as np
 
-    lengths: list[int] = []
-    first_trained: list[int] = []  # index of the first token with a label (TRL drops rows where it's >= seq_len)
-    eos = tokenizer.eos_token or ""
+    lengths, trained_from, left_out = token_figures(ds)
+    dropped = int(np.count_nonzero(trained_from >= np.minimum(lengths, seq_len)))
+    return {
+        "over": int(np.count_nonzero(lengths > seq_len)),
+        "dropped": dropped,
+        "max_tokens": int(lengths.max()) if len(lengths) else 0,
+        "lengths": lengths,
+        "prompt_left_out": left_out,
+        "rows": len(lengths),
+    }
 
-    def with_eos(text: str) -> str:
-        return text if not eos or text.endswith(eos) else text + eos
 
-    step = 512
-    for start in range(0, len(ds), step):
-        batch = ds[start : start + step]
-        if fmt == "text":
-            ids = tokenizer([with_eos(t) for t in batch["text"]])["input_ids"]
-            lengths += [len(x) for x in ids]
-            first_trained += [0] * len(ids)
-        elif fmt == "messages":
-            out = tokenizer.apply_chat_template(
-                batch["messages"],
-                tokenize=True,
-                return_dict=True,
-                chat_template=chat_template,
-                return_assistant_tokens_mask=completion_only,
-            )
-            lengths += [len(x) for x in out["input_ids"]]
-            if completion_only:
-                first_trained += [m.index(1) if 1 in m else len(m) for m in out["assistant_masks"]]
-            else:
-                first_trained += [0] * len(out["input_ids"])
-        else:
-            if conversational:
-                prompt_ids = tokenizer.apply_chat_template(
-                    batch["prompt"], tokenize=True, return_dict=True, add_generation_prompt=True
-                )["input_ids"]
-                full_ids = tokenizer.apply_chat_template(
-                    [p + c for p, c in zip(batch["prompt"], batch["completion"], strict=True)],
-                    tokenize=True,
-                    return_dict=True,
-                )["input_ids"]
-            else:
-                prompt_ids = tokenizer(batch["prompt"])["input_ids"]
-                full_ids = tokenizer(
-                    [p + with_eos(c) for p, c in zip(batch["prompt"], batch["completion"], strict=True)]
-                )["input_ids"]
-            for p, f in zip(prompt_ids, full_ids, strict=True):
-                lengths.append(len(f))  # the completion starts where TRL says: after the common prefix
-                first_trained.append(common_prefix_length(p, f) if completion_only else 0)
-    over = sum(1 for n in lengths if n > seq_len)
-    dropped = sum(1 for n, k in zip(lengths, first_trained, strict=True) if k >= min(n, seq_len))
-    return {"over": over, "dropped": dropped, "max_tokens": max(lengths, default=0), "lengths": lengths}
+def _report_prompt_left_out(k: str, c: dict[str, Any]) -> None:
+    """TRL's warning, once per split: a prompt whose tokens merge with the completion's (or that the chat
+    template renders differently alone) has its end trained as completion."""
+    if c["prompt_left_out"]:
+        log.warning(
+            "%d of %d %s examples: the tokenized prompt is not the start of the tokenized prompt+completion "
+            "(tokens merge across the boundary, or the chat template renders the prompt differently); as TRL does, "
+            "the completion starts where they diverge, so training sees a prompt unlike the one generation sees; "
+            "end each prompt on a token boundary (e.g. a newline) to avoid it",
+            c["prompt_left_out"],
+            c["rows"],
+            k,
+        )

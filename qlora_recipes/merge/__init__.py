@@ -14,6 +14,7 @@ The rooms, in the order a merge runs (`pipeline.merge` drives them; scripts/merg
 - `export`: shards written as they fill (CPU memory stays near one shard plus the 4-bit stack, which
   the run itself needed), config.json without quantization, the tokenizer; all into `<out>.partial`,
   renamed at the end, so a failed merge leaves no half model.
+- `progress`: decoder layers merged and shards written, on stderr (a tqdm bar; plain lines in a log).
 - `quality`: the merged model's logits (plain transformers) against the base + adapter forward on a
   few prompts of the run's eval data; `quality_line` for the terminal.
 - `pipeline`: `merge(run_dir, ...) -> report`, the whole step, and `merge_report.json`.

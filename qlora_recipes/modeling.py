@@ -86,13 +86,6 @@ def _planned_placement(cfg: DictConfig, max_memory: dict | None) -> tuple[dict |
     return dict(planned["device_map"]), budgets
 
 
-def _offloads(dmap: dict) -> bool:
-    """Whether accelerate will hook modules of this map to onload them: any on disk, or on cpu
-    beside an accelerator (with no accelerator the CPU is the execution device)."""
-    values = {str(v) for v in dmap.values()}
-    return "disk" in values or ("cpu" in values and bool(values - {"cpu", "disk"}))
-
-
 # Attention per family. `model.attn_implementation` defaults to sdpa; a family whose transformers class
 # has no sdpa path says so (`_supports_sdpa = False`; transformers 5.23: Gemma 2, whose attention-logit
 # soft-capping sdpa cannot apply) and gets eager instead (conf/model/gemma2-9b.yaml names it too; the
@@ -165,7 +158,9 @@ def load_model(cfg: DictConfig, run_dir: Path, max_memory: dict | None = None):
     if quantization is not None and planned_map is not None:
         # transformers leaves every module the map puts on "cpu" or "disk" unquantized under this flag,
         # the whole model for {"": "cpu"}: only a map that really offloads gets it
-        quantization.llm_int8_enable_fp32_cpu_offload = _offloads(planned_map)
+        from .planner.placement import offloads  # the planner sizes offloaded modules unquantized too
+
+        quantization.llm_int8_enable_fp32_cpu_offload = offloads(planned_map)
     kwargs = dict(
         quantization_config=quantization,
         dtype=torch_dtype(cfg.precision.dtype),

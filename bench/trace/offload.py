@@ -2,18 +2,21 @@
 
 What a GPU run of an offloading recipe holds (qlora_recipes/modeling.py): from_pretrained gets the
 planner's device map as a dict, so the modules it puts on "cpu" or "disk" stay unquantized
-(llm_int8_enable_fp32_cpu_offload) and k-bit prep leaves them fp32; accelerate keeps their weights
-on `meta` and hooks each of their linears and norms (AlignDevicesHook(offload=True)) to onload the
-weights to the GPU for each forward (and each recompute under checkpointing) and drop them after;
+(llm_int8_enable_fp32_cpu_offload); accelerate keeps their weights on `meta` (which k-bit prep
+retypes to fp32) and the values as loaded, in the load dtype, in its weights map (a state dict in
+host RAM, or the checkpoint's safetensors read in place for "disk"), and hooks each of their
+linears and norms (AlignDevicesHook(offload=True)) to onload the weights to the GPU, cast to the
+meta parameter's fp32, for each forward (and each recompute under checkpointing) and drop them after;
 their LoRA adapters, gradients and optimizer state are real tensors on the GPU
 (modeling._adapters_off_meta); the LM head stays on the GPU (placement.pin_output_head).
 
 Here the model is built as in bench/trace/model.py with the offloaded blocks left unquantized, and
 after `materialize` each offloaded block's frozen weights move to a weights map of fake host
-tensors, replaced by meta, with the same accelerate hook on each module that holds them (never on
-the adapters). The onloaded copies are labelled `offload_staging`. Disk and host RAM are the same
-to the GPU (the hook onloads from either), so "disk" blocks are traced as host-RAM blocks; what the
-host side holds is not compared.
+tensors (here already fp32: the GPU receives the same fp32 copies), replaced by meta, with the same
+accelerate hook on each module that holds them (never on the adapters). The onloaded copies are
+labelled `offload_staging`. Disk and host RAM are the same to the GPU (the hook onloads from
+either), so "disk" blocks are traced as host-RAM blocks; what the host side holds (params x the
+load dtype's bytes, tests/test_offload.py) is not compared.
 
 A model whose layers are split between the GPU and the host is not one repeated layer, so it is
 traced as three slices (k GPU layers + m offloaded, k + 1 + m, k + m + 1) and each phase is

@@ -208,6 +208,20 @@ def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
     return out
 
 
+def unquantized_bytes(st: StackSpec, bb: BlockBytes) -> tuple[int, int, int, int]:
+    """A block the loader keeps unquantized: transformers' bitsandbytes quantizer adds every module
+    the device map puts on "cpu" or "disk" to modules_to_not_convert under
+    llm_int8_enable_fp32_cpu_offload (quantizer_bnb_4bit._process_model_before_weight_loading), so
+    its linears are plain nn.Linear in the load dtype (precision.dtype), like its norms.
+    (bytes as loaded, bytes after k-bit prep's upcast of real tensors, what the loader's placement
+    counts, load bytes of its largest tensor that k-bit prep upcasts or 0)."""
+    load, after = dtype_bytes(st.dtype), st.frozen_bytes
+    at_load = bb.other_at_load + bb.params_quantized * load
+    upcast = bb.other + bb.params_quantized * after
+    largest = max(bb.max_cast, bb.max_dequant * load if after > load else 0)
+    return at_load, upcast, at_load + bb.buffers, largest
+
+
 def optimizer_bytes(optim: str, shapes: Iterable[tuple[int, ...]]) -> tuple[int, int]:
     """(state bytes, of which paged) the optimizer holds for these trainable tensors after a step.
 

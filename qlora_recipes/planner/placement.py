@@ -10,13 +10,13 @@ import logging
 import os
 import re
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .. import devices as _dev
 from ..errors import UserError
 from .components import BlockBytes, should_convert, skip_patterns
-from .constants import BNB_MAX_MEMORY_FACTOR
+from .constants import BNB_MAX_MEMORY_FACTOR, KNOWN_ARCHITECTURES
 from .figures import Block, inventory, meta_model
 from .spec import StackSpec
 
@@ -86,8 +86,9 @@ def pin_output_head(st: StackSpec, dmap: OrderedDict, exec_value: Any, notes: li
 class _PlannedQuantizer:
     """Stands in for transformers' Bnb4BitHfQuantizer / Bnb8BitHfQuantizer inside the loader's
     device-map inference: quantized linear weights count 0.5 (4-bit) or 1 (int8) byte per element
-    (`quantized_element_size`), max_memory shrinks by 10 % (`adjust_max_memory`). It avoids
-    importing bitsandbytes (7 s) just to size things."""
+    (`quantized_element_size`), max_memory shrinks by 10 % (`adjust_max_memory`); `names`: the
+    weights that will be quantized, everything else counts at its dtype. It avoids importing
+    bitsandbytes (7 s) just to size things."""
 
     def __init__(self, element_size: float, names: frozenset[str]):
         self.element_size = element_size
@@ -103,39 +104,97 @@ class _PlannedQuantizer:
         return None
 
 
+OFFLOADED = ("cpu", "disk")
+MAX_PLACEMENT_ROUNDS = 8
+
+
+def offloads(dmap: Mapping[str, Any]) -> bool:
+    """Whether the loader hooks modules of this map to onload them, and so loads with
+    llm_int8_enable_fp32_cpu_offload (modeling.py asks here): any on disk, or on cpu beside a GPU
+    (with no GPU the CPU is the execution device)."""
+    values = {str(v) for v in dmap.values()}
+    return "disk" in values or ("cpu" in values and bool(values - set(OFFLOADED)))
+
+
+def unquantized_blocks(st: StackSpec, dmap: Mapping[str, Any], names: Iterable[str]) -> frozenset[str]:
+    """The blocks of `names` a quantized stack loads unquantized under this map: those on cpu/disk
+    when the map offloads (components.unquantized_bytes says why)."""
+    if not st.quantized or not offloads(dmap):
+        return frozenset()
+    return frozenset(n for n in names if dev_name(place(n, dmap)) in OFFLOADED)
+
+
+def rewrites_offloaded(st: StackSpec) -> bool:
+    """Whether from_pretrained writes the weights of disk modules to offload.folder. transformers 5
+    (integrations/accelerate.accelerate_disk_offload) indexes a safetensors checkpoint's own tensors
+    (the loader passes use_safetensors=True), read in place and cast to the load dtype; it re-saves a
+    tensor (core_model_loading.offload_and_maybe_resave_param, in the load dtype) only when a
+    WeightConverter of the model's conversion mapping rebuilds it (MoE experts), not for the
+    families figures.py knows."""
+    if st.fig.architecture in KNOWN_ARCHITECTURES:
+        return False
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    return any(isinstance(c, WeightConverter) for c in get_model_conversion_mapping(meta_model(st.fig, st.dtype)))
+
+
 def infer_device_map(
     st: StackSpec, max_memory: dict, blocks_bytes: list[tuple[Block, BlockBytes]], shortcut: bool = True
 ) -> OrderedDict[str, Any]:
-    """The device map from_pretrained(device_map=st.device_map, max_memory=...) builds for this model.
+    """The device map the loader is given for from_pretrained(device_map=st.device_map, max_memory=...).
 
-    transformers 5 computes it with its port of accelerate's infer_auto_device_map
+    transformers 5 computes an "auto" map with its port of accelerate's infer_auto_device_map
     (transformers.integrations.accelerate._get_device_map: get_balanced_memory, the quantizer's 10 %
     max_memory cut, infer_auto_device_map with quantized element sizes); we call that very function
     on a meta-device model from AutoModelForCausalLM.from_config under accelerate.init_empty_weights.
-    """
+    But transformers quantizes before it infers an "auto" map, so it sizes every linear at 4/8 bits,
+    while the loader passes this map as a dict and the modules it offloads stay unquantized in the
+    load dtype (4x an NF4 linear in bf16): a cpu budget filled at 4-bit sizes would hold 4x its bytes.
+    So the blocks a map offloads are re-sized unquantized and the map inferred again, until no more
+    blocks move off the GPU (sizes only grow, so this ends; a few rounds)."""
     trivial = _whole_model_fits_one_device(st, max_memory, blocks_bytes) if shortcut else None
     if trivial is not None:
         return OrderedDict([("", trivial)])
     from transformers.integrations.accelerate import _get_device_map
 
     model = meta_model(st.fig, st.dtype)
-    hf_quantizer = None
-    if st.quantized:
-        patterns = skip_patterns(st, inventory(st.fig))
-        names = frozenset(
-            f"{lin.name}.weight" for blk, _ in blocks_bytes for lin in blk.linears if should_convert(lin.name, patterns)
-        )
-        hf_quantizer = _PlannedQuantizer(0.5 if st.quant in ("nf4", "fp4") else 1.0, names)
+    linears = _quantized_linear_names(st, blocks_bytes)
+    unquantized: frozenset[str] = frozenset()
+    for _ in range(MAX_PLACEMENT_ROUNDS):
+        hf_quantizer = None
+        if st.quantized:
+            names = frozenset(w for blk, ws in linears.items() if blk not in unquantized for w in ws)
+            hf_quantizer = _PlannedQuantizer(0.5 if st.quant in ("nf4", "fp4") else 1.0, names)
+        dmap = _quiet_device_map(_get_device_map, model, st.device_map, dict(max_memory), hf_quantizer)
+        moved = unquantized_blocks(st, dmap, linears)
+        if moved <= unquantized:
+            break
+        unquantized |= moved
+    return OrderedDict(dmap)
+
+
+def _quantized_linear_names(st: StackSpec, blocks_bytes: list[tuple[Block, BlockBytes]]) -> dict[str, list[str]]:
+    """Per block, the weights of its linears the quantizer converts (none without quantization)."""
+    if not st.quantized:
+        return {blk.name: [] for blk, _ in blocks_bytes}
+    patterns = skip_patterns(st, inventory(st.fig))
+    return {
+        blk.name: [f"{lin.name}.weight" for lin in blk.linears if should_convert(lin.name, patterns)]
+        for blk, _ in blocks_bytes
+    }
+
+
+def _quiet_device_map(get_device_map, *args) -> dict:
     quiet = [logging.getLogger(n) for n in ("accelerate.utils.modeling", "transformers.integrations.accelerate")]
     levels = [lg.level for lg in quiet]
     for lg in quiet:
         lg.setLevel(logging.ERROR)  # "Device 0 is not available" when planning declared GPUs
     try:
-        dmap = _get_device_map(model, st.device_map, dict(max_memory), hf_quantizer)
+        return get_device_map(*args)
     finally:
         for lg, lv in zip(quiet, levels, strict=True):
             lg.setLevel(lv)
-    return OrderedDict(dmap)
 
 
 def _whole_model_fits_one_device(st: StackSpec, max_memory: dict, blocks_bytes: list[tuple[Block, BlockBytes]]):

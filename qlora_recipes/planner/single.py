@@ -26,6 +26,7 @@ from .components import (
     optimizer_bytes,
     optimizer_shared_bytes,
     shared_per_device_bytes,
+    unquantized_bytes,
 )
 from .constants import (
     ALLOCATOR_DYNAMIC_FRACTION,
@@ -37,7 +38,15 @@ from .constants import (
 )
 from .loss import eval_loss_bytes, generation_bytes, train_loss_bytes
 from .peaks import COMPONENTS, STATIC, allocated_peak, allocator_bytes, device_entry, peak_allocated_gib, phase_peaks
-from .placement import dev_name, on_one_device, place, resolve_placement
+from .placement import (
+    OFFLOADED,
+    dev_name,
+    on_one_device,
+    place,
+    resolve_placement,
+    rewrites_offloaded,
+    unquantized_blocks,
+)
 from .spec import StackSpec, data_note
 
 
@@ -57,7 +66,9 @@ class _Tally:
     dora_on: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     cast_on: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     offloaded_max: int = 0  # the largest block computed away from where it is stored
-    disk_max: int = 0
+    disk_max: int = 0  # the largest block on disk, as read
+    disk_read: int = 0  # the bytes of every block on disk, as read (load dtype)
+    host_cast_max: int = 0  # the fp32 host copy of the largest tensor onloaded from host RAM
     trainable_shapes: defaultdict[str, list] = field(default_factory=lambda: defaultdict(list))
     counts: dict[str, int] = field(
         default_factory=lambda: dict(
@@ -73,6 +84,8 @@ def plan_single(st: StackSpec, hw: _dev.Hardware) -> dict:
     exec_dev, dmap, max_memory = resolve_placement(st, hw, bbs, notes)
     t = _tally_blocks(st, hw, bbs, dmap, exec_dev)
     comp = t.comp
+    if t.disk_read and rewrites_offloaded(st):
+        comp["other_params"]["disk"] += t.disk_read  # re-saved to offload.folder in the load dtype
     disk_bytes = sum(comp[k].get("disk", 0) for k in ("quantized_weights", "other_params", "buffers"))
     paged_total = _optimizer_rows(st, t)
     _activation_rows(st, t)
@@ -81,8 +94,8 @@ def plan_single(st: StackSpec, hw: _dev.Hardware) -> dict:
     # offload staging: room on the execution device for one offloaded layer
     if t.offloaded_max and hw.has_gpu:
         comp["offload_staging"][exec_dev] += t.offloaded_max
-    if t.disk_max:
-        comp["offload_staging"]["cpu"] += t.disk_max
+    if t.disk_max or t.host_cast_max:
+        comp["offload_staging"]["cpu"] += max(t.disk_max, t.host_cast_max)
     if on_one_device(st):
         dev_names = [exec_dev]
         if exec_dev != "cpu" and comp["activations"].get("cpu"):
@@ -97,7 +110,7 @@ def plan_single(st: StackSpec, hw: _dev.Hardware) -> dict:
         elif d == "cpu":
             comp["process_baseline"][d] += CPU_PROCESS_BASELINE_BYTES
     devices = [_device(st, hw, comp, d, disk_bytes, max_memory) for d in dev_names]
-    _notes(st, hw, t.placed, paged_total, notes)
+    _notes(st, hw, t.placed, paged_total, t.disk_read, notes)
     return _plan_dict(st, hw, t, devices, dmap, max_memory, paged_total, notes)
 
 
@@ -114,6 +127,7 @@ def _tally_blocks(st: StackSpec, hw: _dev.Hardware, bbs: list, dmap: dict, exec_
     adapters they stay in host RAM for a block on disk (trainable tensors cannot live on disk)."""
     t = _Tally(lm_dev=exec_dev)
     comp, counts = t.comp, t.counts
+    unquantized = unquantized_blocks(st, dmap, [blk.name for blk, _ in bbs])
     for blk, bb in bbs:
         where = dev_name(place(blk.name, dmap))
         t.placed[blk.name] = where
@@ -121,13 +135,25 @@ def _tally_blocks(st: StackSpec, hw: _dev.Hardware, bbs: list, dmap: dict, exec_
         if where == "disk" and not hw.has_gpu:
             compute = "cpu"
         holder = "cpu" if where == "disk" else where
-        t.cast_on[holder] = max(t.cast_on[holder], bb.max_cast)
-        comp["quantized_weights"][where] += bb.quant_data + bb.quant_state
-        comp["other_params"][where] += bb.other_at_load if where == "disk" else bb.other  # stored as loaded
-        comp["buffers"][where] += bb.buffers
-        if where == "disk":
-            t.disk_max = max(t.disk_max, bb.placed_bytes)
-        offloaded = where in ("cpu", "disk") and compute != where
+        offloaded = where in OFFLOADED and compute != where
+        if blk.name in unquantized:
+            _tally_unquantized(st, t, bb, where, offloaded)
+        else:
+            t.cast_on[holder] = max(t.cast_on[holder], bb.max_cast)
+            if where == "disk":  # quant=none: stored as loaded, read in place
+                t.disk_read += bb.quant_data + bb.quant_state + bb.other_at_load
+                t.disk_max = max(t.disk_max, bb.placed_bytes)
+            else:
+                comp["quantized_weights"][where] += bb.quant_data + bb.quant_state
+                comp["other_params"][where] += bb.other
+            # dequant scratch: the largest quantized weight dequantized to the compute dtype (forward
+            # and backward of a 4-bit/8-bit linear); DoRA adds its weight-norm temporaries
+            t.dequant_on[compute] = max(t.dequant_on[compute], bb.max_dequant * st.act_bytes if st.quantized else 0)
+            t.dora_on[compute] = max(t.dora_on[compute], bb.max_dora)
+            counts["params_quantized"] += bb.params_quantized
+            counts["footprint_at_load"] += bb.quant_data + bb.other_at_load + bb.buffers
+            counts["quant_state_bytes"] += bb.quant_state
+        comp["buffers"][compute if offloaded else where] += bb.buffers  # accelerate: buffers not offloaded
         if offloaded:
             t.offloaded_max = max(t.offloaded_max, offloaded_working_bytes(st, blk))
         trainable_on = compute if offloaded else holder  # modeling._adapters_off_meta
@@ -137,18 +163,33 @@ def _tally_blocks(st: StackSpec, hw: _dev.Hardware, bbs: list, dmap: dict, exec_
             t.trainable_shapes[trainable_on] += bb.lora_tensors
         if blk.is_layer:
             t.layers_on[compute].append(bb)
-        # dequant scratch: the largest quantized weight dequantized to the compute dtype (forward
-        # and backward of a 4-bit/8-bit linear); DoRA adds its weight-norm temporaries
-        t.dequant_on[compute] = max(t.dequant_on[compute], bb.max_dequant * st.act_bytes if st.quantized else 0)
-        t.dora_on[compute] = max(t.dora_on[compute], bb.max_dora)
         if blk.name == "lm_head":
             t.lm_dev = compute
         counts["params_total"] += bb.params_total
-        counts["params_quantized"] += bb.params_quantized
         counts["lora_params"] += bb.lora_numel
-        counts["footprint_at_load"] += bb.quant_data + bb.other_at_load + bb.buffers
-        counts["quant_state_bytes"] += bb.quant_state
     return t
+
+
+def _tally_unquantized(st: StackSpec, t: _Tally, bb: BlockBytes, where: str, offloaded: bool) -> None:
+    """A block on cpu/disk that the loader keeps unquantized, in the load dtype
+    (components.unquantized_bytes). Offloaded (hooked beside a GPU, or on disk) its weights live in
+    accelerate's weights map as loaded - a state dict in host RAM, or the checkpoint's tensors read
+    from disk - and k-bit prep only retypes the meta parameters; each forward onloads one tensor at
+    a time, cast to the parameter's fp32 first (set_module_tensor_to_device: value.to(old dtype),
+    then .to(device)), a host-RAM copy for one from RAM. Computing on the CPU (no GPU, disk in
+    the map) they are real tensors that k-bit prep upcasts, one at a time."""
+    at_load, upcast, placed, largest = unquantized_bytes(st, bb)
+    if where == "disk":
+        t.disk_read += at_load
+        t.disk_max = max(t.disk_max, placed)
+    elif offloaded:
+        t.comp["other_params"][where] += at_load
+        if st.frozen_bytes != dtype_bytes(st.dtype):
+            t.host_cast_max = max(t.host_cast_max, largest // dtype_bytes(st.dtype) * st.frozen_bytes)
+    else:
+        t.comp["other_params"][where] += upcast
+        t.cast_on[where] = max(t.cast_on[where], largest)
+    t.counts["footprint_at_load"] += at_load + bb.buffers
 
 
 def _optimizer_rows(st: StackSpec, t: _Tally) -> int:
@@ -279,7 +320,9 @@ def _device(st: StackSpec, hw: _dev.Hardware, comp: dict, d: str, disk_bytes: in
     return entry
 
 
-def _notes(st: StackSpec, hw: _dev.Hardware, placed: dict[str, str], paged_total: int, notes: list[str]) -> None:
+def _notes(
+    st: StackSpec, hw: _dev.Hardware, placed: dict[str, str], paged_total: int, disk_read: int, notes: list[str]
+) -> None:
     if OPTIMIZERS[st.optim].endswith("_paged") and not hw.has_gpu:
         notes.append("paged optimizers fall back to unpaged on CPU (bitsandbytes): same bytes, no spill")
     if paged_total:
@@ -289,11 +332,23 @@ def _notes(st: StackSpec, hw: _dev.Hardware, placed: dict[str, str], paged_total
         )
     if st.device_map is None and hw.has_gpu and len(hw.gpus) > 1:
         notes.append("offload.device_map null: every data-parallel rank holds a full copy; planned for one rank's GPU")
-    if st.quantized and any(v in ("cpu", "disk") for v in placed.values()) and hw.has_gpu:
+    if st.quantized and any(v in OFFLOADED for v in placed.values()) and hw.has_gpu:
         notes.append(
             "layers on cpu/disk with a bitsandbytes model need "
-            "BitsAndBytesConfig(llm_int8_enable_fp32_cpu_offload=True) (the loader sets it); "
+            "BitsAndBytesConfig(llm_int8_enable_fp32_cpu_offload=True) (the loader sets it), which keeps them "
+            f"unquantized, in {st.dtype} ({dtype_bytes(st.dtype)} B/param, not {_quantized_bytes_word(st)}): host RAM counts them so; "
             "their LoRA adapters, gradients and optimizer state live on the GPU, where the layer computes"
+        )
+    if disk_read:
+        notes.append(
+            f"disk: {sum(1 for v in placed.values() if v == 'disk')} module(s), {disk_read / GiB:.1f} GiB in "
+            f"{st.dtype}, read from disk at every forward and recompute; "
+            + (
+                "transformers re-saves converted checkpoint tensors to offload.folder: counted there"
+                if rewrites_offloaded(st)
+                else "transformers reads them in place from the checkpoint's safetensors files: nothing is written "
+                "to offload.folder"
+            )
         )
     if not st.quantized:
         notes.append("quant=none: no prepare_model_for_kbit_training, weights stay in the precision dtype")
@@ -304,6 +359,10 @@ def _notes(st: StackSpec, hw: _dev.Hardware, placed: dict[str, str], paged_total
             "loss: TRL's fused LM head, planned for every position of a micro-batch (labels are unknown "
             "here); it scores only positions with a label, so masked prompts and padding need less"
         )
+
+
+def _quantized_bytes_word(st: StackSpec) -> str:
+    return "0.5" if st.quant in ("nf4", "fp4") else "1"
 
 
 def _plan_dict(
@@ -331,6 +390,7 @@ def _plan_dict(
             if counts["params_quantized"]
             else None,
             "paged_optimizer_bytes": paged_total,
+            "disk_read_bytes": t.disk_read,  # disk modules as read in place (load dtype), every forward
         },
         "components": {k: {d: int(v) for d, v in comp[k].items() if v} for k in COMPONENTS if any(comp[k].values())},
         "devices": devices,

@@ -54,8 +54,9 @@ def test_option_composes_and_validates(group, option):
     gpu = cfg.precision.name == "fp16" or cfg.hardware.gpus > 0 or cfg.dist.strategy != "none"
     try:
         validate(cfg, gpu_available=gpu, world_size=1)
-    except UserError as err:  # optional packages (DeepSpeed, trackers) are not in requirements.txt: a clear line passes
-        if "which is not installed" not in str(err):
+    except UserError as err:  # optional packages (DeepSpeed, trackers) are not in requirements.txt, and W&B online
+        # needs a login this machine has not: a clear line passes
+        if "which is not installed" not in str(err) and "there is no W&B login here" not in str(err):
             raise
 
 

@@ -79,3 +79,42 @@ def test_train_given_gpus_says_where_gpus_go_in_one_line():
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 2 and stderr.count("\n") == 1, stderr
     assert stderr.startswith("error: ") and "qlora plan --gpus" in stderr and "usage:" not in stdout + stderr
+
+
+PIPED = {f"{name} --help": [*argv, "--help"] for name, (argv, _) in COMMANDS.items()}
+PIPED["qlora --help"] = [PY, "-m", "qlora_recipes", "--help"]
+PIPED["qlora plan recipe=llama2-70b-a100"] = [*COMMANDS["qlora plan"][0], "recipe=llama2-70b-a100"]
+PIPED["python train.py --cfg job"] = [*COMMANDS["python train.py"][0], "--cfg", "job"]
+
+
+def _start_with_the_reader_gone(argv: list[str]) -> subprocess.Popen:
+    """stdout is a pipe whose reading end is closed before the command starts: its first write
+    fails, as `cmd | head -3` makes a later one fail once head has its lines (no timing involved)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.Popen(argv, cwd=REPO, env=ENV, stdout=write_end, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write_end)
+
+
+def _noisy_when_the_reader_goes(names) -> dict:
+    procs = {name: _start_with_the_reader_gone(PIPED[name]) for name in names}
+    results = {name: (proc.communicate(timeout=300)[1], proc.returncode) for name, proc in procs.items()}
+    return {name: result for name, result in results.items() if result[0] or result[1] not in (0, 141)}
+
+
+def test_output_piped_into_head_ends_quietly():
+    """Issue 14: `qlora plan --help | head -3` printed a BrokenPipeError traceback. Every command's
+    --help, and what a Hydra task prints (`qlora plan`), end with nothing on stderr and exit 0 (the
+    output went to a buffer, then nowhere) or 141 (as a tool that SIGPIPE ended)."""
+    assert _noisy_when_the_reader_goes(list(PIPED)) == {}
+
+
+def test_plan_help_into_head_prints_its_first_lines_only():
+    proc = subprocess.run(
+        ["bash", "-c", f"{PY} -m qlora_recipes plan --help | head -3"], cwd=REPO, env=ENV, capture_output=True, text=True
+    )  # fmt: skip
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.splitlines()[0].startswith("usage: qlora plan")
+    assert len(proc.stdout.splitlines()) == 3

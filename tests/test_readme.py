@@ -7,10 +7,14 @@ How each command runs is in REGISTRY, keyed by the command's text: a command add
 without an entry fails `test_every_readme_command_has_a_registry_entry`. Each runs in a fresh bash
 after the README's own `source .venv/bin/activate`, from a sandbox dir whose entries link to the
 checkout (so runs/, merged dirs and data files land in the sandbox, never in the checkout). Commands
-that train get `trainer=smoke` appended (size only); placeholders (`runs/DATE/TIME`, `RUN`,
+that train get `trainer=smoke data.metric_examples=8` appended (size only: 3 steps, and the
+exact-match metric over 8 eval rows instead of 64); placeholders (`runs/DATE/TIME`, `RUN`,
 `runs/multirun/DATE/TIME`) become the run dir an earlier command wrote. `make train` runs in full:
 it is the default run the README's figures describe, and the run the walk merges and generates from.
-The sweeps of 9 and 20 jobs and the other extra training variants are marked slow.
+
+Every command runs in CI (`make test`), sweeps included, at these sizes: the 9-job `+sweep=rank_lr`
+runs all 9 jobs, each in its own process; `+sweep=optuna` runs 3 of its 20 trials
+(`hydra.sweeper.n_trials`, the study's length: the same search, objective, sampler and study file).
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import REPO, compose_cfg
 
 from qlora_recipes import devices, planner
 
 README = REPO / "README.md"
 GiB = 2**30
-SMOKE = ("trainer=smoke",)
+SMOKE = ("trainer=smoke", "data.metric_examples=8")  # size only: 3 steps; exact match over 8 eval rows
 MAKE_VARIABLES = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "ARGS")
 NOT_LINKED = {"runs", ".git", "outputs", "multirun", ".pytest_cache", ".ruff_cache"}
 MAKE_OWN_LINE = re.compile(r"^make(\[\d+\])?: \*\*\* ")  # make's "Error 2" line after a refused target
@@ -49,12 +54,14 @@ class How:
     creates: tuple[str, ...] = ()  # paths (placeholders allowed) that must exist afterwards
     slow: bool = False
     walk: str = ""  # generate: the answer the trained default run must give
+    jobs: int = 0  # a sweep: how many job dirs (each with metrics.json) it must leave
     leaves: str = ""  # refuse: what a refusal may leave behind (a regex on the new dirs); nothing by default
     timeout: int = 900
 
 
 DEFAULT_RUN = "make train"
 SWEEP_4 = "python train.py -m peft.r=4,8 optim=paged8bit,adamw8bit"
+SWEEP_9 = "python train.py -m +sweep=rank_lr"
 REGISTRY: dict[str, How] = {
     # set-up
     "make train": How(creates=("RUN/metrics.json", "RUN/adapter"), timeout=1800),
@@ -62,12 +69,12 @@ REGISTRY: dict[str, How] = {
     "make test": How(kind="dry", expect=r"python -m pytest"),  # the suite itself: .ci/run runs it
     # running
     "python train.py": How(suffix=SMOKE),
-    "python train.py quant=nf4 optim=paged8bit peft.r=64": How(suffix=SMOKE, slow=True),
+    "python train.py quant=nf4 optim=paged8bit peft.r=64": How(suffix=SMOKE),
     "python train.py model=llama3.1-8b trainer=standard data.path=my.jsonl": How(
         kind="refuse", expect=r"data\.path.*my\.jsonl"
     ),
-    "python train.py recipe=tiny-cpu": How(suffix=(*SMOKE, "trainer.max_steps=3"), slow=True),
-    SWEEP_4: How(suffix=SMOKE, expect=r"", creates=("runs/multirun/DATE/TIME/summary.csv",), timeout=1800),
+    "python train.py recipe=tiny-cpu": How(suffix=(*SMOKE, "trainer.max_steps=3")),
+    SWEEP_4: How(suffix=SMOKE, creates=("runs/multirun/DATE/TIME/summary.csv",), jobs=4, timeout=1800),
     "python train.py --cfg job": How(expect=r"(?m)^quant:$"),
     # trackers and the hub
     "python train.py logger=none": How(suffix=SMOKE),
@@ -76,7 +83,7 @@ REGISTRY: dict[str, How] = {
     "python train.py data.path=my.jsonl": How(suffix=SMOKE, files=("my.jsonl",)),
     "python train.py data.path=chats.jsonl data.chat_template=chatml": How(suffix=SMOKE, files=("chats.jsonl",)),
     "python train.py data.path=my.jsonl data.eval_path=held_out.jsonl data.metric=exact_match": How(
-        suffix=SMOKE, files=("my.jsonl", "held_out.jsonl"), slow=True
+        suffix=SMOKE, files=("my.jsonl", "held_out.jsonl"), expect=r"exact match"
     ),
     # after training: the walk, from the full default run
     "python scripts/merge.py runs/DATE/TIME": How(
@@ -98,9 +105,14 @@ REGISTRY: dict[str, How] = {
     ),
     "make plan-llama2-70b-a100": How(expect=r"FITS"),
     # sweeps
-    "python train.py -m +sweep=rank_lr": How(suffix=SMOKE, slow=True, timeout=3600),
-    "python train.py -m +sweep=optuna": How(suffix=SMOKE, slow=True, timeout=3600),
-    "python train.py -m +sweep=rank_lr hydra/launcher=local": How(suffix=SMOKE, slow=True, timeout=3600),
+    SWEEP_9: How(suffix=SMOKE, creates=("runs/multirun/DATE/TIME/summary.md",), jobs=9, timeout=1800),
+    "python train.py -m +sweep=optuna": How(
+        suffix=(*SMOKE, "hydra.sweeper.n_trials=3"),  # 3 of the study's 20 trials: its length, not its kind
+        creates=("runs/DATE/TIME/optuna.db", "runs/DATE/TIME/optimization_results.yaml"),
+        jobs=3,
+        timeout=1800,
+    ),
+    "python train.py -m peft.r=4,8 hydra/launcher=local hydra/sweeper=sequential": How(suffix=SMOKE, jobs=2),
     "python train.py -m +sweep=rank_lr recipe=llama3.1-8b-24gb hydra/launcher=slurm": How(
         kind="refuse",
         expect=r"srun|SLURM|slurm",
@@ -280,6 +292,21 @@ def test_readme_command(command, sandbox):
         assert not out.new_dirs, "--cfg job must run nothing"
     if how.walk:  # the walk: the trained default run answers the sample task
         assert how.walk in proc.stdout, tail
+    if how.jobs:
+        fresh = "+sweep=" in command or "hydra/launcher=local" in command  # presets pick the local launcher
+        _assert_sweep_ran(sandbox.root / out.run_dir, how.jobs, fresh_processes=fresh)
+
+
+def _assert_sweep_ran(sweep: Path, jobs: int, fresh_processes: bool):
+    """Every job trained (metrics.json, status ok) and, for the presets, each in a process of its own."""
+    metrics = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/metrics.json"))]
+    assert len(metrics) == jobs and {m["status"] for m in metrics} == {"ok"}, metrics
+    if fresh_processes:  # submitit's local executor leaves one result per job process
+        assert len(list(sweep.glob(".submitit/*/*_result.pkl"))) == jobs
+    results = sweep / "optimization_results.yaml"
+    if results.is_file():  # Optuna: the best trial is the lowest eval loss the jobs returned
+        best = yaml.safe_load(results.read_text())["best_value"]
+        assert best == pytest.approx(min(m["eval_loss"] for m in metrics))
 
 
 # ----------------------------------------------------------------------------------------------

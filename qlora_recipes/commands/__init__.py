@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from .helptext import quiet_when_the_reader_goes
+
 # name -> (module under qlora_recipes.commands, one-line summary)
 SUBCOMMANDS = {
     "train": ("train", "fine-tune a stack: NF4 + LoRA + TRL, memory planned first (Hydra overrides, -m sweeps)"),
@@ -34,6 +36,7 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+@quiet_when_the_reader_goes()  # `qlora --help | head`: no BrokenPipeError traceback
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):

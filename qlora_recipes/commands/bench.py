@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..cli import run_plain
 from ..errors import UserError
-from .helptext import readme_pointer
+from .helptext import quiet_when_the_reader_goes, readme_pointer
 
 
 def _checkout() -> Path:
@@ -28,6 +28,7 @@ def _checkout() -> Path:
     )
 
 
+@quiet_when_the_reader_goes()
 def run(argv: list[str], prog: str = "qlora bench") -> None:
     def bench() -> int:
         root = _checkout()

@@ -18,7 +18,7 @@ import sys
 
 from ..cli import ArgumentParser, quiet_libraries, run_plain
 from ..errors import UserError
-from .helptext import readme_pointer
+from .helptext import quiet_when_the_reader_goes, readme_pointer
 
 
 def _parser(prog: str) -> ArgumentParser:
@@ -49,6 +49,7 @@ def _check(args) -> None:
         raise UserError(f"--top-p {args.top_p}: must be in (0, 1]")
 
 
+@quiet_when_the_reader_goes()
 def run(argv: list[str], prog: str = "qlora generate") -> None:
     parser = _parser(prog)
 

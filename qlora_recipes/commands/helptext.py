@@ -2,12 +2,16 @@
 a new option file shows up by itself), the common overrides, and where the README explains more.
 
 Help stays short (under 50 lines): no composed-config dump; `--cfg job` prints that, and
-`--hydra-help` Hydra's own page.
+`--hydra-help` Hydra's own page. `--help | head -3` ends quietly (`quiet_when_the_reader_goes`).
 """
 
 from __future__ import annotations
 
-from omegaconf import OmegaConf
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Iterator
 
 from ..resources import CONF_DIR, RECIPES_DIR
 
@@ -35,6 +39,8 @@ def stack_groups() -> list[str]:
 
 def _defaults() -> dict[str, set[str]]:
     """Each group's default option(s) in train.yaml (a list for groups that take several, like logger)."""
+    from omegaconf import OmegaConf  # here: `qlora` imports this module before any command runs
+
     chosen = {}
     for item in OmegaConf.load(CONF_DIR / "train.yaml").get("defaults", []):
         if isinstance(item, dict) or OmegaConf.is_dict(item):
@@ -83,3 +89,42 @@ def hydra_help(usage: str, flags: str = "", readme: tuple[str, ...] = ()) -> str
     if readme:
         parts.append(readme_pointer(*readme))
     return "\n".join(parts)
+
+
+CLOSED_PIPE_EXIT = 128 + signal.SIGPIPE  # 141: what the shell reports for a tool that SIGPIPE ended
+
+
+@contextlib.contextmanager
+def quiet_when_the_reader_goes() -> Iterator[None]:
+    """Around a command's `run` (`@quiet_when_the_reader_goes()`) or a Hydra task's body (`with`):
+    once the reader of stdout has gone (`qlora plan --help | head -3`), the rest of the output is
+    dropped and the command exits 141, as a tool ended by SIGPIPE does, instead of a BrokenPipeError
+    traceback (Python ignores SIGPIPE, so the next write raises). The exit is a SystemExit, which a
+    Hydra task lets through without its "Error executing job" line. The last flush happens here
+    too: buffered output would otherwise fail at interpreter exit ("Exception ignored ... Broken
+    pipe"). A broken pipe that is not stdout's (a socket) still raises."""
+    try:
+        try:
+            yield
+        except SystemExit:
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # what is still buffered goes nowhere, silently, at exit
+        sys.exit(CLOSED_PIPE_EXIT)
+
+
+def _stdout_reader_gone() -> bool:
+    """A pipe or socket whose reader has closed polls as an error for its writer."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0))
+    except (OSError, ValueError):  # stdout replaced or closed: no fd to ask
+        return False

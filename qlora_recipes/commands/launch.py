@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..cli import ArgumentParser, run_plain
 from ..schema import compose
-from .helptext import groups_help, readme_pointer, recipes_help
+from .helptext import groups_help, quiet_when_the_reader_goes, readme_pointer, recipes_help
 
 USAGE = """usage: qlora launch [--plan [--check] | --dry-run | --cpu] RECIPE [GROUP=OPTION ...] [GROUP.KEY=VALUE ...]
        (also: make RECIPE ARGS='...', make plan-RECIPE)
@@ -88,6 +88,7 @@ def launch(recipe: str, overrides: list[str], dry_run: bool, cpu: bool = False) 
     return 0  # not reached
 
 
+@quiet_when_the_reader_goes()
 def run(argv: list[str], prog: str = "qlora launch") -> None:
     if any(a in ("-h", "--help") for a in argv):
         print(help_text())

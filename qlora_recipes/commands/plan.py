@@ -18,7 +18,7 @@ from .. import cli
 from ..errors import UserError
 from ..resources import CONF_DIR
 from ..schema import register_schemas
-from .helptext import hydra_help
+from .helptext import hydra_help, quiet_when_the_reader_goes
 
 register_schemas()
 _STARTED = time.perf_counter()
@@ -98,6 +98,11 @@ def hardware_to_plan(cfg: DictConfig) -> tuple[list[int] | None, int | None, str
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    with quiet_when_the_reader_goes():  # `qlora plan | head -3`: Hydra would add its own error line
+        plan_and_print(cfg)
+
+
+def plan_and_print(cfg: DictConfig) -> None:
     from .. import planner
 
     started = time.perf_counter()
@@ -119,6 +124,7 @@ def main(cfg: DictConfig) -> None:
         print(f"longest sequence that fits {planned_for}: {fit} (micro-batch {cfg.trainer.micro_batch_size})")
 
 
+@quiet_when_the_reader_goes()
 def run(argv: list[str], prog: str = "qlora plan") -> None:
     if any(a in ("-h", "--help") for a in argv):
         print(hydra_help(USAGE, FLAGS, readme=README_SECTIONS))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..cli import ArgumentParser, run_plain
 from ..errors import UserError
-from .helptext import readme_pointer
+from .helptext import quiet_when_the_reader_goes, readme_pointer
 
 
 def summarize(sweep_dir: Path) -> int:
@@ -34,6 +34,7 @@ def summarize(sweep_dir: Path) -> int:
     return 0
 
 
+@quiet_when_the_reader_goes()
 def run(argv: list[str], prog: str = "qlora summarize") -> None:
     parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1].strip(), epilog=readme_pointer("Sweeps"))
     parser.add_argument("sweep_dir", type=Path, help="a Hydra multirun dir, e.g. runs/multirun/DATE/TIME")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .. import cli
 from ..errors import UserError
+from .helptext import quiet_when_the_reader_goes
 
 log = logging.getLogger("train")
 USAGE = """usage: qlora train [GROUP=OPTION ...] [GROUP.KEY=VALUE ...]    (also: python train.py ...)
@@ -169,6 +170,7 @@ def _hydra_main() -> None:
     hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(main)()
 
 
+@quiet_when_the_reader_goes()  # `train.py --help | head`, `--cfg job | head`
 def run(argv: list[str], prog: str = "qlora train") -> None:
     if any(a in ("-h", "--help") for a in argv):
         from .helptext import hydra_help

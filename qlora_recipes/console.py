@@ -1,7 +1,9 @@
 """Console output: the composed stack as a tree, the run's summary table and next commands, one-line errors."""
 
+import contextlib
 import shlex
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -124,3 +126,19 @@ def print_summary(out: dict, run_dir: Path, commands: list[tuple[str, str]]) -> 
     lines = [f"done: {shlex.quote(shown_path(run_dir))}  (adapter/, metrics.json)", *_aligned(summary_rows(out))]
     lines += ["next (resume trains on to twice the steps):", *_aligned(commands)]
     print("\n".join(lines), flush=True)
+
+
+@contextlib.contextmanager
+def library_bars_on(
+    env_decides: bool, are_disabled: Callable[[], bool], enable: Callable[[], None], disable: Callable[[], None]
+) -> Iterator[None]:
+    """A library's progress bars (datasets', huggingface_hub's) on for the block, off again after it;
+    untouched when the user's environment variable decides or they are on already."""
+    if env_decides or not are_disabled():
+        yield
+        return
+    enable()
+    try:
+        yield
+    finally:
+        disable()

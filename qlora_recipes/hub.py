@@ -15,14 +15,13 @@ the repo as it was (large files uploaded before the commit stay unreferenced).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
+from .console import library_bars_on
 from .errors import UserError
 from .units import cfg_get
 
@@ -92,22 +91,14 @@ def quiet_but_upload_progress(log_level: int) -> None:
             disable_progress_bars()
 
 
-@contextlib.contextmanager
-def upload_progress() -> Iterator[None]:
+def upload_progress():
     """huggingface_hub's progress bars on while a push uploads (a merged model takes minutes), unless
     HF_HUB_DISABLE_PROGRESS_BARS=1 was set when it was imported; as they were afterwards."""
     from huggingface_hub import constants
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
-    was_off = are_progress_bars_disabled()
-    if constants.HF_HUB_DISABLE_PROGRESS_BARS is not None or not was_off:  # the variable decides, or on already
-        yield
-        return
-    enable_progress_bars()
-    try:
-        yield
-    finally:
-        disable_progress_bars()
+    env_decides = constants.HF_HUB_DISABLE_PROGRESS_BARS is not None
+    return library_bars_on(env_decides, are_progress_bars_disabled, enable_progress_bars, disable_progress_bars)
 
 
 def _files(folder: Path) -> list[Path]:

@@ -133,7 +133,6 @@ def test_a_paged_optimizer_on_cpu_is_one_line_of_ours_and_no_library_warning(cap
     assert notes == ["optim: paged_adamw_8bit runs unpaged on this CPU (paging needs CUDA; the updates are the same)"]
 
 
-@pytest.mark.slow
 def test_the_default_smoke_run_prints_no_warnings_and_ends_with_the_summary_and_next_commands(tmp_path):
     """`python train.py trainer=smoke` as a user runs it: no Warning line at all, the run dir at
     the start, the table and the commands with that run dir at the end; metrics.json as before."""

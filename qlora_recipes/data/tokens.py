@@ -14,11 +14,11 @@ datasets' progress bars are off (they drowned the training bar), except one whil
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+from ..console import library_bars_on
 from ..errors import UserError
 from .chat import chat_template_for
 from .formats import format_kwargs
@@ -150,17 +150,12 @@ def quiet_datasets() -> None:
         disable_progress_bars()
 
 
-@contextmanager
-def _progress_shown(show: bool) -> Iterator[None]:
+def _progress_shown(show: bool):
     """datasets' progress bars on for the block when `show` (and the environment leaves it to us)."""
     import datasets.config
     from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
-    if not show or datasets.config.HF_DATASETS_DISABLE_PROGRESS_BARS is not None or not are_progress_bars_disabled():
-        yield
-        return
-    enable_progress_bars()
-    try:
-        yield
-    finally:
-        disable_progress_bars()
+    env_decides = datasets.config.HF_DATASETS_DISABLE_PROGRESS_BARS is not None
+    if not show:
+        return contextlib.nullcontext()
+    return library_bars_on(env_decides, are_progress_bars_disabled, enable_progress_bars, disable_progress_bars)

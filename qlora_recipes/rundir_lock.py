@@ -37,8 +37,13 @@ class RunDirLock:
     def __enter__(self):
         if not self.enabled:
             return self
-        with sigint_deferred():  # a Ctrl-C waits: the run dir and run.lock are made whole, or not at all
-            return self._acquire()
+        try:
+            with sigint_deferred():  # a Ctrl-C waits: the run dir and run.lock are made whole, or not at all
+                self._acquire()
+        except KeyboardInterrupt:  # the Ctrl-C held while locking: `with` will not call __exit__, so here
+            self.__exit__(None, None, None)
+            raise
+        return self
 
     def _acquire(self):
         import fcntl

@@ -81,3 +81,19 @@ def test_a_lock_from_before_slurm_was_recorded_is_not_taken_over(tmp_path, slurm
         UserError, match=rf"in use by process 4242 on {NODE_A} \(lock .*if that process is gone, delete"
     ):
         RunDirLock(run_dir).__enter__()
+
+
+def test_ctrl_c_while_locking_leaves_no_lock_and_no_run_dir(tmp_path):
+    """A Ctrl-C that lands while the lock is being made is held until it is whole, then raised out
+    of `with RunDirLock(...)` - which then never calls __exit__: the lock and the dir go here."""
+    import signal
+
+    class CtrlCWhileLocking(RunDirLock):
+        def _acquire(self):
+            super()._acquire()
+            signal.raise_signal(signal.SIGINT)  # arrives after run.lock was written
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt), CtrlCWhileLocking(run_dir):
+        pytest.fail("the run must not start")
+    assert not run_dir.exists()

@@ -93,7 +93,12 @@ def test_ctrl_c_while_locking_leaves_no_lock_and_no_run_dir(tmp_path):
             super()._acquire()
             signal.raise_signal(signal.SIGINT)  # arrives after run.lock was written
 
+    # Ctrl-C as in a terminal: a suite started in the background inherits SIGINT ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     run_dir = tmp_path / "run"
-    with pytest.raises(KeyboardInterrupt), CtrlCWhileLocking(run_dir):
-        pytest.fail("the run must not start")
+    try:
+        with pytest.raises(KeyboardInterrupt), CtrlCWhileLocking(run_dir):
+            pytest.fail("the run must not start")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert not run_dir.exists()

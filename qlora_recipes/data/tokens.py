@@ -152,10 +152,10 @@ def quiet_datasets() -> None:
 
 def _progress_shown(show: bool):
     """datasets' progress bars on for the block when `show` (and the environment leaves it to us)."""
+    if not show:
+        return contextlib.nullcontext()
     import datasets.config
     from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     env_decides = datasets.config.HF_DATASETS_DISABLE_PROGRESS_BARS is not None
-    if not show:
-        return contextlib.nullcontext()
     return library_bars_on(env_decides, are_progress_bars_disabled, enable_progress_bars, disable_progress_bars)

@@ -59,7 +59,7 @@ format: $(VENV)/.installed ## apply ruff's fixes and formatting
 # requirements-dist.txt (DeepSpeed) and compiles DeepSpeed's CPU extensions once (a few minutes).
 test-dist: $(VENV)/.installed ## install DeepSpeed (requirements-dist.txt), then the multi-rank tests on CPU (FSDP, ZeRO-2/3), slow ones too
 	$(PY) -m pip install -q -r requirements-dist.txt
-	$(PY) -c "from qlora_recipes.dist import build_deepspeed_cpu_ops as b; b()"
+	$(PY) -c "from qlora_recipes.run.dist import build_deepspeed_cpu_ops as b; b()"
 	$(PY) -m pytest -m 'not gpu' tests/test_dist.py tests/test_sharded.py --durations=0 $(ARGS)
 
 smoke: $(VENV)/.installed ## 3 steps of the default stack: checks an install works

@@ -17,7 +17,7 @@ if __name__ == "__main__":
         from qlora_recipes import interrupts
 
         interrupts.install()  # from here on a Ctrl-C never lands inside an import
-        from qlora_recipes.commands import train
+        from qlora_recipes.cli import train
 
         train.run(sys.argv[1:], prog="train.py")
     except KeyboardInterrupt:  # Ctrl-C before the command's own handling is in place (its imports)

@@ -193,9 +193,9 @@ def replan(entry: dict, model_dir: Path) -> None:
     """The case's planned peak from the planner as it is now (the same overrides composed again), so
     a planner change re-scores every measured case without re-running it; the figure the run itself
     planned stays as planned_at_run_gib."""
-    from qlora_recipes.peak import CPU_QUANTITY, planned_peak_gib
+    from qlora_recipes.config.loader import compose
     from qlora_recipes.planner import plan
-    from qlora_recipes.schema import compose
+    from qlora_recipes.run.memory import CPU_QUANTITY, planned_peak_gib
 
     overrides = [o for o in job_overrides(model_dir, Path("unused")) if not o.startswith("hydra.")]
     cfg = compose([*overrides, *entry["overrides"]])

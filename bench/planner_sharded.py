@@ -99,8 +99,8 @@ def read_case(case: dict, run_dir: Path, rc: int, wall_s: float | None) -> dict:
 def rank_plan(entry: dict, model_dir: Path) -> dict:
     """One rank's CPU plan of the case as the planner makes it now (the case's overrides composed
     again; no GPUs, WORLD_SIZE ranks)."""
+    from qlora_recipes.config.loader import compose
     from qlora_recipes.planner import plan
-    from qlora_recipes.schema import compose
 
     overrides = [o for o in job_overrides(model_dir, Path("unused")) if not o.startswith("hydra.")]
     cfg = compose([*overrides, *entry["overrides"]])
@@ -109,7 +109,7 @@ def rank_plan(entry: dict, model_dir: Path) -> dict:
 
 def replan(entry: dict, model_dir: Path) -> None:
     """Scores every rank of a measured case against the planner as it is now."""
-    from qlora_recipes.peak import planned_peak_gib
+    from qlora_recipes.run.memory import planned_peak_gib
 
     planned_now = rank_plan(entry, model_dir)
     planned = planned_peak_gib(planned_now, gpu=False)

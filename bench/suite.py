@@ -69,13 +69,13 @@ def expand_stacks(entries: list[dict]) -> list[dict]:
 
 def compose(overrides: list[str]):
     """The config train.py composes for these overrides (hydra.* ones are for the child only)."""
-    from qlora_recipes.schema import compose as compose_stack
+    from qlora_recipes.config.loader import compose as compose_stack
 
     return compose_stack([o for o in overrides if not o.startswith("hydra.")])
 
 
 def one_line(err: Exception) -> str:
-    from qlora_recipes.cli import one_line as cli_one_line
+    from qlora_recipes.config.loader import one_line as cli_one_line
 
     try:
         return cli_one_line(err)

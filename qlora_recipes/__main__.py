@@ -1,5 +1,5 @@
 """`python -m qlora_recipes COMMAND ...`: the same as the `qlora` console script."""
 
-from qlora_recipes.commands import main
+from .cli import main
 
 main()

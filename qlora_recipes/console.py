@@ -1,6 +1,7 @@
 """Console output: the composed stack as a tree, the run's summary table and next commands, one-line errors."""
 
 import contextlib
+import os
 import shlex
 import sys
 from collections.abc import Callable, Iterator
@@ -142,3 +143,16 @@ def library_bars_on(
         yield
     finally:
         disable()
+
+
+def quiet_libraries(log_level: int) -> None:
+    """transformers' info lines, progress bars and deprecation warnings are noise in merge/generate;
+    our own log lines at `log_level` and above go to stderr."""
+    import logging
+    import warnings
+
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -16,10 +16,12 @@ No dependency beyond the standard library: train.py installs this before anythin
 from __future__ import annotations
 
 import _thread
+import contextlib
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 _IMPORT_MACHINERY = ("<frozen importlib._bootstrap", "<frozen importlib._bootstrap_external")
 _POLL_S = 0.02
@@ -80,3 +82,19 @@ def _unraisable(unraisable) -> None:
         _deliver_when_safe()
         return
     sys.__unraisablehook__(unraisable)
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Hold Ctrl-C while a group of files is written, then deliver it: the group is all or nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        signal.raise_signal(signal.SIGINT)

@@ -2,7 +2,7 @@
 
 import sys
 
-from qlora_recipes.commands import generate
+from qlora_recipes.cli import generate
 
 if __name__ == "__main__":
     generate.run(sys.argv[1:], prog="scripts/generate.py")

@@ -3,7 +3,7 @@
 
 import sys
 
-from qlora_recipes.commands import launch
+from qlora_recipes.cli import launch
 
 if __name__ == "__main__":
     launch.run(sys.argv[1:], prog="scripts/launch.py")

@@ -2,7 +2,7 @@
 
 import sys
 
-from qlora_recipes.commands import merge
+from qlora_recipes.cli import merge
 
 if __name__ == "__main__":
     merge.run(sys.argv[1:], prog="scripts/merge.py")

@@ -6,7 +6,7 @@ python scripts/plan.py --gpus 80GB model=llama2-70b trainer=standard
 
 import sys
 
-from qlora_recipes.commands import plan
+from qlora_recipes.cli import plan
 
 if __name__ == "__main__":
     plan.run(sys.argv[1:], prog="scripts/plan.py")

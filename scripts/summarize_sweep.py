@@ -2,7 +2,7 @@
 
 import sys
 
-from qlora_recipes.commands import summarize
+from qlora_recipes.cli import summarize
 
 if __name__ == "__main__":
     summarize.run(sys.argv[1:], prog="scripts/summarize_sweep.py")

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from qlora_recipes.schema import register_schemas  # noqa: E402
+from qlora_recipes.config.loader import register_schemas  # noqa: E402
 
 register_schemas()
 # Every folder of conf/ is a group in train.yaml's defaults, except the presets chosen with `+`

@@ -27,7 +27,7 @@ from conftest import REPO
 from hydra._internal.hydra import Hydra
 from hydra.core.global_hydra import GlobalHydra
 
-from qlora_recipes.commands import train as train_command
+from qlora_recipes.cli import train as train_command
 
 TINY = REPO / "assets" / "tiny-llama"
 SMOKE = ["trainer=smoke", "data.metric=null"]
@@ -481,7 +481,7 @@ def test_the_valid_sets_are_the_libraries_own():
     from transformers.training_args import OptimizerNames
 
     from qlora_recipes.planner.constants import OPTIMIZERS as PLANNED
-    from qlora_recipes.validate import ATTENTION, OPTIMIZERS, SCHEDULERS
+    from qlora_recipes.run.validate import ATTENTION, OPTIMIZERS, SCHEDULERS
 
     assert set(SCHEDULERS) == {s.value for s in SchedulerType}
     assert set(OPTIMIZERS) == {n for n in PLANNED if n in {o.value for o in OptimizerNames}}
@@ -491,7 +491,7 @@ def test_the_valid_sets_are_the_libraries_own():
 def test_warmup_ratio_and_steps_reach_the_trainer_as_themselves(tmp_path):
     from conftest import compose_cfg
 
-    from qlora_recipes.stack import sft_config
+    from qlora_recipes.run.trainer_args import sft_config
 
     ratio = sft_config(compose_cfg("optim.warmup_ratio=0.25"), tmp_path, "prompt_completion", False, False)
     assert ratio.warmup_steps == 0.25 and ratio.get_warmup_steps(100) == 25
@@ -553,7 +553,7 @@ def test_the_real_command_refuses_bad_data_in_one_line(tmp_path):
 
 def test_config_checks_run_before_torch_is_imported():
     code = (
-        "import sys; from qlora_recipes.schema import compose; from qlora_recipes.validate import check_config; "
+        "import sys; from qlora_recipes.config.schema import compose; from qlora_recipes.run.validate import check_config; "
         "check_config(compose(['trainer=smoke'])); assert 'torch' not in sys.modules, 'torch imported'"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)

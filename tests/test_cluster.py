@@ -15,7 +15,8 @@ import pytest
 import yaml
 from conftest import REPO, compose_cfg
 
-from qlora_recipes import cluster, dist
+from qlora_recipes.integrations import cluster
+from qlora_recipes.run import dist
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 SBATCH = REPO / "launch" / "slurm" / "multinode.sbatch"

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from qlora_recipes.errors import UserError
-from qlora_recipes.validate import validate
+from qlora_recipes.run.validate import validate
 
 ALL_FILES = [(g, o) for g in GROUPS for o in options(g)] + [("recipe", o) for o in options("recipe")]
 PRESETS = [("+sweep", o) for o in options("sweep")]
@@ -147,7 +147,7 @@ def test_added_keys_that_nothing_reads_are_rejected(override):
 
 
 def test_lm_eval_hook_without_the_harness_is_a_clear_error():
-    from qlora_recipes.metrics import lm_eval_available
+    from qlora_recipes.run.metrics import lm_eval_available
 
     if lm_eval_available():
         pytest.skip("lm-eval is installed here")

@@ -18,13 +18,14 @@ from conftest import REPO, compose_cfg
 from safetensors.torch import load_file
 from transformers import Trainer
 
-from qlora_recipes import modeling, resume, stack
-from qlora_recipes.checkpoints import RECORD, checkpoint_problem, find_checkpoint
 from qlora_recipes.errors import UserError
-from qlora_recipes.lifecycle import GuardedTrainer, Preempted
-from qlora_recipes.resume import AlreadyComplete, resume_checkpoint
-from qlora_recipes.rundir_lock import RunDirLock
-from qlora_recipes.training import train
+from qlora_recipes.model import hf_configs, loading
+from qlora_recipes.run import resume
+from qlora_recipes.run.checkpoints import RECORD, checkpoint_problem, find_checkpoint
+from qlora_recipes.run.lifecycle import GuardedTrainer, Preempted
+from qlora_recipes.run.lock import RunDirLock
+from qlora_recipes.run.resume import AlreadyComplete, resume_checkpoint
+from qlora_recipes.run.training import train
 
 BASE = [
     "trainer=smoke",
@@ -64,9 +65,9 @@ def test_skip_modules_keep_the_output_head_unquantized(small, tmp_path):
     import bitsandbytes as bnb
 
     cfg = compose_cfg(*BASE, *small, "quant.skip_modules=[down_proj]", "trainer.max_steps=2", "trainer.save_steps=0")
-    assert {"down_proj", "lm_head"} <= set(stack.bnb_config(cfg).llm_int8_skip_modules)
-    assert stack.bnb_config(compose_cfg(*BASE, *small)).llm_int8_skip_modules is None  # transformers' default
-    model = modeling.load_model(cfg, tmp_path)
+    assert {"down_proj", "lm_head"} <= set(hf_configs.bnb_config(cfg).llm_int8_skip_modules)
+    assert hf_configs.bnb_config(compose_cfg(*BASE, *small)).llm_int8_skip_modules is None  # transformers' default
+    model = loading.load_model(cfg, tmp_path)
     assert type(model.lm_head) is torch.nn.Linear
     mlp = model.model.layers[0].mlp
     assert type(mlp.down_proj) is torch.nn.Linear and isinstance(mlp.up_proj, bnb.nn.Linear4bit)
@@ -247,7 +248,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(small, tmp_p
     weights.write_bytes(bytes(blob))
     assert "sha256" in checkpoint_problem(weights.parent, deep=True)
 
-    with caplog.at_level(logging.WARNING, logger="qlora_recipes.resume"):
+    with caplog.at_level(logging.WARNING, logger="qlora_recipes.run.resume"):
         m = train(compose_cfg(*BASE, *small, *keys, "resume=auto"), run_dir)
     assert m["resumed_from"].endswith("checkpoint-2") and m["steps"] == 6
     lines = [r.getMessage() for r in caplog.records if "corrupt" in r.getMessage()]
@@ -292,7 +293,7 @@ def test_a_busy_run_dir_is_refused_and_a_dead_owners_lock_taken_over(small, tmp_
         [
             sys.executable,
             "-c",
-            "import sys, time; from pathlib import Path; from qlora_recipes.rundir_lock import RunDirLock\n"
+            "import sys, time; from pathlib import Path; from qlora_recipes.run.lock import RunDirLock\n"
             "RunDirLock(Path(sys.argv[1])).__enter__(); print('locked', flush=True); time.sleep(120)",
             str(run_dir),
         ],
@@ -311,7 +312,7 @@ def test_a_busy_run_dir_is_refused_and_a_dead_owners_lock_taken_over(small, tmp_
         holder.wait()
     # Its owner died (SIGKILL: the lock file stays, naming a dead pid): the next run takes it over.
     assert str(holder.pid) in (run_dir / "run.lock").read_text()
-    with caplog.at_level(logging.WARNING, logger="qlora_recipes.rundir_lock"):
+    with caplog.at_level(logging.WARNING, logger="qlora_recipes.run.lock"):
         assert train(cfg, run_dir)["steps"] == 1
     assert any(f"left by process {holder.pid}, which is gone" in r.getMessage() for r in caplog.records)
     assert not (run_dir / "run.lock").exists()  # released at the end

@@ -8,15 +8,9 @@ from pathlib import Path
 import pytest
 from datasets import Dataset, DatasetDict
 
-from qlora_recipes.data import (
-    ALPACA_PROMPT_INPUT,
-    ALPACA_PROMPT_NO_INPUT,
-    format_kwargs,
-    generation_pairs,
-    load_splits,
-)
+from qlora_recipes.config.schema import DataConfig
+from qlora_recipes.data import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, format_kwargs, generation_pairs, load_splits
 from qlora_recipes.errors import UserError
-from qlora_recipes.schema import DataConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "assets" / "tiny-llama"
@@ -155,7 +149,7 @@ def test_alpaca_uses_the_standard_template_with_and_without_input(tmp_path, tok)
 def test_shipped_sample_config_loads(tok):
     from omegaconf import OmegaConf
 
-    from qlora_recipes.schema import register_schemas
+    from qlora_recipes.config.loader import register_schemas
 
     register_schemas()
     data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(REPO / "conf/data/order.yaml"))

@@ -6,7 +6,7 @@ import re
 import pytest
 from conftest import compose_cfg, options
 
-from qlora_recipes import devices
+from qlora_recipes.config import devices
 from qlora_recipes.errors import UserError
 from qlora_recipes.units import GiB
 

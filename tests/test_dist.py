@@ -14,9 +14,11 @@ import pytest
 from conftest import REPO, compose_cfg
 from omegaconf import OmegaConf
 
-from qlora_recipes import devices, dist, planner
+from qlora_recipes import planner
+from qlora_recipes.config import devices
 from qlora_recipes.errors import UserError
-from qlora_recipes.validate import validate
+from qlora_recipes.run import dist
+from qlora_recipes.run.validate import validate
 
 ACCELERATE = sorted((REPO / "launch" / "accelerate").glob("*.yaml"))
 DEEPSPEED = sorted((REPO / "launch" / "deepspeed").glob("*.json"))
@@ -203,7 +205,7 @@ def test_dist_option_brings_an_optimizer_it_can_shard():
 def test_launch_cpu_dry_run_starts_the_recipes_ranks_on_cpu(recipe, extra, config, capsys):
     """`qlora launch --cpu RECIPE`: no GPU check, the GPUs hidden from the ranks, and the same
     accelerate launch command (config, ranks) a GPU machine gets."""
-    from qlora_recipes.commands.launch import launch
+    from qlora_recipes.cli.launch import launch
 
     assert launch(recipe, [*extra, "model=tiny", "data=order", "trainer=smoke"], dry_run=True, cpu=True) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
@@ -345,7 +347,7 @@ def test_plain_torchrun_train_writes_one_run_dir(tmp_path):
     script.write_text(
         "import os, sys, time\n"
         "if os.environ['RANK'] == '1':\n    time.sleep(1.5)\n"
-        "from qlora_recipes.commands import train\ntrain.run(sys.argv[1:], prog='train.py')\n"
+        "from qlora_recipes.cli import train\ntrain.run(sys.argv[1:], prog='train.py')\n"
     )
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),

@@ -81,13 +81,13 @@ def data_file(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("arch, option", FAMILIES, ids=[a for a, _ in FAMILIES])
 def test_family_trains_on_cpu_under_the_default_command(models, data_file, tmp_path, caplog, arch, option):
-    from qlora_recipes import modeling
-    from qlora_recipes.training import train
+    from qlora_recipes.model import loading
+    from qlora_recipes.run.training import train
 
     cfg = compose_cfg(
         f"model={option}", f"model.name_or_path={models[arch]}", f"data.path={data_file}", "trainer=smoke"
     )
-    assert modeling.attention_for(cfg) == ATTENTION[arch]
+    assert loading.attention_for(cfg) == ATTENTION[arch]
     with caplog.at_level("INFO"):
         out = train(cfg, tmp_path / "run")
     assert out["status"] == "ok" and out["steps"] == 3
@@ -99,23 +99,23 @@ def test_family_trains_on_cpu_under_the_default_command(models, data_file, tmp_p
 
 def test_sdpa_default_on_a_family_without_sdpa_becomes_eager(models, caplog):
     """model=tiny (attn sdpa, the schema default) pointed at a Gemma 2 dir: eager, said in one line."""
-    from qlora_recipes import modeling
+    from qlora_recipes.model import loading
 
     cfg = compose_cfg(f"model.name_or_path={models['gemma2']}")
     assert cfg.model.attn_implementation == "sdpa"
-    with caplog.at_level("INFO", logger="qlora_recipes.modeling"):
-        assert modeling.attention_for(cfg) == "eager"
+    with caplog.at_level("INFO", logger="qlora_recipes.model.loading"):
+        assert loading.attention_for(cfg) == "eager"
     assert "attention: eager for Gemma2ForCausalLM" in caplog.text
-    assert modeling.attention_for(compose_cfg(f"model.name_or_path={models['llama']}")) == "sdpa"
+    assert loading.attention_for(compose_cfg(f"model.name_or_path={models['llama']}")) == "sdpa"
 
 
 @pytest.mark.parametrize("attn", ["flash_attention_2", "no_such_attention"])
 def test_attention_load_errors_name_attention_not_the_network(models, tmp_path, attn):
-    from qlora_recipes import modeling
+    from qlora_recipes.model import loading
 
     cfg = compose_cfg(f"model.name_or_path={models['gemma2']}", f"model.attn_implementation={attn}")
     with pytest.raises(UserError) as info:
-        modeling.load_model(cfg, tmp_path)
+        loading.load_model(cfg, tmp_path)
     msg = str(info.value)
     assert msg.startswith(f"model.attn_implementation={attn}: ") and "cannot load with this attention" in msg
     assert "model.attn_implementation=eager" in msg and "offline" not in msg and "\n" not in msg

@@ -14,8 +14,8 @@ import pytest
 from conftest import REPO, compose_cfg
 from omegaconf import OmegaConf
 
-from qlora_recipes import hub, modelcard
 from qlora_recipes.errors import UserError
+from qlora_recipes.integrations import hub, modelcard
 
 SECRET = "hf_qlora_recipes_test_token_never_written_0123456789"
 SMOKE = ["trainer=smoke", "data.metric=exact_match", "data.metric_examples=4", "data.max_new_tokens=4"]
@@ -276,7 +276,7 @@ PUSH_RECORDING = """
 import json, sys
 from types import SimpleNamespace
 from qlora_recipes import hub
-from qlora_recipes.commands import push
+from qlora_recipes.cli import push
 
 quiet = hub.quiet_but_upload_progress
 

@@ -13,9 +13,9 @@ import pytest
 from conftest import REPO, compose_cfg
 from transformers import Trainer
 
-from qlora_recipes.checkpoints import checkpoint_problem
 from qlora_recipes.errors import UserError
-from qlora_recipes.training import train
+from qlora_recipes.run.checkpoints import checkpoint_problem
+from qlora_recipes.run.training import train
 
 STARTING = "stopped by SIGINT (Ctrl-C) while starting; nothing was written"
 INTERRUPTED_LINES = (STARTING, "stopped by SIGINT (Ctrl-C) before anything was written")

@@ -9,12 +9,13 @@ import pytest
 import torch
 from conftest import compose_cfg, requires_gpu
 
-from qlora_recipes import modeling, planner
+from qlora_recipes import planner
 from qlora_recipes.errors import UserError
+from qlora_recipes.model import loading
 from qlora_recipes.planner.ladder import COSTS, LADDER_ORDER, _candidates
 from qlora_recipes.planner.peaks import device_peak
-from qlora_recipes.training import train
-from qlora_recipes.validate import validate
+from qlora_recipes.run.training import train
+from qlora_recipes.run.validate import validate
 
 GiB = 2**30
 HOST = 64 * GiB
@@ -25,9 +26,9 @@ def _smoke(run_dir, *overrides):
 
 
 def _spy_on_training_dtypes(monkeypatch) -> dict:
-    """Wrap modeling.make_trainable: at each training forward, the dtypes the final norm sees."""
+    """Wrap loading.make_trainable: at each training forward, the dtypes the final norm sees."""
     seen: dict = {}
-    real = modeling.make_trainable
+    real = loading.make_trainable
 
     def spy(cfg, model):
         model = real(cfg, model)
@@ -47,7 +48,7 @@ def _spy_on_training_dtypes(monkeypatch) -> dict:
         base.model.norm.register_forward_pre_hook(record)
         return model
 
-    monkeypatch.setattr(modeling, "make_trainable", spy)
+    monkeypatch.setattr(loading, "make_trainable", spy)
     return seen
 
 
@@ -83,7 +84,7 @@ def test_planned_other_params_are_what_make_trainable_leaves(upcast, run_dir):
     for byte (fp32 after k-bit prep, bf16 without its upcast)."""
     cfg = compose_cfg(f"precision.upcast_frozen={str(upcast).lower()}")
     plan = planner.plan(cfg, gpus=[], host_ram=HOST, world_size=1, ladder=False)
-    model = modeling.make_trainable(cfg, modeling.load_model(cfg, run_dir))
+    model = loading.make_trainable(cfg, loading.load_model(cfg, run_dir))
     frozen = [p for n, p in model.named_parameters() if "lora_" not in n and p.is_floating_point()]
     assert {p.dtype for p in frozen} == {torch.float32 if upcast else torch.bfloat16}
     assert sum(plan["components"]["other_params"].values()) == sum(p.numel() * p.element_size() for p in frozen)
@@ -110,13 +111,14 @@ def test_activation_offloading_is_refused_in_one_line_on_cpu(run_dir):
 
 
 def test_activation_offloading_reaches_sft_config_and_passes_validation_with_a_gpu(tmp_path):
-    from qlora_recipes import stack
+    from qlora_recipes.run import trainer_args
 
     cfg = compose_cfg("trainer.activation_offloading=true")
     validate(cfg, gpu_available=True, world_size=1)
-    assert stack.sft_config(cfg, tmp_path, "text", on_gpu=False, has_eval=False).activation_offloading is True
+    assert trainer_args.sft_config(cfg, tmp_path, "text", on_gpu=False, has_eval=False).activation_offloading is True
     assert (
-        stack.sft_config(compose_cfg(), tmp_path, "text", on_gpu=False, has_eval=False).activation_offloading is False
+        trainer_args.sft_config(compose_cfg(), tmp_path, "text", on_gpu=False, has_eval=False).activation_offloading
+        is False
     )
 
 
@@ -231,7 +233,7 @@ def test_ladder_offers_the_lean_rungs_first_when_they_help():
 def test_ladder_leaves_out_lean_rungs_that_cannot_help():
     """No fp32 upcast to undo with quant=none or precision=fp32; no GPU to offload from on a CPU
     machine, nor a checkpointed input to move without checkpointing."""
-    from qlora_recipes import devices
+    from qlora_recipes.config import devices
     from qlora_recipes.planner.spec import spec_from_cfg
 
     gpu, cpu = devices.hardware([24 * GiB], HOST), devices.hardware([], HOST)
@@ -251,7 +253,7 @@ def test_ladder_leaves_out_lean_rungs_that_cannot_help():
 def test_liger_is_refused_on_cpu_or_without_the_package_and_reaches_sft_config(tmp_path):
     import importlib.util
 
-    from qlora_recipes import stack
+    from qlora_recipes.run import trainer_args
 
     cfg = compose_cfg("trainer.liger=true")
     with pytest.raises(UserError, match=r"trainer.liger=true needs a CUDA GPU"):
@@ -259,4 +261,4 @@ def test_liger_is_refused_on_cpu_or_without_the_package_and_reaches_sft_config(t
     if importlib.util.find_spec("liger_kernel") is None:  # the CPU path never installs it
         with pytest.raises(UserError, match=r"pip install -r requirements-gpu.txt"):
             validate(cfg, gpu_available=True, world_size=1)
-    assert stack.sft_config(cfg, tmp_path, "text", on_gpu=False, has_eval=False).use_liger_kernel is True
+    assert trainer_args.sft_config(cfg, tmp_path, "text", on_gpu=False, has_eval=False).use_liger_kernel is True

@@ -13,8 +13,8 @@ import datasets.config
 import pytest
 import torch
 
-from qlora_recipes.checkpoints import CHECKPOINT, RECORD, find_checkpoint
 from qlora_recipes.data import formats
+from qlora_recipes.run.checkpoints import CHECKPOINT, RECORD, find_checkpoint
 from qlora_recipes.units import parse_size
 
 
@@ -41,13 +41,13 @@ def test_newest_sound_checkpoint_is_transformers_last_checkpoint(tmp_path):
 
 
 def test_an_unsound_newest_checkpoint_is_skipped_for_the_next_sound_one(tmp_path):
-    from qlora_recipes.checkpoints import _newest_sound
+    from qlora_recipes.run.checkpoints import newest_sound
 
     for step in (1, 3):
         _checkpoint(tmp_path, step)
     _checkpoint(tmp_path, 4, sound=False)
     (tmp_path / "checkpoint-5").mkdir()  # no trainer_state.json: never completed
-    found, skipped = _newest_sound(tmp_path, deep=False)
+    found, skipped = newest_sound(tmp_path, deep=False)
     assert found == str(tmp_path / "checkpoint-3")
     assert skipped == [
         "checkpoint-5 (trainer_state.json missing or unreadable)",
@@ -165,7 +165,7 @@ def anon():  # anonymous memory (Python objects, Arrow buffers); mapped Arrow pa
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
 from qlora_recipes.data import load_splits
-from qlora_recipes.peak import reset_rss_high_water_mark, rss_bytes, rss_high_water_mark
+from qlora_recipes.run.memory import reset_rss_high_water_mark, rss_bytes, rss_high_water_mark
 
 peak, done = [0], threading.Event()
 

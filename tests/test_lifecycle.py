@@ -9,11 +9,11 @@ import pytest
 from conftest import REPO, compose_cfg
 from transformers import Trainer
 
-from qlora_recipes.checkpoints import find_checkpoint
 from qlora_recipes.errors import UserError
-from qlora_recipes.lifecycle import Preempted
-from qlora_recipes.resume import resume_checkpoint
-from qlora_recipes.training import train
+from qlora_recipes.run.checkpoints import find_checkpoint
+from qlora_recipes.run.lifecycle import Preempted
+from qlora_recipes.run.resume import resume_checkpoint
+from qlora_recipes.run.training import train
 
 BASE = [
     "trainer=smoke",

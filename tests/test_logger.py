@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, compose_cfg
 
-from qlora_recipes import trackers
 from qlora_recipes.errors import UserError
+from qlora_recipes.integrations import trackers
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 SMOKE = ["trainer=smoke", "data.metric=null"]
@@ -210,7 +210,7 @@ def test_every_backend_trains_the_default_offline_and_writes_its_run(tmp_path):
 
 
 def test_logger_none_writes_no_tensorboard_dir(tmp_path):
-    from qlora_recipes.training import train
+    from qlora_recipes.run.training import train
 
     out = tmp_path / "run"
     metrics = train(compose_cfg(*SMOKE, "logger=none"), out)

@@ -22,12 +22,12 @@ from hydra.core.global_hydra import GlobalHydra
 REPO = Path(__file__).resolve().parents[1]
 
 from qlora_recipes import planner  # noqa: E402
-from qlora_recipes.devices import parse_gpus  # noqa: E402
+from qlora_recipes.config.devices import parse_gpus  # noqa: E402
+from qlora_recipes.config.loader import register_schemas  # noqa: E402
 from qlora_recipes.errors import UserError  # noqa: E402
 from qlora_recipes.planner import components, constants, figures, placement  # noqa: E402
 from qlora_recipes.planner.ladder import LADDER_ORDER  # noqa: E402
 from qlora_recipes.planner.spec import spec_from_cfg  # noqa: E402
-from qlora_recipes.schema import register_schemas  # noqa: E402
 from qlora_recipes.units import parse_size  # noqa: E402
 
 register_schemas()

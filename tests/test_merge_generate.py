@@ -30,7 +30,7 @@ ENV_EXTRA = {"HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARA
 
 
 def _train(run_dir: Path, *overrides: str) -> Path:
-    from qlora_recipes.training import train
+    from qlora_recipes.run.training import train
 
     train(compose_cfg("trainer=smoke", "data.metric=null", *overrides), run_dir)
     return run_dir
@@ -283,7 +283,7 @@ def test_prompts_are_rendered_as_the_run_data_was(tmp_path):
     from transformers import AutoTokenizer
 
     from qlora_recipes.data import alpaca_prompt
-    from qlora_recipes.prompts import Prompt, read_prompts, render
+    from qlora_recipes.outputs.prompts import Prompt, read_prompts, render
 
     tokenizer = AutoTokenizer.from_pretrained(compose_cfg().model.name_or_path)
     text, special = render(tokenizer, Prompt("text", "hi"), "chat")
@@ -351,8 +351,8 @@ def test_bad_inputs_get_one_line_errors(nf4_run, nf4_merged, tmp_path):
 def test_plain_prompts_are_wrapped_in_the_format_the_run_trained_on(nf4_run):
     """The sample's prompts all read `order: <letters>\\n`: a bare `fed` is sent as `order: fed\\n` (the run
     recorded that prefix/suffix in metrics.json), and generates exactly what the full prompt does."""
-    from qlora_recipes.generation import generate, load_for_generation
-    from qlora_recipes.prompts import Prompt, PromptFormat, render
+    from qlora_recipes.outputs.generation import generate, load_for_generation
+    from qlora_recipes.outputs.prompts import Prompt, PromptFormat, render
 
     model, tokenizer, info = load_for_generation(nf4_run)
     assert info["format"] == PromptFormat(style="plain", prefix="order: ", suffix="\n")
@@ -370,7 +370,7 @@ def test_prompt_formats_of_alpaca_and_chat_runs(tmp_path):
     from transformers import AutoTokenizer
 
     from qlora_recipes.data import alpaca_prompt
-    from qlora_recipes.prompts import Prompt, PromptFormat, load_prompt_format, render
+    from qlora_recipes.outputs.prompts import Prompt, PromptFormat, load_prompt_format, render
 
     tokenizer = AutoTokenizer.from_pretrained(compose_cfg().model.name_or_path)
     chat = PromptFormat(style="chat", system="be brief")
@@ -397,14 +397,14 @@ def test_a_run_dir_from_before_the_prompt_format_record_is_wrapped_as_its_data_w
     instead of `order: qcab\n`, the garbage issue 14 saw); the format now comes from its config.yaml's data."""
     import logging
 
-    from qlora_recipes.generation import load_for_generation
-    from qlora_recipes.prompts import Prompt, PromptFormat, render
+    from qlora_recipes.outputs.generation import load_for_generation
+    from qlora_recipes.outputs.prompts import Prompt, PromptFormat, render
 
     old = _copy_run(nf4_run, tmp_path / "old-run")
     metrics = json.loads((old / "metrics.json").read_text())
     del metrics["data"]["prompt_format"]
     (old / "metrics.json").write_text(json.dumps(metrics))
-    with caplog.at_level(logging.INFO, logger="qlora_recipes.runs"):
+    with caplog.at_level(logging.INFO, logger="qlora_recipes.outputs.rundir"):
         _, tokenizer, info = load_for_generation(old)
     assert info["format"] == PromptFormat(style="plain", prefix="order: ", suffix="\n")
     assert render(tokenizer, Prompt("text", "qcab"), info["format"]) == ("order: qcab\n", True)
@@ -418,10 +418,10 @@ def test_merge_records_the_prompt_format_and_a_moved_merged_dir_keeps_it(nf4_run
     wrapped the same way."""
     from transformers import AutoTokenizer
 
-    from qlora_recipes.generation import load_for_generation
     from qlora_recipes.merge.quality import compare_prompts
-    from qlora_recipes.prompts import PromptFormat
-    from qlora_recipes.runs import load_run_config, run_prompt_format
+    from qlora_recipes.outputs.generation import load_for_generation
+    from qlora_recipes.outputs.prompts import PromptFormat
+    from qlora_recipes.outputs.rundir import load_run_config, run_prompt_format
 
     assert nf4_merged["prompt_format"] == SAMPLE_FORMAT
     moved = tmp_path / "moved"
@@ -452,8 +452,8 @@ def test_generation_stops_at_every_eos_id_of_the_generation_config():
     """Regression: generation used to pass eos_token_id=tokenizer.eos_token_id, replacing the model's
     generation_config list (Llama 3 [128001, 128009], Gemma [1, 107]). A tiny model whose
     generation_config lists two eos ids stops at the second one."""
-    from qlora_recipes.generation import generate, stop_token_ids
-    from qlora_recipes.prompts import Prompt
+    from qlora_recipes.outputs.generation import generate, stop_token_ids
+    from qlora_recipes.outputs.prompts import Prompt
 
     model, tokenizer = _tiny_model()
     prompt = [Prompt("formatted", "copy: qwerty\n")]
@@ -470,7 +470,7 @@ def test_generation_stops_at_every_eos_id_of_the_generation_config():
     assert stopped == [free[:4]] * 3
 
     # the exact-match metric generates through the same loop: the model's own stop list decides
-    from qlora_recipes import metrics
+    from qlora_recipes.run import metrics
 
     pairs = [("copy: qwerty\n", free[:4])]
     assert metrics.exact_match(model, tokenizer, pairs, 12) == 1.0
@@ -480,8 +480,8 @@ def test_generation_stops_at_every_eos_id_of_the_generation_config():
 
 def test_stop_tokens_are_the_union_with_the_chat_end_of_turn():
     from qlora_recipes.data.chat import CHATML
-    from qlora_recipes.generation import stop_strings, stop_token_ids
-    from qlora_recipes.prompts import PromptFormat
+    from qlora_recipes.outputs.generation import stop_strings, stop_token_ids
+    from qlora_recipes.outputs.prompts import PromptFormat
 
     model, tokenizer = _tiny_model()
     model.generation_config.eos_token_id = [2, 7]

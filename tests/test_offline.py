@@ -14,7 +14,7 @@ from conftest import REPO, compose_cfg
 from huggingface_hub import constants
 
 from qlora_recipes.errors import UserError
-from qlora_recipes.modelcheck import check_hub_model
+from qlora_recipes.model.check import check_hub_model
 
 README_COMMAND = ["model=llama3.1-8b", "trainer=standard", "data.path=my.jsonl"]  # issue 14's example
 

@@ -22,9 +22,10 @@ import pytest
 import torch
 from conftest import REPO, compose_cfg
 
-from qlora_recipes import modeling, planner
+from qlora_recipes import planner
 from qlora_recipes.errors import UserError
-from qlora_recipes.training import train
+from qlora_recipes.model import loading
+from qlora_recipes.run.training import train
 
 LAYER = "model.layers.1"
 
@@ -109,7 +110,7 @@ def _assert_trains_and_reloads(model, tmp_path, offloaded_layer: int = 1, reload
     if reload is None:
         return
     # reloaded onto a base that is not offloaded, it is the adapter that was trained
-    base = modeling.load_model(compose_cfg(*reload), tmp_path / "reload")
+    base = loading.load_model(compose_cfg(*reload), tmp_path / "reload")
     reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter")
     for name, param in _adapter(reloaded, offloaded_layer).items():
         assert torch.equal(param.detach().float(), after[name].detach().float()), name
@@ -121,7 +122,7 @@ def test_disk_offloaded_layer_trains_and_its_adapter_saves(tmp_path, tiny8):
     cfg = compose_cfg(*disk_overrides(tiny8), f"offload.folder={tmp_path / 'offload'}")
     plan = planner.plan(cfg, world_size=1, ladder=False)
     assert plan["device_map"][LAYER] == "disk" and plan["device_map"]["lm_head"] == "cpu"
-    model = modeling.make_trainable(cfg, modeling.load_model(cfg, tmp_path))
+    model = loading.make_trainable(cfg, loading.load_model(cfg, tmp_path))
     base = model.get_base_model()
     assert base.hf_device_map == plan["device_map"]  # the planned map is the one loaded
     q_proj = base.model.layers[1].self_attn.q_proj
@@ -137,10 +138,10 @@ def test_host_ram_offloaded_layer_trains(tmp_path, monkeypatch):
     from accelerate import cpu_offload
 
     cfg = compose_cfg("quant=none")
-    base = modeling.load_model(cfg, tmp_path)
+    base = loading.load_model(cfg, tmp_path)
     cpu_offload(base.model.layers[1], execution_device=torch.device("cpu"))
     assert base.model.layers[1].self_attn.q_proj.weight.device.type == "meta"
-    model = modeling.make_trainable(cfg, base)
+    model = loading.make_trainable(cfg, base)
     _assert_trains_and_reloads(model, tmp_path)  # the disk test reloads
 
 
@@ -148,7 +149,7 @@ def test_dora_on_an_offloaded_layer_is_refused_in_one_line(tmp_path, tiny8):
     """DoRA reads its base weight outside the forward that onloads it: refused, not a meta error."""
     cfg = compose_cfg(*disk_overrides(tiny8), "peft=dora", f"offload.folder={tmp_path / 'offload'}")
     with pytest.raises(UserError, match="peft=dora cannot train .*layers.1.* offloaded"):
-        modeling.make_trainable(cfg, modeling.load_model(cfg, tmp_path))
+        loading.make_trainable(cfg, loading.load_model(cfg, tmp_path))
 
 
 @pytest.mark.slow
@@ -157,7 +158,7 @@ def test_train_py_with_a_layer_on_disk(tmp_path, monkeypatch, tiny8):
     from safetensors.torch import load_file
 
     seen = {}
-    real = modeling.make_trainable
+    real = loading.make_trainable
 
     def spy(cfg, model):
         model = real(cfg, model)
@@ -165,7 +166,7 @@ def test_train_py_with_a_layer_on_disk(tmp_path, monkeypatch, tiny8):
         seen["before"] = {n: p.detach().clone() for n, p in _adapter(model).items()}
         return model
 
-    monkeypatch.setattr(modeling, "make_trainable", spy)
+    monkeypatch.setattr(loading, "make_trainable", spy)
     run_dir = tmp_path / "run"
     m = train(compose_cfg("trainer=smoke", "data.metric=null", "trainer.max_steps=4", *disk_overrides(tiny8)), run_dir)
     assert m["steps"] == 4 and all(math.isfinite(x) for x in m["train_losses"]), m["train_losses"]
@@ -191,7 +192,7 @@ def test_disk_layer_is_read_in_place_in_the_load_dtype(tmp_path, tiny8):
     folder = tmp_path / "offload"
     cfg = compose_cfg(*disk_overrides(tiny8), f"offload.folder={folder}")
     plan = planner.plan(cfg, world_size=1, ladder=False)
-    model = modeling.load_model(cfg, tmp_path)
+    model = loading.load_model(cfg, tmp_path)
     assert not any(folder.rglob("*"))  # read in place: the folder stays empty
     assert "disk" not in plan["components"].get("other_params", {})  # so the plan writes nothing there
     hook = model.model.layers[1].self_attn.q_proj._hf_hook
@@ -238,7 +239,7 @@ def test_host_ram_layers_beside_a_gpu_count_params_times_load_dtype_bytes(tiny8)
 def test_the_placement_budgets_offloaded_layers_at_their_real_size():
     """The 70B disk recipe: what the map puts in host RAM fits offload.max_memory.cpu (less the
     quantizer's 10 %) at bf16; counted at 4 bits it would have held about 4x that."""
-    from qlora_recipes import devices
+    from qlora_recipes.config import devices
     from qlora_recipes.planner.constants import BNB_MAX_MEMORY_FACTOR
 
     cfg = compose_cfg("recipe=llama2-70b-24gb-disk")

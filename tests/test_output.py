@@ -17,7 +17,9 @@ import torch
 from conftest import REPO, compose_cfg
 from rich.console import Console
 
-from qlora_recipes import console, modeling, stack
+from qlora_recipes import console
+from qlora_recipes.model import loading
+from qlora_recipes.run import trainer_args
 
 METRICS = {  # the shape of a metrics.json, figures at full precision
     "status": "ok",
@@ -103,17 +105,17 @@ def test_sft_config_uses_the_transformers_5_checkpointing_names(tmp_path):
     cfg = compose_cfg("trainer=smoke")
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # `gradient_checkpointing` is deprecated ...
-        args = stack.sft_config(cfg, tmp_path, "prompt_completion", on_gpu=False, has_eval=True)
+        args = trainer_args.sft_config(cfg, tmp_path, "prompt_completion", on_gpu=False, has_eval=True)
     assert args.activation_checkpointing is True
     assert args.activation_checkpointing_kwargs == {"use_reentrant": False}
 
 
 def test_making_the_model_trainable_warns_nothing_and_still_checkpoints(tmp_path):
     cfg = compose_cfg("trainer=smoke")
-    model = modeling.load_model(cfg, tmp_path)
+    model = loading.load_model(cfg, tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = modeling.make_trainable(cfg, model)
+        model = loading.make_trainable(cfg, model)
     assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
     assert model.base_model.model.is_activation_checkpointing  # what the deprecated calls did, done
 
@@ -125,7 +127,7 @@ def test_a_paged_optimizer_on_cpu_is_one_line_of_ours_and_no_library_warning(cap
     with warnings.catch_warnings(record=True) as caught:  # restores the filters afterwards
         warnings.simplefilter("always")
         with caplog.at_level(logging.INFO, logger="train"):
-            stack.note_optimizer_fallback(cfg, on_gpu=False)
+            trainer_args.note_optimizer_fallback(cfg, on_gpu=False)
         bnb.optim.PagedAdamW8bit([param], lr=1e-3).step()
         other = [str(w.message) for w in caught]
     assert not any("Paged optimizers" in m for m in other)

@@ -154,7 +154,7 @@ def test_exact_match_prompts_are_cut_to_seq_len(monkeypatch, tok):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qlora_recipes import metrics
+    from qlora_recipes.run import metrics
 
     model = AutoModelForCausalLM.from_pretrained(REPO / "assets" / "tiny-llama", dtype=torch.float32)
     recorder = GenerateRecorder(monkeypatch)
@@ -168,7 +168,7 @@ def test_exact_match_prompts_are_cut_to_seq_len(monkeypatch, tok):
         assert rows * (positions + new) <= 16 * 64  # the batch bound the planner counts
 
     # what was fed keeps the prompt's end (the task), and the BOS
-    from qlora_recipes.generation import _truncate
+    from qlora_recipes.outputs.generation import _truncate
 
     ids = tok(long_prompt)["input_ids"]
     (cut,), n = _truncate([ids], 64, tok.bos_token_id)
@@ -184,7 +184,7 @@ def test_exact_match_prompts_are_cut_to_seq_len(monkeypatch, tok):
 def test_eval_file_with_100k_character_rows_runs_within_bounds(tmp_path, run_dir, monkeypatch):
     """A real run whose eval file holds 100k-character rows: eval loss on rows truncated to seq_len (and
     counted), exact match on prompts cut to seq_len, generating at most max_new_tokens."""
-    from qlora_recipes.training import train
+    from qlora_recipes.run.training import train
 
     train_path = write_jsonl(tmp_path / "train.jsonl", own_rows("prompt_completion", 16))
     long_rows = [{"prompt": "z" * 100_000 + f"\nsort: {w}\n", "completion": "".join(sorted(w))} for w in _words(3)]

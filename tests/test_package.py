@@ -41,7 +41,7 @@ def test_wheel_ships_the_configs_recipes_and_tiny_model_and_no_benchmark_code(wh
     assert not any(n.startswith(("bench/", "tests/", "scripts/")) for n in names)
     assert "qlora_recipes/bench.py" not in names  # only the `qlora bench` subcommand, which runs bench/
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "qlora = qlora_recipes.commands:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "qlora = qlora_recipes.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
 def test_installed_wheel_trains_the_default_from_outside_the_repo(wheel, tmp_path):

@@ -6,7 +6,7 @@ from conftest import compose_cfg
 from qlora_recipes import planner
 from qlora_recipes.data.formats import format_kwargs
 from qlora_recipes.errors import UserError
-from qlora_recipes.validate import validate
+from qlora_recipes.run.validate import validate
 
 GiB = 2**30
 
@@ -106,7 +106,7 @@ def test_padding_free_on_eager_plans_the_flat_rows_mask():
 
 @pytest.mark.parametrize("strategy", ["bfd", "wrapped"])
 def test_packed_training_runs_on_cpu(strategy, run_dir):
-    from qlora_recipes.training import train
+    from qlora_recipes.run.training import train
 
     cfg = compose_cfg("trainer=smoke", "data.metric=null", "data.packing=true", f"data.packing_strategy={strategy}")
     m = train(cfg, run_dir)

@@ -13,10 +13,12 @@ import torch
 from conftest import REPO, compose_cfg
 from torch.profiler import ProfilerActivity, profile
 
-from qlora_recipes import devices, metrics, peak, planner, schema, stack
+from qlora_recipes import planner
+from qlora_recipes.config import devices, schema
 from qlora_recipes.planner import components, constants, loss
 from qlora_recipes.planner.figures import Figures
 from qlora_recipes.planner.spec import StackSpec, spec_from_cfg
+from qlora_recipes.run import memory, metrics, trainer_args
 
 GiB = 2**30
 
@@ -37,15 +39,15 @@ def allocated_peak(fn) -> int:
 
 def rss_peak(fn) -> int:
     """The most RSS the process held while fn ran, above what it held before: the high-water mark,
-    with the malloc thresholds a CPU training run pins (peak.pin_malloc_thresholds)."""
-    if not (peak.pin_malloc_thresholds() and peak.reset_rss_high_water_mark()):
+    with the malloc thresholds a CPU training run pins (memory.pin_malloc_thresholds)."""
+    if not (memory.pin_malloc_thresholds() and memory.reset_rss_high_water_mark()):
         pytest.skip("needs glibc and /proc/self/clear_refs (Linux)")
     fn()  # once for the one-time allocations (kernels, thread pools)
     gc.collect()
-    before = peak.rss_bytes()
-    peak.reset_rss_high_water_mark()
+    before = memory.rss_bytes()
+    memory.reset_rss_high_water_mark()
     fn()
-    return peak.rss_high_water_mark() - before
+    return memory.rss_high_water_mark() - before
 
 
 def fused_head_peak(b: int, s: int, h: int, vocab: int, bf16: bool, train: bool) -> int:
@@ -131,7 +133,7 @@ def test_no_key_of_ours_takes_trl_off_the_fused_head(tmp_path):
         "use_liger_kernel",
         "compute_loss_func",
     }
-    args = stack.sft_config(compose_cfg(), tmp_path, "prompt_completion", on_gpu=False, has_eval=True)
+    args = trainer_args.sft_config(compose_cfg(), tmp_path, "prompt_completion", on_gpu=False, has_eval=True)
     assert args.label_smoothing_factor == 0 and args.loss_type == "nll" and not args.use_liger_kernel
 
 
@@ -158,8 +160,8 @@ def test_generation_plan_bounds_what_the_metric_allocates_on_cpu():
     prompts of 30 to 230 characters: the plan is an upper bound, and not a loose one."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from qlora_recipes.generation import generate
-    from qlora_recipes.prompts import Prompt
+    from qlora_recipes.outputs.generation import generate
+    from qlora_recipes.outputs.prompts import Prompt
 
     tokenizer = AutoTokenizer.from_pretrained(str(REPO / "assets" / "tiny-llama"))
     eval_batch, seq_len, new, h = 8, 256, 16, 256

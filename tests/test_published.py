@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from qlora_recipes import planner
-from qlora_recipes.schema import compose
+from qlora_recipes.config.loader import compose
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRIES = yaml.safe_load((REPO / "bench" / "published.yaml").read_text())["entries"]

@@ -30,7 +30,8 @@ import pytest
 import yaml
 from conftest import REPO, compose_cfg
 
-from qlora_recipes import devices, planner
+from qlora_recipes import planner
+from qlora_recipes.config import devices
 
 README = REPO / "README.md"
 GiB = 2**30
@@ -431,7 +432,7 @@ def test_every_module_is_named_where_the_readme_points():
 
 def test_the_offload_folder_refusal_the_readme_shows_is_reachable():
     from qlora_recipes.errors import UserError
-    from qlora_recipes.validate import validate
+    from qlora_recipes.run.validate import validate
 
     assert "`offload=disk offload.folder=null`: `error: offload=disk needs an offload folder" in README.read_text()
     assert compose_cfg("offload=disk").offload.folder == "offload"  # offload=disk brings a folder

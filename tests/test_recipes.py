@@ -12,9 +12,11 @@ import sys
 import pytest
 from conftest import REPO, compose_cfg, options
 
-from qlora_recipes import devices, dist, planner
+from qlora_recipes import planner
+from qlora_recipes.config import devices
 from qlora_recipes.errors import UserError
-from qlora_recipes.validate import validate
+from qlora_recipes.run import dist
+from qlora_recipes.run.validate import validate
 
 RECIPES = options("recipe")
 # Without the make variables of a `make test ARGS=...` this suite may run under: a make started

@@ -13,10 +13,10 @@ import pytest
 import yaml
 from conftest import REPO, compose_cfg
 
-from qlora_recipes.checkpoints import RECORD
 from qlora_recipes.errors import UserError
-from qlora_recipes.resume import resume_checkpoint
-from qlora_recipes.training import train
+from qlora_recipes.run.checkpoints import RECORD
+from qlora_recipes.run.resume import resume_checkpoint
+from qlora_recipes.run.training import train
 
 BASE = ["trainer=smoke", "data.metric=null", "trainer.save_steps=1", "trainer.micro_batch_size=4"]
 ADDED_SINCE = {"data": ("chat_template", "too_long"), "optim": ("warmup_steps",), None: ("logger", "hub")}
@@ -50,10 +50,10 @@ def test_a_run_dir_from_before_fingerprints_resumes_saying_the_data_was_not_chec
     with pytest.raises(UserError, match=r"differs .* in peft\.r;"):  # a real change is still refused
         resume_checkpoint(compose_cfg(*BASE, *small, "trainer.max_steps=3", "resume=auto", "peft.r=4"), run_dir)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="qlora_recipes.resume"):
+    with caplog.at_level(logging.WARNING, logger="qlora_recipes.run.resume"):
         m = train(compose_cfg(*BASE, *small, "trainer.max_steps=3", "resume=auto"), run_dir)
     assert m["resumed_from"].endswith("checkpoint-2") and m["steps"] == 3
-    lines = [r.getMessage() for r in caplog.records if r.name == "qlora_recipes.resume"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "qlora_recipes.run.resume"]
     assert len(lines) == 1, lines
     assert "checkpoint-2 has no data fingerprint" in lines[0] and "could not be checked" in lines[0]
     assert "train.jsonl" in lines[0]

@@ -12,8 +12,9 @@ import torch
 from conftest import compose_cfg
 from omegaconf import OmegaConf
 
-from qlora_recipes import peak, sweep
-from qlora_recipes.training import train
+from qlora_recipes.integrations import sweep
+from qlora_recipes.run import memory
+from qlora_recipes.run.training import train
 
 GiB = 2**30
 SMOKE = ("trainer=smoke", "data.metric=null")
@@ -78,27 +79,27 @@ def test_second_run_in_a_process_reports_its_own_peak(two_runs):
 def test_tracker_peak_is_per_tracker_and_falls_back_to_the_plan_device():
     if torch.cuda.is_available():
         pytest.skip("the CPU sampler")
-    with peak.PeakTracker(gpu=False) as first:
+    with memory.PeakTracker(gpu=False) as first:
         held = torch.ones(GiB // 8)  # 512 MiB, touched
         held.add_(1)
         during = first.peak_gib()
         del held
-    with peak.PeakTracker(gpu=False) as second:
+    with memory.PeakTracker(gpu=False) as second:
         after = second.peak_gib()
     assert during > after + 0.4 and first.stop() >= during
-    assert peak.planned_peak_gib({"devices": [{"device": "cpu", "peak": GiB}], "peak_gib": 9.0}) == 1.0
+    assert memory.planned_peak_gib({"devices": [{"device": "cpu", "peak": GiB}], "peak_gib": 9.0}) == 1.0
     gpu_plan = {"devices": [{"device": "cuda:0", "peak": 9 * GiB}], "peak_gib": 9.0, "peak_allocated_gib": 7.5}
-    assert peak.planned_peak_gib(gpu_plan) == 7.5 and peak.plan_on_gpu(gpu_plan)
+    assert memory.planned_peak_gib(gpu_plan) == 7.5 and memory.plan_on_gpu(gpu_plan)
 
 
 def test_cpu_peak_is_the_kernels_high_water_mark_and_sees_a_spike_no_sampler_would():
     """A 256 MiB tensor that lives for microseconds: the tracker's peak has it (VmHWM, reset at
     start), while the RSS before and after does not."""
-    if torch.cuda.is_available() or not peak.reset_rss_high_water_mark():
+    if torch.cuda.is_available() or not memory.reset_rss_high_water_mark():
         pytest.skip("Linux CPU: /proc/self/clear_refs")
-    with peak.PeakTracker(gpu=False, interval_s=3600) as tracker:  # a sampler this slow sees nothing
+    with memory.PeakTracker(gpu=False, interval_s=3600) as tracker:  # a sampler this slow sees nothing
         assert tracker.exact
-        before = peak.rss_bytes()
+        before = memory.rss_bytes()
         torch.ones(GiB // 16).add_(1)  # 256 MiB, touched, freed at once
         spike = tracker.peak_gib() * GiB - before
     assert spike > 0.9 * GiB / 4, spike / GiB
@@ -111,12 +112,12 @@ def test_pinned_malloc_thresholds_give_freed_tensors_back():
     code = """
 import sys, torch
 from qlora_recipes import peak
-if sys.argv[1] == "pin" and not peak.pin_malloc_thresholds():
+if sys.argv[1] == "pin" and not memory.pin_malloc_thresholds():
     print("unsupported"); raise SystemExit
-before = peak.rss_bytes()
+before = memory.rss_bytes()
 for mib in (2, 6, 16, 31, 10, 4, 24, 31, 8, 12):
     torch.ones(mib * 2**18).add_(1)
-print((peak.rss_bytes() - before) / 2**20)
+print((memory.rss_bytes() - before) / 2**20)
 """
     kept = {}
     for mode in ("pin", "default"):

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from qlora_recipes.errors import UserError
-from qlora_recipes.rundir_lock import LOCK, RunDirLock
+from qlora_recipes.run.lock import LOCK, RunDirLock
 
 NODE_A = "node-a.cluster.invalid"  # not this host: its pid cannot be checked from here
 
@@ -44,7 +44,7 @@ def test_a_requeued_slurm_job_takes_over_the_lock_it_left_on_another_node(tmp_pa
     run_dir = tmp_path / "run"
     _left_on_node_a(run_dir, job="777", restart=0)
     slurm("777", restart=1)  # `scontrol requeue` (or a node failure with --requeue): same id, restart 1
-    with caplog.at_level(logging.WARNING, logger="qlora_recipes.rundir_lock"):
+    with caplog.at_level(logging.WARNING, logger="qlora_recipes.run.lock"):
         with RunDirLock(run_dir):
             mine = json.loads((run_dir / LOCK).read_text())
             assert mine["slurm_job_id"] == "777" and mine["slurm_restart_count"] == 1 and mine["host"] != NODE_A

@@ -6,7 +6,7 @@ resume, and leave one adapter file that a single process loads and merges.
 What differs from a GPU run, and why (each shown by the library's own words in
 test_what_the_libraries_refuse_on_cpu):
 - FSDP: accelerate 1.15 enters its FSDP branch only for accelerator process groups; on CPU ranks
-  (MULTI_CPU) it silently drops the plugin and the trainer would run DDP. qlora_recipes.dist
+  (MULTI_CPU) it silently drops the plugin and the trainer would run DDP. qlora_recipes.run.dist
   admits MULTI_CPU to that same branch (dist.admit_fsdp_on_cpu); everything after it (fully_shard
   per decoder layer and on the root, sharded checkpoints) is the libraries' code.
 - FSDP with dist.offload_params: FSDP2's CPUOffloadPolicy pins memory, which needs an accelerator
@@ -114,7 +114,7 @@ def assert_one_adapter_file(run: Path, ranks: list[dict]) -> None:
 def assert_rank_peaks_against_the_rank_plan(run: Path, strategy: str, ranks: list[dict]) -> None:
     """Every rank records its own peak RSS, beside the plan of one CPU rank (plan.json is that plan:
     planner/sharded.py plan_cpu_rank; bench/results/planner-sharded.json compares the two)."""
-    from qlora_recipes.peak import CPU_QUANTITY, planned_peak_gib
+    from qlora_recipes.run.memory import CPU_QUANTITY, planned_peak_gib
 
     plan = json.loads((run / "plan.json").read_text())
     assert plan["dist"] == {"strategy": strategy, "world_size": 2, "ranks_per_node": 2, "cpu_ranks": True}

@@ -21,7 +21,7 @@ from conftest import REPO, compose_cfg
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from qlora_recipes.validate import validate
+from qlora_recipes.run.validate import validate
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 SMOKE = ["trainer=smoke", "data.metric=null"]
@@ -142,7 +142,7 @@ def test_resumed_study_counts_finished_trials_and_reruns_a_cut_off_one(tmp_path)
     import optuna
     from hydra_plugins.hydra_optuna_sweeper._impl import OptunaSweeperImpl
 
-    from qlora_recipes import study
+    from qlora_recipes.integrations import study
 
     url = f"sqlite:///{tmp_path}/sweep/optuna.db"
     earlier = optuna.create_study(study_name="s", storage=study.open_storage(url))
@@ -231,7 +231,7 @@ def test_each_sweep_job_reports_its_own_peak(tmp_path):
 
 
 def test_labels_name_what_differs_between_jobs():
-    from qlora_recipes.sweep import labels
+    from qlora_recipes.integrations.sweep import labels
 
     jobs = {
         "0": ["+sweep=optuna", "optim.lr=0.00044303752452182633", "peft.r=8", "trainer=smoke"],

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from qlora_recipes.config.schema import DataConfig
 from qlora_recipes.data import format_kwargs, load_splits
 from qlora_recipes.errors import UserError
-from qlora_recipes.schema import DataConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "assets" / "tiny-llama"

@@ -81,8 +81,8 @@ def test_suite_covers_every_single_gpu_recipe_and_lean_option():
 
 def test_slices_for_offloading_cover_trls_forward_stash():
     from bench.trace.run import slice_layers
+    from qlora_recipes.config.loader import compose
     from qlora_recipes.planner.constants import TRL_OFFLOAD_FWD_STASH
-    from qlora_recipes.schema import compose
 
     assert slice_layers(compose(["recipe=llama3.1-8b-24gb"])) == (2, 3)
     k, _ = slice_layers(compose(["recipe=llama3.1-8b-24gb", "trainer.activation_offloading=true"]))

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import compose_cfg
 
-from qlora_recipes import modeling
-from qlora_recipes.training import train
+from qlora_recipes.model import loading
+from qlora_recipes.run.training import train
 
 
 def test_default_run_learns_and_writes_everything(run_dir):
@@ -53,7 +53,7 @@ def test_default_run_learns_and_writes_everything(run_dir):
 )
 def test_each_quant_option_loads_the_right_layer(quant, layer, run_dir):
     cfg = compose_cfg(f"quant={quant}")
-    model = modeling.load_model(cfg, run_dir)
+    model = loading.load_model(cfg, run_dir)
     q_proj = model.model.layers[0].self_attn.q_proj
     assert type(q_proj) is layer
     if quant in ("nf4", "fp4"):

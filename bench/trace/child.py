@@ -33,7 +33,7 @@ def trace(spec: dict) -> dict:
     from bench.trace import kernels, step
     from bench.trace.model import four_bit_linears, make_trainable, materialize, meta_base
     from bench.trace.tracker import PlanTracker
-    from qlora_recipes.schema import compose
+    from qlora_recipes.config.loader import compose
 
     started = time.perf_counter()
     device = spec.get("device", "cuda")
@@ -109,7 +109,7 @@ def _kernel_modes(cfg, spec: dict, fake: bool, device: str) -> list:
 
     modes: list = []
     if fake:
-        from qlora_recipes.schema import padding_free_on
+        from qlora_recipes.config.schema import padding_free_on
 
         packed_rows = padding_free_on(cfg.data) and int(cfg.trainer.micro_batch_size) > 1
         modes += [kernels.trl_offload_keys(), kernels.known_sequences(not packed_rows)]

@@ -87,7 +87,7 @@ def cpu_check(log_dir: Path | None = None) -> dict:
 _REPRO = r"""
 import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-from qlora_recipes.schema import compose
+from qlora_recipes.config.schema import compose
 from qlora_recipes import modeling
 import tempfile
 folder = tempfile.mkdtemp()

@@ -1,14 +1,14 @@
 """The model a stack trains, built on fake tensors: the loader's path as far as it goes without weights.
 
-What `modeling.load_model` gets from `from_pretrained` is rebuilt here from the same parts: the
+What `loading.load_model` gets from `from_pretrained` is rebuilt here from the same parts: the
 config from the model's figures (or its local config.json), the model class built on the meta device
 in the precision dtype with the stack's attention, transformers' own bitsandbytes quantizer
 (`preprocess_model`: `replace_with_bnb_linear` with the skip list and `modules_to_not_convert` the
 loader computes), then every tensor materialised as a FakeTensor on the device, each 4-bit linear's
 weight quantized by `bitsandbytes.functional.quantize_4bit` (its fake kernel: the packed data and the
 QuantState, double quantization included, are the real shapes and dtypes), `postprocess_model`,
-`use_cache=False` and `modeling._keep_4bit_layout_trainable`. From there the run's own code takes
-over: `modeling.make_trainable` (k-bit prep or its lean variant, gradient checkpointing, peft) and
+`use_cache=False` and `loading._keep_4bit_layout_trainable`. From there the run's own code takes
+over: `loading.make_trainable` (k-bit prep or its lean variant, gradient checkpointing, peft) and
 TRL's `add_fused_lm_head`.
 
 One difference from the loader: `bitsandbytes.nn.Params4bit` cannot wrap a FakeTensor (a tensor
@@ -105,7 +105,7 @@ def meta_base(cfg: Any, layers: int | None = None, device_map: dict | None = Non
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qlora_recipes.stack import bnb_config
+    from qlora_recipes.model.hf_configs import bnb_config
     from qlora_recipes.units import torch_dtype
 
     dtype = torch_dtype(cfg.precision.dtype)
@@ -162,21 +162,21 @@ def four_bit_linears(model) -> dict:
 def make_trainable(cfg: Any, model, quantizer):
     """The run's own preparation, on the skeleton (meta tensors): what `load_model` does after the
     weights (the quantizer's postprocess_model, use_cache off, the CPU 4-bit layout kept trainable),
-    then `modeling.make_trainable` (k-bit prep or the lean path, gradient checkpointing, peft
+    then `loading.make_trainable` (k-bit prep or the lean path, gradient checkpointing, peft
     adapters in fp32) and TRL's fused LM head as SFTTrainer adds it. Done on the meta device because
     a module made of fake tensors cannot be moved (`Module._apply` swaps fake parameters, and the fake
     mode holds weak references to them); k-bit prep's casts and peft's adapters are the same
     tensors either way, allocated when `materialize` runs."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from qlora_recipes import modeling
+    from qlora_recipes.model import loading
 
     if quantizer is not None:
         model.hf_quantizer = quantizer
         quantizer.postprocess_model(model)
     model.config.use_cache = False
-    modeling._keep_4bit_layout_trainable(model)
-    model = modeling.make_trainable(cfg, model)
+    loading._keep_4bit_layout_trainable(model)
+    model = loading.make_trainable(cfg, model)
     add_fused_lm_head(model.get_base_model(), outputs=SFT_FUSED_OUTPUTS)
     model.train()
     return model

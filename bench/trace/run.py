@@ -138,8 +138,8 @@ def trace_stack(
     overrides: list[str], device: str = "cuda", layers: int | str | None = "auto", log_dir: Path | None = None, **extra
 ) -> dict:
     """Trace a stack: whole, or two layer slices extrapolated to the model's layers."""
+    from qlora_recipes.config.loader import compose
     from qlora_recipes.planner import model_figures
-    from qlora_recipes.schema import compose
 
     cfg = compose(list(overrides))
     total_layers = model_figures(cfg.model).num_layers
@@ -183,8 +183,9 @@ def _brief(r: dict) -> dict:
 def plan_for(overrides: list[str], gpus: list[int] | None = None) -> dict:
     """The plan of one process of the stack, for its recipe's declared hardware (GPU memory, host
     RAM: as tests/test_recipes.py plans a recipe) or the GPU given; without the ladder."""
-    from qlora_recipes import devices, planner
-    from qlora_recipes.schema import compose
+    from qlora_recipes import planner
+    from qlora_recipes.config import devices
+    from qlora_recipes.config.loader import compose
 
     cfg = compose(list(overrides))
     declared = devices.declared_gpus(cfg)[:1] if cfg.hardware.gpus > 0 else []
@@ -195,8 +196,8 @@ def plan_for(overrides: list[str], gpus: list[int] | None = None) -> dict:
 
 def recipe_gpus(overrides: list[str]) -> list[int] | None:
     """The GPU a recipe's hardware node declares (one process: its first), else None."""
-    from qlora_recipes import devices
-    from qlora_recipes.schema import compose
+    from qlora_recipes.config import devices
+    from qlora_recipes.config.loader import compose
 
     cfg = compose(list(overrides))
     return devices.declared_gpus(cfg)[:1] or None if cfg.hardware.gpus > 0 else None

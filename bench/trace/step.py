@@ -43,7 +43,7 @@ def _batch(cfg: Any, device: str, vocab: int):
     import torch
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from qlora_recipes.schema import padding_free_on
+    from qlora_recipes.config.schema import padding_free_on
 
     b, s = int(cfg.trainer.micro_batch_size), int(cfg.trainer.seq_len)
     padding_free = padding_free_on(cfg.data)
@@ -71,12 +71,12 @@ def _batch(cfg: Any, device: str, vocab: int):
 def _sft_args(cfg: Any):
     from pathlib import Path
 
-    from qlora_recipes import stack
     from qlora_recipes.data.formats import trains_as
+    from qlora_recipes.run import trainer_args
 
     fmt = cfg.data.format if cfg.data.format not in (None, "auto") else "text"
     fmt = trains_as(fmt)
-    return stack.sft_config(cfg, Path("/tmp/qlora-trace"), fmt, False, False)
+    return trainer_args.sft_config(cfg, Path("/tmp/qlora-trace"), fmt, False, False)
 
 
 def _optimizer(cfg: Any, model):

@@ -9,7 +9,7 @@ class ResumableOptunaSweeper(OptunaSweeper):
     count towards `n_trials`, and new jobs are numbered after them."""
 
     def sweep(self, arguments: list[str]) -> None:
-        from qlora_recipes import study
+        from qlora_recipes.integrations import study
 
         study.resume(self.sweeper)
         return self.sweeper.sweep(arguments)

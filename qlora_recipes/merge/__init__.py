@@ -19,5 +19,5 @@ The rooms, in the order a merge runs (`pipeline.merge` drives them; scripts/merg
   few prompts of the run's eval data; `quality_line` for the terminal.
 - `pipeline`: `merge(run_dir, ...) -> report`, the whole step, and `merge_report.json`.
 
-The run dir itself is read by `qlora_recipes.runs`; prompts are formatted by `qlora_recipes.prompts`.
+The run dir itself is read by `qlora_recipes.outputs.rundir`; prompts are formatted by `qlora_recipes.outputs.prompts`.
 """

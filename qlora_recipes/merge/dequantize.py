@@ -39,7 +39,7 @@ def dequantize(module) -> torch.Tensor:
         state = weight.quant_state
         if getattr(state, "packing_format_for_cpu", False):
             raise RuntimeError(
-                f"{type(module).__name__} weight was repacked for CPU inference; load with modeling.load_model"
+                f"{type(module).__name__} weight was repacked for CPU inference; load with model.loading.load_model"
             )
         state = copy.copy(state)  # shallow: only the output dtype changes
         state.dtype = torch.float32

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
-from ..runs import MERGE_REPORT, is_merged_dir
+from ..outputs.rundir import MERGE_REPORT, is_merged_dir
 from ..units import parse_size
 
 if TYPE_CHECKING:  # torch loads lazily: the checks of bad input answer fast
@@ -135,15 +135,15 @@ def finish_out(partial: Path, out: Path, report: dict) -> None:
 
 def write_card(partial: Path, run_dir: Path, report: dict, quality: str, repo_id: str | None) -> None:
     """The merged model's card (README.md) in `partial`, from the run's files and the merge report."""
-    from ..modelcard import run_card
-    from ..modelcard import write_card as write_readme
+    from ..integrations.modelcard import run_card
+    from ..integrations.modelcard import write_card as write_readme
 
     write_readme(run_card(run_dir, "merged", repo_id=repo_id, merge={**report, "quality": quality}), partial)
 
 
 def _portable_json(path: Path, paths: tuple[str, ...], name_or_path: str | None = None) -> bytes:
     """A JSON file as pushed: the named keys' paths of this machine shortened (modelcard.portable)."""
-    from ..modelcard import portable
+    from ..integrations.modelcard import portable
 
     data = json.loads(path.read_text())
     for key in paths:
@@ -157,7 +157,7 @@ def _portable_json(path: Path, paths: tuple[str, ...], name_or_path: str | None 
 def push(out: Path, repo_id: str, private: bool | None, revision: str | None, report: dict, base_id: str | None) -> str:
     """The merged dir in one commit (hub.push_folder); merge_report.json and config.json go with this
     machine's paths shortened. The commit's URL."""
-    from ..hub import push_folder
+    from ..integrations.hub import push_folder
 
     replace = {"config.json": _portable_json(out / "config.json", (), base_id)}
     if (out / MERGE_REPORT).is_file():

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from ..errors import UserError
-from ..prompts import read_prompts
-from ..runs import (
+from ..outputs.prompts import read_prompts
+from ..outputs.rundir import (
     check_adapter_base,
     load_run_config,
     resolve_dir,
@@ -68,7 +68,7 @@ def merge(
     out = Path(out).expanduser() if out else run_dir / "merged"
     adapter_cfg = check_adapter_base(cfg, run_dir)
     if push_to_hub is not None:
-        from ..hub import check_push
+        from ..integrations.hub import check_push
 
         check_push(push_to_hub, revision, flag="--push-to-hub")
     partial = export.prepare_out(out, run_dir)
@@ -82,7 +82,7 @@ def merge(
         raise
     export.finish_out(partial, out, report)
     if push_to_hub is not None:
-        from ..modelcard import base_model
+        from ..integrations.modelcard import base_model
 
         report["pushed_to"] = export.push(out, push_to_hub, private, revision, report, base_model(cfg.model)[0])
     return report

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
-from ..prompts import Prompt, PromptFormat, data_prompt, read_prompts, render
-from ..runs import ADAPTER_WEIGHTS, load_stack
+from ..outputs.prompts import Prompt, PromptFormat, data_prompt, read_prompts, render
+from ..outputs.rundir import ADAPTER_WEIGHTS, load_stack
 from .dequantize import bnb_kind
 
 if TYPE_CHECKING:  # torch, transformers and peft load lazily: the checks of bad input answer fast
@@ -188,9 +188,9 @@ def original_logits(cfg, run_dir: Path, batches: list[dict], pad_id: int, dtype:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from .. import modeling
+    from ..model import loading
 
-    original = AutoModelForCausalLM.from_pretrained(**modeling._source(cfg), **_device_kwargs(dtype))
+    original = AutoModelForCausalLM.from_pretrained(**loading._source(cfg), **_device_kwargs(dtype))
     original = PeftModel.from_pretrained(original, str(run_dir / "adapter"), is_trainable=False).eval()
     logits = prompt_logits(original, batches, pad_id)
     original = None

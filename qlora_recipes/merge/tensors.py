@@ -130,9 +130,9 @@ def merged_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _checkpoint_files(cfg) -> tuple[Path, list[tuple[Path, list[str]]]]:
     """The original checkpoint's safetensors files and their keys, in file order (local dir or hub cache)."""
-    from .. import modeling
+    from ..model import loading
 
-    source = modeling._source(cfg)["pretrained_model_name_or_path"]
+    source = loading._source(cfg)["pretrained_model_name_or_path"]
     folder = Path(source)
     if not folder.is_dir():
         try:

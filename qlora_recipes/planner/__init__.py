@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .. import devices as _dev
+from ..config import devices as _dev
 from .figures import model_figures
 from .ladder import ladder_rungs, offload_params_rungs
 from .loss import with_metric

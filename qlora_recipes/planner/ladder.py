@@ -11,7 +11,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from .. import devices as _dev
+from ..config import devices as _dev
 from ..errors import UserError
 from ..units import GiB
 from .constants import DEVICE_MAP_STRATEGIES, HEADROOM_TARGET, OPTIMIZERS

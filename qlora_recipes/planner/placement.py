@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .. import devices as _dev
+from ..config import devices as _dev
 from ..errors import UserError
 from .components import BlockBytes, should_convert, skip_patterns
 from .constants import BNB_MAX_MEMORY_FACTOR, KNOWN_ARCHITECTURES
@@ -65,7 +65,7 @@ OUTPUT_HEAD = "lm_head"  # the output embeddings of every family figures.py know
 
 
 def pin_output_head(st: StackSpec, dmap: OrderedDict, exec_value: Any, notes: list[str]) -> OrderedDict:
-    """The device map the loader is given (modeling passes it as a dict): the inferred one, with
+    """The device map the loader is given (model/loading.py passes it as a dict): the inferred one, with
     the LM head moved to the execution device when inference offloaded it. TRL's fused LM head
     (add_fused_lm_head) reads `lm_head.weight` directly, outside the module's forward where
     accelerate's offload hook would onload it, so an offloaded head would reach the loss as a meta
@@ -110,7 +110,7 @@ MAX_PLACEMENT_ROUNDS = 8
 
 def offloads(dmap: Mapping[str, Any]) -> bool:
     """Whether the loader hooks modules of this map to onload them, and so loads with
-    llm_int8_enable_fp32_cpu_offload (modeling.py asks here): any on disk, or on cpu beside a GPU
+    llm_int8_enable_fp32_cpu_offload (model/loading.py asks here): any on disk, or on cpu beside a GPU
     (with no GPU the CPU is the execution device)."""
     values = {str(v) for v in dmap.values()}
     return "disk" in values or ("cpu" in values and bool(values - set(OFFLOADED)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .. import devices as _dev
+from ..config import devices as _dev
 from ..errors import UserError
 from ..units import GiB, dtype_bytes
 from .components import block_bytes

@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import devices as _dev
+from ..config import devices as _dev
 from ..units import GiB, dtype_bytes
 from .components import (
     BlockBytes,
@@ -156,7 +156,7 @@ def _tally_blocks(st: StackSpec, hw: _dev.Hardware, bbs: list, dmap: dict, exec_
         comp["buffers"][compute if offloaded else where] += bb.buffers  # accelerate: buffers not offloaded
         if offloaded:
             t.offloaded_max = max(t.offloaded_max, offloaded_working_bytes(st, blk))
-        trainable_on = compute if offloaded else holder  # modeling._adapters_off_meta
+        trainable_on = compute if offloaded else holder  # model/loading._adapters_off_meta
         if bb.lora_numel:
             comp["lora_weights"][trainable_on] += 4 * bb.lora_numel
             comp["gradients"][trainable_on] += 4 * bb.lora_numel

@@ -9,8 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ..config.schema import PEFT_METHODS, QUANT_METHODS, padding_free_on
 from ..errors import UserError
-from ..schema import PEFT_METHODS, QUANT_METHODS, padding_free_on
 from ..units import DTYPE_BYTES, cfg_get, dtype_bytes, dtype_name
 from .constants import COMPUTE_DTYPES, DEVICE_MAP_STRATEGIES, OPTIMIZERS
 from .figures import Figures, model_figures

@@ -1,0 +1,97 @@
+"""`qlora generate RUN_OR_MERGED_DIR "prompt"`: generate with a finished run or a merged model.
+
+    qlora generate RUN_OR_MERGED_DIR "prompt" [--file prompts.txt | --file -] [--max-new-tokens N]
+                   [--greedy | --temperature T] [--chat | --no-chat | --raw] [--jsonl]
+
+A run dir loads as trained (its 4-bit base + adapter). Plain prompts are wrapped the way the run's data
+was (its chat template for chat data, the Alpaca template for alpaca data, the prefix and suffix its
+prompt/completion prompts shared); --raw sends them exactly as typed. `\\n` in a prompt is a newline.
+--file: one prompt per line, or JSON lines (strings or data rows: the prompt part is used); `--file -`
+(or no prompt, with text piped in) reads one prompt per line from stdin. Prints one generation per prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from ..console import quiet_libraries
+from ..errors import UserError
+from .helptext import quiet_when_the_reader_goes, readme_pointer
+from .runner import ArgumentParser, run_plain
+
+
+def _parser(prog: str) -> ArgumentParser:
+    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1], epilog=readme_pointer("After training"))
+    parser.add_argument("path", help="a run dir (config.yaml + adapter/) or a merged model dir")
+    parser.add_argument("prompt", nargs="?", help="the prompt (\\n for a newline)")
+    parser.add_argument("--file", help="more prompts: one per line, or JSON lines")
+    parser.add_argument("--max-new-tokens", type=int, help="default: the run's data.max_new_tokens")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
+    mode.add_argument("--temperature", type=float, help="sample at this temperature instead of greedy decoding")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature (default 1.0)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    chat = parser.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None, help="apply the chat template")
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="never apply the chat template")
+    chat.add_argument("--raw", action="store_true", help="send prompts exactly as given: no template, no wrapping")
+    parser.add_argument("--jsonl", action="store_true", help="print one JSON object per prompt")
+    return parser
+
+
+def _check(args) -> None:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    if args.temperature is not None and args.temperature <= 0:
+        raise UserError(f"--temperature {args.temperature}: must be positive (use --greedy for greedy decoding)")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p {args.top_p}: must be in (0, 1]")
+
+
+@quiet_when_the_reader_goes()
+def run(argv: list[str], prog: str = "qlora generate") -> None:
+    parser = _parser(prog)
+
+    def generate_run() -> int:
+        args = parser.parse_intermixed_args(argv)  # options before or after the prompt
+        quiet_libraries(logging.WARNING)
+        from ..outputs.generation import generate, load_for_generation
+        from ..outputs.prompts import Prompt, read_prompts, unescape
+
+        prompts = [Prompt("text", unescape(args.prompt))] if args.prompt is not None else []
+        if args.file:
+            prompts += read_prompts(args.file)
+        elif not prompts and not sys.stdin.isatty():
+            prompts = read_prompts("-")
+        if args.raw:  # typed text goes in as it is; rows of a JSON lines file keep their own form
+            prompts = [Prompt("formatted", p.value) if p.kind == "text" else p for p in prompts]
+        if not prompts:
+            raise UserError(
+                "no prompt: give one as the second argument, --file with one prompt per line, or pipe them in"
+            )
+        _check(args)
+        model, tokenizer, info = load_for_generation(args.path, chat=args.chat)
+        import torch
+
+        torch.manual_seed(args.seed)
+        max_new = args.max_new_tokens or info["max_new_tokens"]
+        outputs = generate(
+            model,
+            tokenizer,
+            prompts,
+            info["format"],
+            max_new,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_prompt_tokens=info["max_prompt_tokens"],
+        )
+        for prompt, text in zip(prompts, outputs, strict=True):
+            if args.jsonl:
+                print(json.dumps({"prompt": prompt.value, "generation": text}))
+            else:
+                print(f"### {prompt.show()}\n{text}\n")
+        return 0
+
+    run_plain(generate_run)

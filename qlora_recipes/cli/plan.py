@@ -1,0 +1,140 @@
+"""`qlora plan [--gpus ...] [overrides]`: the memory plan of a stack, before loading anything.
+
+Does it fit, and what to change if not. Takes the same overrides as `qlora train`, prints the plan
+as a table and writes plan.json into the run dir. Needs no GPU and no network.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from ..config.loader import register_schemas
+from ..errors import UserError
+from ..resources import CONF_DIR
+from . import runner
+from .helptext import hydra_help, quiet_when_the_reader_goes
+
+register_schemas()
+_STARTED = time.perf_counter()
+_HARDWARE: dict = {}
+_RESULT: dict = {}
+USAGE = """usage: qlora plan [--gpus SIZES] [--host-ram SIZE] [--check] [GROUP=OPTION ...] [KEY=VALUE ...]
+       (also: python scripts/plan.py ..., make plan ARGS='...', make plan-RECIPE)
+
+  qlora plan recipe=llama2-70b-a100
+  qlora plan model=llama3.1-8b quant=nf4 trainer.seq_len=4096
+  qlora plan --gpus 2x40GiB --host-ram 256GiB offload=cpu model=llama2-70b     plan for hardware you name"""
+FLAGS = """flags:
+  --gpus SIZES     the GPUs to plan for: 80GB, 80GiB, 2x80GB, 24GB,24GB or none (env QLORA_PLAN_GPUS);
+                   default: this machine's GPUs; without one, the recipe's hardware node, else the CPU
+  --host-ram SIZE  host RAM to plan with, e.g. 256GiB (env QLORA_PLAN_HOST_RAM); default: this machine's
+  --check          exit 1 when the plan does not fit (0 otherwise; 2 on bad input)
+  --longest-seq    also print the longest trainer.seq_len (a multiple of 64) at which the stack fits"""
+README_SECTIONS = ("Recipes", "The groups and their options")
+
+
+def _take_flag(argv: list[str], name: str) -> str | None:
+    """Remove `--name VALUE` / `--name=VALUE` from argv (before Hydra sees it); return VALUE."""
+    for i, arg in enumerate(argv):
+        if arg == name:
+            if i + 1 >= len(argv):
+                raise UserError(f"{name} needs a value, e.g. {name} 80GB")
+            value = argv[i + 1]
+            del argv[i : i + 2]
+            return value
+        if arg.startswith(name + "="):
+            del argv[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+def parse_hardware_flags(argv: list[str]) -> dict:
+    from ..config.devices import parse_gpus
+    from ..units import parse_size
+
+    gpus = _take_flag(argv, "--gpus") or os.environ.get("QLORA_PLAN_GPUS")
+    ram = _take_flag(argv, "--host-ram") or os.environ.get("QLORA_PLAN_HOST_RAM")
+    out: dict = {}
+    for flag in ("--check", "--longest-seq"):
+        out[flag.strip("-").split("-")[0]] = flag in argv
+        if flag in argv:
+            argv.remove(flag)
+    if gpus is not None:
+        out["gpus"] = parse_gpus(gpus)
+    if ram is not None:
+        out["host_ram"] = parse_size(ram, "--host-ram")
+        if out["host_ram"] <= 0:
+            raise UserError(f"--host-ram {ram}: must be positive, e.g. 256GiB")
+    return out
+
+
+def hardware_to_plan(cfg: DictConfig) -> tuple[list[int] | None, int | None, str]:
+    """--gpus / --host-ram when given; else this machine's GPUs; else, on a machine without GPU,
+    the recipe's hardware node when it names GPUs (what the recipe is sized for); else the CPU."""
+    from ..config import devices
+    from ..units import GiB
+
+    gpus, host_ram = _HARDWARE.get("gpus"), _HARDWARE.get("host_ram")
+    if gpus is not None:
+        return gpus, host_ram, "--gpus " + (", ".join(f"{g / GiB:.1f} GiB" for g in gpus) or "none")
+    here = devices.detect_gpus()
+    if here:
+        return None, host_ram, f"this machine's {len(here)} GPU(s)"  # None: the planner detects them
+    hw = cfg.get("hardware")
+    if hw is not None and int(hw.get("gpus", 0) or 0) > 0:
+        return (
+            devices.declared_gpus(cfg),
+            host_ram or devices.declared_host_ram(cfg),
+            f"hardware node, {devices.describe(cfg)}",
+        )
+    return None, host_ram, "this machine's CPU (no GPU here; declare GPUs with --gpus)"
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    with quiet_when_the_reader_goes():  # `qlora plan | head -3`: Hydra would add its own error line
+        plan_and_print(cfg)
+
+
+def plan_and_print(cfg: DictConfig) -> None:
+    from .. import planner
+
+    started = time.perf_counter()
+    try:
+        gpus, host_ram, planned_for = hardware_to_plan(cfg)
+        plan = planner.plan(cfg, gpus=gpus, host_ram=host_ram)  # one rank's share under FSDP / ZeRO-3
+    except UserError as err:  # here, not in cli.run: Hydra would add its own "Error executing job" line
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    plan_s = time.perf_counter() - started
+    path = planner.write_plan(plan, HydraConfig.get().runtime.output_dir)
+    print(f"planned for: {planned_for}")
+    print(planner.render_table(plan))
+    print(f"plan: {path}  (planned in {plan_s:.2f} s, {time.perf_counter() - _STARTED:.2f} s since start)")
+    _RESULT["fits"] = plan["fits"]
+    if _HARDWARE["longest"]:
+        longest = planner.longest_seq_len(cfg, gpus=gpus, host_ram=host_ram)
+        fit = f"trainer.seq_len={longest}" if longest else "none (not even 64 tokens fit)"
+        print(f"longest sequence that fits {planned_for}: {fit} (micro-batch {cfg.trainer.micro_batch_size})")
+
+
+@quiet_when_the_reader_goes()
+def run(argv: list[str], prog: str = "qlora plan") -> None:
+    if any(a in ("-h", "--help") for a in argv):
+        print(hydra_help(USAGE, FLAGS, readme=README_SECTIONS))
+        sys.exit(0)
+    argv = list(argv)
+    try:
+        _HARDWARE.update(parse_hardware_flags(argv))
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    sys.argv = [prog, *argv]
+    runner.run(main)
+    sys.exit(1 if _HARDWARE["check"] and _RESULT.get("fits") is False else 0)

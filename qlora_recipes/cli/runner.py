@@ -1,0 +1,100 @@
+"""Entry-point glue: Hydra's composition errors and our UserErrors become one line, no traceback.
+
+Hydra prints composition errors over several lines (search path, "set HYDRA_FULL_ERROR"); with
+HYDRA_FULL_ERROR=1 it raises them instead, and `run` condenses them here. An exception escaping a
+Hydra task function gets an "Error executing job with overrides" line first, so a task carries its
+message out as a `Stop` (a BaseException, which Hydra lets pass). Ctrl-C anywhere is one line and
+exit 130 (interrupts.py keeps it out of imports and finalizers). Anything else is a bug in this
+repository and keeps its traceback.
+"""
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+from .. import interrupts
+from ..config.loader import one_line
+from ..errors import UserError
+
+INTERRUPTED = "stopped by SIGINT (Ctrl-C) while starting; nothing was written"
+
+
+class Stop(BaseException):
+    """A finished message and exit code carried out of a Hydra task function: Hydra catches
+    Exception (and prints its own line first), never a BaseException."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.message, self.code = message, code
+
+
+def _exit(message: str, code: int):
+    if code == 2 and interrupts.received():  # e.g. OmegaConf's error about a node Ctrl-C left half built
+        message, code = INTERRUPTED, 130
+    if code == 130 and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one Ctrl-C, one line: the exit is not interrupted again
+    sys.stdout.flush()
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def run(hydra_main: Callable[[], object]) -> None:
+    """Run a Hydra command: a user's mistake is one `error:` line on stderr and exit 2, Ctrl-C one
+    line and exit 130 (the imports of the command's heavy modules belong inside `hydra_main`)."""
+    interrupts.install()
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing; also when set to 0
+    try:
+        _hydra_errors_as_user_errors(hydra_main)
+    except Stop as stop:
+        _exit(stop.message, stop.code)
+    except UserError as err:
+        _exit(f"error: {err}", 2)
+    except KeyboardInterrupt:
+        _exit(INTERRUPTED, 130)
+
+
+def _hydra_errors_as_user_errors(hydra_main: Callable[[], object]) -> None:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
+
+    try:
+        hydra_main()
+    except (HydraException, OmegaConfBaseException) as err:
+        raise UserError(one_line(err)) from None
+    except YAMLError as err:  # a recipe or option file that is not YAML
+        raise UserError(f"not valid YAML: {one_line(err)}") from None
+    except RuntimeError as err:
+        if 'Could not detect "srun"' not in str(err):
+            raise
+        # submitit's SLURM executor, started by hydra/launcher=slurm before any job
+        raise UserError(
+            "hydra/launcher=slurm submits jobs to a SLURM cluster, and there is none here (no `srun` on PATH): "
+            "run the command on a SLURM login node, or use hydra/launcher=local to run the jobs on this machine"
+        ) from None
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with our error convention: one `error:` line (via UserError), exit 2, no usage dump."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)  # keep our paragraphs
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # argparse's hook
+        raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def run_plain(command: Callable[[], int | None]) -> None:
+    """Run a non-Hydra command: its UserError becomes one line and exit 2; its return is the exit code."""
+    interrupts.install()
+    try:
+        code = command()
+    except UserError as err:
+        _exit(f"error: {err}", 2)
+    except KeyboardInterrupt:
+        _exit("stopped by SIGINT (Ctrl-C)", 130)
+    sys.exit(code or 0)

@@ -1,0 +1,2 @@
+"""The model: the checks a model dir or hub id gets before loading, the library configs built from
+the stack (BitsAndBytesConfig, LoraConfig), and loading it quantized and trainable."""

@@ -1,0 +1,310 @@
+"""Load the tokenizer and the (quantized) base, then make it trainable: k-bit prep and adapters."""
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from ..errors import UserError
+from ..units import torch_dtype
+from .hf_configs import bnb_config, lora_config
+
+log = logging.getLogger(__name__)
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if on_gpu() else "cpu"
+
+
+def _source(cfg: DictConfig) -> dict:
+    """from_pretrained's source arguments: a local dir if one exists, else a hub id."""
+    path = cfg.model.name_or_path
+    local = Path(path).expanduser()
+    if not local.is_dir() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        raise UserError(
+            f"model.name_or_path={path}: no such directory; give a local model dir in the HF layout or a hub id"
+        )
+    return {
+        "pretrained_model_name_or_path": str(local) if local.is_dir() else path,
+        "trust_remote_code": cfg.model.trust_remote_code,
+        "revision": cfg.model.revision,
+    }
+
+
+def _load_failed(cfg: DictConfig, what: str, err: Exception) -> UserError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return UserError(
+        f"could not load the {what} of model.name_or_path={cfg.model.name_or_path} ({first}); "
+        "offline, point model.name_or_path at a local dir in the HF layout"
+    )
+
+
+def load_tokenizer(cfg: DictConfig):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(**_source(cfg))
+    except (OSError, ValueError) as err:
+        raise _load_failed(cfg, "tokenizer", err) from None
+    if tokenizer.pad_token is None:  # Llama-style tokenizers ship without one
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def device_map(cfg: DictConfig):
+    if cfg.dist.strategy in ("fsdp", "zero3"):
+        # Sharded strategies place the weights themselves (accelerate's cpu_ram_efficient_loading:
+        # rank 0 reads, the others start on meta); a device map would pin a full copy per rank.
+        return None
+    if cfg.offload.device_map is None:
+        # One device: this rank's GPU under torchrun, else GPU 0, else the CPU.
+        return {"": int(os.environ.get("LOCAL_RANK", 0))} if on_gpu() else {"": "cpu"}
+    return cfg.offload.device_map
+
+
+def _planned_placement(cfg: DictConfig, max_memory: dict | None) -> tuple[dict | None, dict | None]:
+    """(device map, max_memory) for from_pretrained when layers may be offloaded: the planner's map,
+    passed as an explicit dict. Two reasons not to pass "auto": transformers 5 quantizes before it
+    infers an "auto" map, so `llm_int8_enable_fp32_cpu_offload` cannot keep the offloaded layers
+    unquantized and their 4-bit weights cannot be onloaded (bitsandbytes' quant state stays on meta);
+    and the planner pins the LM head to the execution device (placement.pin_output_head), which an
+    "auto" map would not."""
+    if cfg.offload.device_map is None:
+        return None, max_memory
+    from ..planner import loader_max_memory, plan
+
+    # one process's device map: no rank sharding applies to it
+    planned = plan(cfg, world_size=1, ladder=False)
+    budgets = max_memory if max_memory is not None else loader_max_memory(planned)
+    return dict(planned["device_map"]), budgets
+
+
+# Attention per family. `model.attn_implementation` defaults to sdpa; a family whose transformers class
+# has no sdpa path says so (`_supports_sdpa = False`; transformers 5.23: Gemma 2, whose attention-logit
+# soft-capping sdpa cannot apply) and gets eager instead (conf/model/gemma2-9b.yaml names it too; the
+# planner counts gemma2 as eager by architecture, planner/components.eager). Other values are taken as
+# given; when transformers refuses one, the error names model.attn_implementation.
+_ATTENTION_WORDS = (
+    "attn_implementation",
+    "attention implementation",
+    "scaled_dot_product_attention",
+    "flashattention",
+    "flash_attn",
+    "flash attention",
+    "flex_attention",
+    "sdpa",
+)
+
+
+def _model_class(cfg: DictConfig):
+    """The transformers causal-LM class model.name_or_path loads as, or None when its config cannot be
+    read here (a hub id offline: loading reports that itself)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        config = AutoConfig.from_pretrained(**_source(cfg))
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except Exception:  # unreachable hub, unknown model type, remote code: from_pretrained says what is wrong
+        return None
+
+
+def attention_for(cfg: DictConfig) -> str:
+    """The attention implementation to load with: model.attn_implementation, except that the sdpa
+    default becomes eager for a family that has no sdpa path (logged)."""
+    requested = str(cfg.model.attn_implementation)
+    if requested != "sdpa":
+        return requested
+    cls = _model_class(cfg)
+    if cls is not None and not getattr(cls, "_supports_sdpa", True):
+        log.info(
+            "attention: eager for %s (transformers has no sdpa path for it; set model.attn_implementation to "
+            "choose another)",
+            cls.__name__,
+        )
+        return "eager"
+    return requested
+
+
+def _attention_error(err: Exception) -> bool:
+    text = str(err).lower()
+    return any(word in text for word in _ATTENTION_WORDS)
+
+
+def _attention_failed(cfg: DictConfig, attn: str, err: Exception) -> UserError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    first = first if len(first) <= 240 else first[:237] + "..."
+    return UserError(
+        f"model.attn_implementation={attn}: {cfg.model.name_or_path} cannot load with this attention ({first}); "
+        "set model.attn_implementation=eager (any model, any device) or sdpa where the model supports it"
+    )
+
+
+def load_model(cfg: DictConfig, run_dir: Path, max_memory: dict | None = None):
+    """The base as the run trains it. `max_memory` is the planner's resolved budget map
+    (planner.loader_max_memory); without one, offloading stacks plan it here."""
+    from transformers import AutoModelForCausalLM
+
+    attn = attention_for(cfg)
+    planned_map, budgets = _planned_placement(cfg, max_memory)
+    quantization = bnb_config(cfg)
+    if quantization is not None and planned_map is not None:
+        # transformers leaves every module the map puts on "cpu" or "disk" unquantized under this flag,
+        # the whole model for {"": "cpu"}: only a map that really offloads gets it
+        from ..planner.placement import offloads  # the planner sizes offloaded modules unquantized too
+
+        quantization.llm_int8_enable_fp32_cpu_offload = offloads(planned_map)
+    kwargs = dict(
+        quantization_config=quantization,
+        dtype=torch_dtype(cfg.precision.dtype),
+        device_map=planned_map if planned_map is not None else device_map(cfg),
+        max_memory=budgets,
+        use_safetensors=True,
+        attn_implementation=attn,
+    )
+    if cfg.offload.folder:
+        folder = Path(cfg.offload.folder)
+        kwargs["offload_folder"] = str(folder if folder.is_absolute() else run_dir / folder)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(**_source(cfg), **kwargs)
+    except (OSError, ValueError, ImportError) as err:
+        if _attention_error(err):
+            raise _attention_failed(cfg, attn, err) from None
+        if isinstance(err, ImportError):
+            raise
+        raise _load_failed(cfg, "weights", err) from None
+    model.config.use_cache = False  # the KV cache only costs memory while training
+    head = model.get_output_embeddings()
+    if head is not None and head.weight.device.type == "meta":
+        # TRL's fused LM head reads lm_head.weight outside the offload hook (placement.pin_output_head
+        # keeps it on the execution device unless the whole model went to disk)
+        raise UserError(
+            "offload: the LM head would stay offloaded (the whole model is on disk); raise offload.max_memory.cpu "
+            "or offload.max_memory.gpu"
+        )
+    _keep_4bit_layout_trainable(model)
+    return model
+
+
+def _keep_4bit_layout_trainable(model) -> None:
+    """bitsandbytes 0.50 repacks a CPU Linear4bit's weight for AVX512-BF16 inference the first
+    time it runs in eval mode, and that packed path (gemv_4bit) has no backward: training after an
+    evaluation (our exact-match before training) would get no gradient through the frozen base.
+    Keep the trainable layout; inference on CPU uses the dequantize path instead."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def make_trainable(cfg: DictConfig, model):
+    """prepare_model_for_kbit_training for quantized bases (unless precision.upcast_frozen=false),
+    then the adapters from `peft`."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    t = cfg.trainer
+    ckpt_kwargs = {"use_reentrant": t.checkpointing_mode == "reentrant"}
+    kbit_prep = cfg.quant.method != "none" and cfg.precision.upcast_frozen
+    if kbit_prep:  # checkpointing below, by its transformers 5 name (peft's prep calls the deprecated one)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if t.gradient_checkpointing:
+        # Also upcast_frozen=false: k-bit prep is freeze + fp32 upcast + these two calls (peft
+        # utils/other.py). Not prep-then-cast-back: that would hold the fp32 copies of embeddings and
+        # lm_head at load, the very bytes this option saves. Freezing is get_peft_model's (only the
+        # adapters train); the adapters are fp32 either way (peft autocast_adapter_dtype).
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
+        if not kbit_prep or ckpt_kwargs["use_reentrant"]:  # as peft's prep does it
+            model.enable_input_require_grads()
+    try:
+        with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            model = get_peft_model(model, lora_config(cfg))
+    except ValueError as err:  # e.g. target modules not found in the base
+        raise UserError(f"peft: {str(err).splitlines()[0]} (check peft.target_modules)") from None
+    _adapters_off_meta(cfg, model)
+    _trainable_in_fp32(model)
+    _disk_layers_as_host_layers(model)
+    return model
+
+
+def _disk_layers_as_host_layers(model) -> None:
+    """accelerate's Accelerator.prepare_model refuses any 4-bit/8-bit model whose hf_device_map
+    names "disk" ("can't train ... with CPU or disk offload"), while it lets "cpu" through with
+    bitsandbytes' multi-backend (0.50 has it). Here both train the same way: the offloaded modules
+    are kept unquantized (llm_int8_enable_fp32_cpu_offload with an explicit map), onloaded by the
+    same AlignDevicesHook, and their adapters are real tensors (_adapters_off_meta). The trainer's
+    view of the map (an attribute of the PeftModel it prepares) therefore names disk as cpu; the
+    base model keeps its true hf_device_map."""
+    base = model.get_base_model()
+    dmap = getattr(base, "hf_device_map", None)
+    if dmap and "disk" in dmap.values():
+        model.hf_device_map = {k: ("cpu" if v == "disk" else v) for k, v in dmap.items()}
+
+
+def _execution_device(module):
+    """Where accelerate runs `module`: its offload hook's execution device (a SequentialHook holds
+    the AlignDevicesHook among its hooks), or None when no hook manages it."""
+    hook = getattr(module, "_hf_hook", None)
+    for h in [hook, *getattr(hook, "hooks", ())]:
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    return None
+
+
+def _adapters_off_meta(cfg: DictConfig, model) -> None:
+    """Trainable adapters of offloaded layers as real tensors on the layer's execution device.
+
+    A layer offloaded to host RAM or disk keeps its weights on `meta`; accelerate's per-module hook
+    (AlignDevicesHook(offload=True) on each base linear, never on the adapter modules peft adds)
+    onloads them for each forward and drops them after. peft moves a new adapter to its base
+    weight's device, so those adapters would land on meta, and the first backward fails ("expected
+    device meta but got cpu"). Re-created on the execution device and initialised as peft would
+    (kaiming A, zero B), they stay put: no hook touches them, the optimizer (built later by the
+    trainer) sees them, and their gradients and optimizer state live beside them."""
+    from peft.tuners.lora import LoraLayer
+
+    if not any(_execution_device(m) is not None for m in model.modules()):
+        return  # nothing offloaded (or a meta skeleton not yet materialised, as bench/trace builds)
+    meta = torch.device("meta")
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        for adapter in list(layer.lora_A.keys()):
+            parts = [layer.lora_A[adapter], layer.lora_B[adapter]]
+            if not any(p.device == meta for part in parts for p in part.parameters()):
+                continue
+            device = _execution_device(layer.get_base_layer())
+            if device is None:
+                continue  # not offloaded: caught below if it stays on meta
+            if layer.use_dora.get(adapter):
+                # DoRA reads the base weight itself (its norm, every step), outside the hook's onload
+                raise UserError(
+                    f"peft=dora cannot train {name}: the layer is offloaded (offload={'disk' if cfg.offload.folder else 'cpu'}) "
+                    "and DoRA reads its base weight outside the forward that onloads it; use peft=lora or offload=none"
+                )
+            for part in parts:
+                part.to_empty(device=device)
+            init = model.peft_config[adapter].init_lora_weights
+            layer.reset_lora_parameters(adapter, init if init in (True, "gaussian") else True)
+    stuck = [n for n, p in model.named_parameters() if p.requires_grad and p.device == meta]
+    if stuck:
+        raise UserError(
+            f"{len(stuck)} trainable tensor(s) on an offloaded module stay on meta (first: {stuck[0]}); "
+            "peft.modules_to_save cannot name a module offloaded to cpu or disk: raise offload.max_memory.gpu or drop it"
+        )
+
+
+def _trainable_in_fp32(model) -> None:
+    """peft upcasts the adapters to fp32, not the `peft.modules_to_save` copies: without k-bit prep's
+    upcast (quant=none, precision.upcast_frozen=false) those would train in bf16/fp16. Every
+    trainable tensor is fp32, as the planner counts it; a no-op after prep."""
+    for param in model.parameters():
+        if param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
+            param.data = param.data.float()

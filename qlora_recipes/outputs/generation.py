@@ -1,0 +1,279 @@
+"""Generate from a finished run (its 4-bit base + adapter, as trained) or from a merged model.
+
+    load_for_generation(path) -> (model, tokenizer, info)   # info: kind, style, format, max_new_tokens, ...
+    generate(model, tokenizer, prompts, style, max_new_tokens, temperature=None) -> [str]
+
+The one generation loop of the package: scripts/generate.py and the training metric (exact match of
+greedy generations) both call `generate`. Prompts are formatted by `prompts.render`, the way the run's
+data was (its chat template, the Alpaca template, or the prefix/suffix its prompts shared), as the run
+recorded it in metrics.json (a run dir from before that record: as its config.yaml's data gives it); a
+merged dir carries it in its merge_report.json; without either, prompts go in as they are (`--chat`
+forces the template).
+
+Bounds: each prompt is cut to its last `max_prompt_tokens` tokens (the run's trainer.seq_len; the BOS
+kept), and at most `max_new_tokens` are generated. Generation stops on any of the stop tokens
+(`stop_token_ids`): the tokenizer's EOS, every id of the model's generation_config.eos_token_id (chat
+models end turns with <|eot_id|>, <|im_end|>; Gemma lists [1, 107]), and the chat template's end-of-turn
+token; an end-of-turn marker that is not a single token stops on its text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserError
+from .prompts import Prompt, PromptFormat, load_prompt_format, render
+from .rundir import MERGE_REPORT, check_adapter_base, load_run_config, load_stack, resolve_dir, run_prompt_format, run_prompt_style, run_tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+def _merge_report(folder: Path) -> dict:
+    if (folder / MERGE_REPORT).is_file():
+        try:
+            return json.loads((folder / MERGE_REPORT).read_text())
+        except (json.JSONDecodeError, OSError):
+            return {}
+    return {}
+
+
+def _load_merged(folder: Path) -> tuple[Any, Any, str, int]:
+    """A merged dir with plain transformers: (model, tokenizer, prompt style, max_new_tokens), the
+    last two from its merge_report.json when there is one."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    report = _merge_report(folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        kwargs: dict[str, Any] = {"dtype": "auto"}
+        if torch.cuda.is_available():
+            kwargs["device_map"] = "auto"
+        model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"{folder}: the merged model could not be loaded ({first}); merge the run again") from None
+    model.eval()
+    return model, tokenizer, report.get("prompt_style", "plain"), report.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
+
+
+def load_for_generation(path: str | Path, chat: bool | None = None) -> tuple[Any, Any, dict]:
+    """A run dir: its base loaded as the run loaded it (quantized) + the adapter. A merged dir: the
+    standalone model with plain transformers. info: kind, dir, style, format (the PromptFormat plain
+    prompts are wrapped in), max_new_tokens, max_prompt_tokens (the run's seq_len; None when unknown)."""
+    kind, folder = resolve_dir(path, allow_merged=True)  # bad input answers before the heavy imports
+    cfg = load_run_config(folder) if kind == "run" else None
+    if cfg is not None:
+        check_adapter_base(cfg, folder)
+        tokenizer = run_tokenizer(cfg, folder)
+        model = load_stack(cfg, folder)
+        style = run_prompt_style(folder, cfg)
+        max_new = cfg.data.max_new_tokens
+        run_dir: Path | None = folder
+        max_prompt = int(cfg.trainer.seq_len)
+    else:
+        model, tokenizer, style, max_new = _load_merged(folder)
+        report_run = _merge_report(folder).get("run_dir")
+        run_dir = Path(report_run) if report_run else None
+        max_prompt = _run_seq_len(run_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if chat is not None:
+        style = "chat" if chat else ("plain" if style == "chat" else style)
+    info = {
+        "kind": kind,
+        "dir": str(folder),
+        "style": style,
+        "format": _prompt_format(folder, cfg, run_dir, style),
+        "max_new_tokens": max_new,
+        "max_prompt_tokens": max_prompt,
+    }
+    return model, tokenizer, info
+
+
+def _prompt_format(folder: Path, cfg, run_dir: Path | None, style: str) -> PromptFormat:
+    """A run dir's prompt format (runs.run_prompt_format); a merged dir's from its merge_report.json, else
+    from the run it came from while that run dir is still there, else the style alone."""
+    if cfg is not None:
+        return run_prompt_format(folder, cfg, style)
+    recorded = _merge_report(folder).get("prompt_format")
+    if isinstance(recorded, dict):
+        return load_prompt_format(None, style, recorded)
+    if run_dir is not None and (run_dir / "config.yaml").is_file():
+        try:
+            return run_prompt_format(run_dir, load_run_config(run_dir), style)
+        except UserError:
+            pass
+    return load_prompt_format(None, style)
+
+
+def _run_seq_len(run_dir: Path | None) -> int | None:
+    """trainer.seq_len of the run a merged dir came from, when that run dir is still there."""
+    if run_dir is None or not (run_dir / "config.yaml").is_file():
+        return None
+    try:
+        return int(load_run_config(run_dir).trainer.seq_len)
+    except (UserError, ValueError, TypeError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Stop tokens
+# --------------------------------------------------------------------------------------------------
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple, set)):
+        return [int(v) for v in value if v is not None]
+    try:
+        return [int(value)]
+    except (TypeError, ValueError):
+        return []
+
+
+def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Every token that ends a generation: the tokenizer's EOS, the model's generation_config (and config)
+    eos_token_id, int or list, and the chat template's end-of-turn token when it is one token."""
+    from ..data.chat import end_of_turn
+
+    ids = _ids(getattr(tokenizer, "eos_token_id", None))
+    for holder in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        ids += _ids(getattr(holder, "eos_token_id", None))
+    marker = end_of_turn(tokenizer)
+    if marker and marker in tokenizer.get_vocab():
+        ids.append(int(tokenizer.convert_tokens_to_ids(marker)))
+    return list(dict.fromkeys(ids))
+
+
+def stop_strings(tokenizer: Any, fmt: PromptFormat) -> list[str]:
+    """Chat prompts: the template's end-of-turn marker when it is no single token (the model learned its
+    pieces), to stop on as text."""
+    from ..data.chat import end_of_turn
+
+    if fmt.style != "chat":
+        return []
+    marker = end_of_turn(tokenizer)
+    return [marker] if marker and marker not in tokenizer.get_vocab() else []
+
+
+# --------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------
+
+
+def generate(
+    model,
+    tokenizer,
+    prompts: list[Prompt],
+    style: str | PromptFormat,
+    max_new_tokens: int,
+    temperature: float | None = None,
+    top_p: float = 1.0,
+    batch_size: int = 1,
+    max_batch_tokens: int | None = None,
+    max_prompt_tokens: int | None = None,
+) -> list[str]:
+    """One completion per prompt (greedy unless `temperature` is given), without the prompt, cut at the
+    first stop marker.
+
+    Each prompt is tokenized once and cut to its last `max_prompt_tokens` tokens (keeping a leading BOS);
+    at most `max_new_tokens` follow. Prompts go `batch_size` at a time, left-padded (generation continues
+    on the right). With `max_batch_tokens`, a batch also holds at most that many positions (prompts padded
+    to the longest, plus max_new_tokens each), so its KV cache and prefill are bounded whatever the
+    prompt lengths (the memory planner counts that bound); a longer prompt goes alone."""
+    import torch
+
+    device = next(p.device for p in model.parameters() if p.device.type != "meta")
+    fmt = PromptFormat.of(style)
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature else {"do_sample": False}
+    stops = stop_strings(tokenizer, fmt)
+    if stops:
+        sampling.update(stop_strings=stops, tokenizer=tokenizer)
+    eos_ids = stop_token_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    encoded = [_encode(tokenizer, *render(tokenizer, prompt, fmt)) for prompt in prompts]
+    encoded, cut = _truncate(encoded, max_prompt_tokens, tokenizer.bos_token_id)
+    if cut:
+        log.warning(
+            "%d of %d prompts are longer than %d tokens; generating from their last %d tokens",
+            cut,
+            len(encoded),
+            max_prompt_tokens,
+            max_prompt_tokens,
+        )
+    outputs: list[str] = []
+    for batch_ids in _batches(encoded, batch_size, max_batch_tokens, max_new_tokens):
+        longest = max(len(ids) for ids in batch_ids)
+        input_ids = torch.full((len(batch_ids), longest), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for i, ids in enumerate(batch_ids):  # left padding
+            if ids:
+                input_ids[i, longest - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+                attention_mask[i, longest - len(ids) :] = 1
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                max_new_tokens=max_new_tokens,
+                use_cache=True,
+                pad_token_id=pad_id,
+                eos_token_id=eos_ids or None,
+                **sampling,
+            )
+        texts = tokenizer.batch_decode(out[:, longest:], skip_special_tokens=True)
+        outputs += [_cut_at(text, stops) for text in texts]
+    return outputs
+
+
+def _encode(tokenizer, text: str, special: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def _truncate(encoded: list[list[int]], limit: int | None, bos_id: int | None) -> tuple[list[list[int]], int]:
+    """Each prompt's last `limit` tokens (a leading BOS stays first); how many were cut."""
+    if not limit or limit < 1:
+        return encoded, 0
+    out, cut = [], 0
+    for ids in encoded:
+        if len(ids) <= limit:
+            out.append(ids)
+            continue
+        cut += 1
+        if bos_id is not None and ids and ids[0] == bos_id and limit > 1:
+            out.append([bos_id] + ids[len(ids) - (limit - 1) :])
+        else:
+            out.append(ids[len(ids) - limit :])
+    return out, cut
+
+
+def _cut_at(text: str, stops: list[str]) -> str:
+    for stop in stops:
+        if stop in text:
+            text = text.split(stop, 1)[0]
+    return text
+
+
+def _batches(encoded: list[list[int]], size: int, max_tokens: int | None, new: int) -> list[list[list[int]]]:
+    """Consecutive tokenized prompts, `size` at a time and, with `max_tokens`, no more than keep
+    len(batch) * (longest prompt + new) <= max_tokens."""
+    if not max_tokens:
+        return [encoded[i : i + size] for i in range(0, len(encoded), size)]
+    out: list[list[list[int]]] = []
+    longest = 0
+    for ids in encoded:
+        n = len(ids)
+        grown = max(longest, n)
+        if out and len(out[-1]) < size and (len(out[-1]) + 1) * (grown + new) <= max_tokens:
+            out[-1].append(ids)
+            longest = grown
+        else:
+            out.append([ids])
+            longest = n
+    return out

@@ -1,0 +1,83 @@
+"""Trainer callbacks: memory timeline (memory.jsonl, TensorBoard scalars, memory.png)."""
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from .memory import GiB, PeakTracker, rss_bytes
+
+
+def memory_sample(tracker: PeakTracker | None = None) -> dict:
+    """GPU: allocated / reserved / peak allocated (since the run's start when its tracker reset the
+    counter). CPU: current RSS of this process and the run's peak RSS (its tracker's; without one,
+    the current RSS)."""
+    if torch.cuda.is_available():
+        return {
+            "allocated_gib": torch.cuda.memory_allocated() / GiB,
+            "reserved_gib": torch.cuda.memory_reserved() / GiB,
+            "peak_gib": torch.cuda.max_memory_allocated() / GiB,
+        }
+    rss = rss_bytes() / GiB
+    return {"rss_gib": rss, "peak_gib": max(rss, tracker.peak_gib()) if tracker is not None else rss}
+
+
+class MemoryLogger(TrainerCallback):
+    """Every `every` steps and at the end: a memory sample into memory.jsonl and TensorBoard; at the
+    end memory.png, the measured timeline against the plan's prediction of the same quantity."""
+
+    def __init__(self, run_dir: Path, every: int, tb_writer=None, tracker: PeakTracker | None = None, planned=None):
+        self.path, self.every, self.tb = run_dir / "memory.jsonl", max(1, every), tb_writer
+        self.png = run_dir / "memory.png"
+        self.tracker, self.planned = tracker, planned  # planned: (GiB, quantity name) or None
+        self.started = time.time()
+
+    def _record(self, step: int) -> None:
+        sample = {"step": step, "t_s": round(time.time() - self.started, 3), **memory_sample(self.tracker)}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(sample) + "\n")
+        if self.tb is not None:
+            for key, value in sample.items():
+                if key.endswith("_gib"):
+                    self.tb.add_scalar(f"memory/{key}", value, step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and state.global_step % self.every == 0:
+            self._record(state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        self._record(state.global_step)
+        plot_timeline(self.path, self.png, self.planned)
+
+
+def plot_timeline(jsonl: Path, png: Path, planned: tuple[float, str] | None = None) -> None:
+    """The measured series per step, the y axis from 0, and the planned peak (GiB, the quantity it
+    predicts) as a horizontal line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for key in sorted({k for r in rows for k in r if k.endswith("_gib")}):
+        ax.plot([r["step"] for r in rows], [r.get(key) for r in rows], label=key.removesuffix("_gib"), marker=".")
+    planned = planned if planned is not None and planned[0] is not None else None
+    if planned:
+        gib, what = planned
+        ax.axhline(gib, color="k", linestyle="--", label=f"planned peak ({what}): {gib:.3g} GiB")
+    top = max([v for r in rows for k, v in r.items() if k.endswith("_gib")] + [planned[0] if planned else 0] + [0])
+    ax.set_xlim(left=0)
+    ax.set_ylim(0, 1.15 * top or 1)  # from 0, with room above the higher of measured and planned
+    ax.set_xlabel("step")
+    ax.set_ylabel("GiB")
+    ax.set_title("memory over the run: measured vs planned")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,339 @@
+"""A training run that never loses work and never claims what it did not do: atomic checkpoints,
+resume, preemption, NaN and OOM, one run per run dir.
+
+- `GuardedTrainer` is TRL's SFTTrainer with these changes: each checkpoint is written into a staging
+  dir, sealed (its files fsynced and listed with size and sha256 in `qlora_state.json`, beside the
+  LR schedule, the data fingerprint and the step totals) and renamed into place only when complete:
+  a crash, `kill -9` or a full disk mid-save leaves the previous checkpoint loadable and no staging
+  dir. It records the best checkpoint by its final path, so rotation keeps protecting it after a
+  resume. A non-finite loss stops the run at the step it appears. A resumed run whose total steps
+  changed continues its LR schedule by the policy of `continue_schedule`.
+- `train_with_oom_ladder` catches out-of-memory during training and retries with the next rung
+  that can be applied in-process (halve the micro-batch and double accumulation, then gradient
+  checkpointing), resuming from the newest checkpoint (or from the untrained start).
+
+Beside it, one concern each: `checkpoints` (checkpoint dirs, RECORD, fsync, the newest sound
+checkpoint), `schedule` (the LR schedule across a resume), `resume` (`resume_checkpoint`:
+`resume=auto` / `resume.checkpoint`, the data fingerprint) and `rundir_lock` (`RunDirLock`: one run
+per run dir). They never import this module.
+"""
+
+import gc
+import json
+import logging
+import os
+import shutil
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from transformers import TrainerCallback
+from transformers.trainer_utils import rotate_checkpoints
+from trl import SFTTrainer
+
+from ..errors import UserError
+from ..integrations import cluster
+from .checkpoints import RECORD, STAGING, disk_full, find_checkpoint, fsync_dir, sync_file, trainer_state
+from .resume import data_fingerprint
+from .schedule import continue_schedule, warped_scheduler
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLoss(UserError):
+    pass
+
+
+class Preempted(Exception):
+    def __init__(self, signame: str, step: int, checkpoint: str | None):
+        super().__init__(f"{signame} at step {step}")
+        self.signame, self.step, self.checkpoint = signame, step, checkpoint
+
+
+# ---------------------------------------------------------------- fault injection (tests only)
+def faults() -> dict[str, int]:
+    """QLORA_RECIPES_FAULTS="oom_above_micro_batch=2,nan_at_step=3,sigterm_at_step=4" makes the
+    run fail on purpose, so the guards are tested on CPU through the real entry point."""
+    spec = os.environ.get("QLORA_RECIPES_FAULTS", "")
+    return {k: int(v) for k, v in (item.split("=") for item in spec.split(",") if item)}
+
+
+class GuardedTrainer(SFTTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # TRL casts a quantized model's trainable adapter weights to bf16. We keep fp32 master
+        # weights (what peft creates and what the planner counts): a bf16 master copy loses small
+        # updates, and a resumed run, which reloads fp32 from the checkpoint, would diverge.
+        for param in self.model.parameters():
+            if param.requires_grad and param.dtype != torch.float32:
+                param.data = param.data.float()
+        self.data_fingerprint: dict | None = None  # recorded in each checkpoint (train_with_oom_ladder)
+        self._resumed_from: str | None = None
+        self._steps_per_epoch: int | None = None
+        self._schedule: dict | None = None
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        self._resumed_from = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+        if self._resumed_from is not None and self._no_step_left(self._resumed_from):
+            return self._finish_from(self._resumed_from)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _no_step_left(self, checkpoint: str) -> bool:
+        """Whether the checkpoint is at (or past) the run's total; transformers would train one
+        more step from there (it checks the total only after a step)."""
+        total = self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
+        return int(trainer_state(checkpoint).get("global_step", 0)) >= total
+
+    def _finish_from(self, checkpoint: str):
+        """No step to train: the checkpoint's weights and state, as a train() that ran 0 steps."""
+        from transformers.trainer_callback import TrainerState
+        from transformers.trainer_utils import TrainOutput
+
+        self._load_from_checkpoint(checkpoint)
+        self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+        log.warning(
+            "resume: %s is at step %d, the run's total: no step left to train; finishing from it",
+            Path(checkpoint).name,
+            self.state.global_step,
+        )
+        losses = [e["loss"] for e in self.state.log_history if "loss" in e]
+        return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else 0.0, {})
+
+    def set_initial_training_values(self, args, dataloader):
+        values = super().set_initial_training_values(args, dataloader)
+        self._steps_per_epoch = values[1]  # optimizer steps per epoch: turns trainer.epochs into steps
+        return values
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None:
+            self._schedule = continue_schedule(self._resumed_from, self.args, num_training_steps)
+            if self._schedule["warps"]:  # the total changed on resume: the continued schedule
+                self.lr_scheduler = warped_scheduler(self._schedule, optimizer or self.optimizer)
+                self._created_lr_scheduler = True
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        injected = faults()
+        if self.args.per_device_train_batch_size > injected.get("oom_above_micro_batch", 1 << 30):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by QLORA_RECIPES_FAULTS)")
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        step = self.state.global_step + 1
+        if injected.get("nan_at_step") == step:
+            loss = loss * float("nan")
+        if not torch.isfinite(loss).all():
+            best = find_checkpoint(Path(self.args.output_dir))
+            raise NonFiniteLoss(
+                f"training loss became {loss.item()} at step {step}; the run stopped and kept its last good "
+                f"checkpoint ({best or 'none yet'}); lower optim.lr, raise optim.warmup_ratio or use precision=bf16"
+            )
+        return loss
+
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        # With save_total_limit=1 and a best checkpoint, transformers deletes every other checkpoint
+        # at the end, the newest too: a resume would then redo the steps after the best. We keep the
+        # newest plus the best, as rotation does during the run.
+        limit = self.args.save_total_limit
+        if limit == 1:
+            self.args.save_total_limit = 2
+        try:
+            return super()._finalize_training(trial, num_train_samples, start_time)
+        finally:
+            self.args.save_total_limit = limit
+
+    def _save_checkpoint(self, model, trial):
+        root = self.args.output_dir
+        staging = os.path.join(root, STAGING)
+        name = f"checkpoint-{self.state.global_step}"
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.accelerator.wait_for_everyone()  # ranks: none writes into staging before it is cleared
+        self.args.output_dir = staging  # HF writes checkpoint-N here ...
+        try:
+            super()._save_checkpoint(model, trial)
+            self.accelerator.wait_for_everyone()  # every rank's files (shards, rng_state_R) are in
+            self._final_best_path(staging, root)
+            if self.args.should_save:
+                self._seal(Path(staging) / name)
+        except BaseException as err:
+            self.args.output_dir = root
+            self._final_best_path(staging, root)
+            shutil.rmtree(staging, ignore_errors=True)  # nothing half-written stays behind
+            if disk_full(err):
+                previous = find_checkpoint(Path(root))
+                raise UserError(
+                    f"disk full while saving {name} in {root}: nothing of it was kept and the previous checkpoint "
+                    f"({previous or 'none yet'}) is intact; free space (or lower trainer.save_total_limit) and "
+                    "relaunch with resume=auto"
+                ) from None
+            raise
+        finally:
+            self.args.output_dir = root
+        if not self.args.should_save:
+            return
+        target = os.path.join(root, name)
+        if os.path.exists(target):
+            shutil.rmtree(target)
+        os.replace(os.path.join(staging, name), target)  # ... and it appears in one rename
+        fsync_dir(root)
+        shutil.rmtree(staging, ignore_errors=True)
+        rotate_checkpoints(root, self.args.save_total_limit, self.state.best_model_checkpoint)
+
+    def _final_best_path(self, staging: str, root: str) -> None:
+        """HF records the best checkpoint where it wrote it (the staging dir); it lives in root."""
+        best = self.state.best_model_checkpoint
+        if best and os.path.dirname(os.path.normpath(best)) == os.path.normpath(staging):
+            self.state.best_model_checkpoint = os.path.join(root, os.path.basename(os.path.normpath(best)))
+
+    def _seal(self, folder: Path) -> None:
+        """Before the rename: trainer_state.json again (it names the best checkpoint by its final
+        path), every file fsynced and listed with its size and sha256 in RECORD, itself fsynced."""
+        self.state.save_to_json(str(folder / "trainer_state.json"))
+        files = {str(f.relative_to(folder)): sync_file(f) for f in sorted(folder.rglob("*")) if f.is_file()}
+        record = {
+            "step": self.state.global_step,
+            "max_steps": self.args.max_steps,
+            "epochs": self.args.num_train_epochs,
+            "total_steps": self.state.max_steps,
+            "steps_per_epoch": self._steps_per_epoch,
+            "schedule": self._schedule,
+            "data": self.data_fingerprint,
+            "files": files,
+        }
+        with open(folder / RECORD, "w") as f:
+            f.write(json.dumps(record, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        for sub in sorted({f.parent for f in folder.rglob("*")} | {folder}, reverse=True):
+            fsync_dir(sub)
+
+
+# ---------------------------------------------------------------- preemption
+class PreemptionCallback(TrainerCallback):
+    """SIGTERM (preemption), SLURM's time-limit warning (`--signal`, USR2: cluster.py) or SIGINT
+    (Ctrl-C): finish the current step, save a checkpoint there, stop. The caller turns that into a
+    resume hint; inside a submitit job, submitit then requeues the job (cluster.hand_over)."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {}
+
+    def install(self):
+        for sig in (signal.SIGTERM, signal.SIGINT, cluster.preemption_signal()):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if faults().get("sigterm_at_step") == state.global_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if faults().get("preempt_at_step") == state.global_step:  # what SLURM / submitit send
+            os.kill(os.getpid(), cluster.preemption_signal())
+        if self.received:
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # The checkpoint at the stopping step is sealed by now: submitit may requeue (and exit).
+        requeue = cluster.submitit_handler(self._previous.get(cluster.preemption_signal()))
+        if self.received and self.received != "SIGINT" and requeue is not None and args.should_save:
+            cluster.hand_over(requeue, self.received)
+
+
+# ---------------------------------------------------------------- OOM ladder
+@dataclass
+class OomRecord:
+    attempts: list = field(default_factory=list)
+
+    def write(self, run_dir: Path, cfg: DictConfig) -> None:
+        t = cfg.trainer
+        fit = {
+            "trainer.micro_batch_size": t.micro_batch_size,
+            "trainer.grad_accum": t.grad_accum,
+            "trainer.gradient_checkpointing": t.gradient_checkpointing,
+        }
+        (run_dir / "oom.json").write_text(json.dumps({"attempts": self.attempts, "fit": fit}, indent=2) + "\n")
+
+
+def next_in_process_rung(cfg: DictConfig) -> tuple[DictConfig, str] | None:
+    """Halve the micro-batch (doubling accumulation keeps the effective batch), else turn on
+    gradient checkpointing; None when neither is left."""
+    cfg = cfg.copy()
+    t = cfg.trainer
+    if t.micro_batch_size > 1:
+        t.micro_batch_size, t.grad_accum = t.micro_batch_size // 2, t.grad_accum * 2
+        return cfg, f"trainer.micro_batch_size={t.micro_batch_size} trainer.grad_accum={t.grad_accum}"
+    if not t.gradient_checkpointing:
+        t.gradient_checkpointing = True
+        return cfg, "trainer.gradient_checkpointing=true"
+    return None
+
+
+def train_with_oom_ladder(
+    cfg: DictConfig, model, make_trainer, run_dir: Path, resume_from: str | None, relaunch_rungs: list[str]
+):
+    """Run make_trainer(cfg).train(); on out-of-memory apply the next in-process rung and go on
+    from the newest checkpoint; with none yet, from the start: every trainable tensor (adapters and
+    `peft.modules_to_save` copies) back to its initial value, and a new trainer brings a fresh
+    optimizer, scheduler, step count and seeded RNG. Returns (trainer, result, cfg that fit)."""
+    record = OomRecord()
+    # A host copy: the restart must not hold a second device copy of large trainable tensors.
+    initial = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
+    fingerprint = data_fingerprint(cfg.data)
+    while True:
+        trainer = make_trainer(cfg)
+        if isinstance(trainer, GuardedTrainer):
+            trainer.data_fingerprint = fingerprint
+        try:
+            result = trainer.train(resume_from_checkpoint=resume_from)
+            if record.attempts:
+                record.write(run_dir, cfg)
+            return trainer, result, cfg
+        except torch.OutOfMemoryError:
+            step = trainer.state.global_step
+            del trainer
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            rung = next_in_process_rung(cfg)
+            record.attempts.append(
+                {
+                    "step": step,
+                    "micro_batch_size": cfg.trainer.micro_batch_size,
+                    "grad_accum": cfg.trainer.grad_accum,
+                    "next": rung[1] if rung else None,
+                }
+            )
+            record.write(run_dir, cfg)
+            if rung is None:
+                hint = "; ".join(relaunch_rungs) or "offload=cpu"
+                raise UserError(
+                    f"out of memory at step {step} even with micro-batch 1 and gradient checkpointing; "
+                    f"relaunch with one of: {hint} (see plan.json ladder)"
+                ) from None
+            cfg, applied = rung
+            log.warning("out of memory at step %d: retrying with %s", step, applied)
+            resume_from = find_checkpoint(run_dir / "checkpoints")
+            if resume_from is None:  # nothing saved yet: restart from the untrained start
+                _restore_trainable(model, initial)
+            if cfg.trainer.gradient_checkpointing and not model.is_activation_checkpointing:  # transformers 5 names
+                model.activation_checkpointing_enable(
+                    activation_checkpointing_kwargs={"use_reentrant": cfg.trainer.checkpointing_mode == "reentrant"}
+                )
+                model.enable_input_require_grads()
+
+
+def _restore_trainable(model, initial: dict) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in initial:
+                param.copy_(initial[name])
+            param.grad = None

@@ -1,0 +1,111 @@
+"""What a run reports: the task metric (exact match of greedy generations), memory, throughput."""
+
+import hashlib
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from ..outputs.generation import generate
+from ..outputs.prompts import data_prompt
+from . import memory
+
+
+def memory_figures(measured_gib: float, plan: dict, gpu: bool) -> dict:
+    """Measured and planned peak of one quantity, the same on both sides (memory.py): on GPU
+    torch.cuda.max_memory_allocated vs plan.json's `peak_allocated_gib`, on CPU the process's RSS
+    vs the plan's cpu-device peak; `plan_ratio` = measured / planned."""
+    planned = memory.planned_peak_gib(plan, gpu)
+    out = {
+        "peak_quantity": memory.quantity(gpu),
+        "peak_mem_gib": measured_gib,
+        "planned_peak_gib": planned,
+        "plan_ratio": measured_gib / planned if planned else None,
+        "planned_peak_allocated_gib": plan.get("peak_allocated_gib"),
+        "planned_device_peak_gib": plan.get("peak_gib"),  # plan.json peak_gib: on GPU + CUDA context, reserve
+    }
+    if gpu:
+        out["measured_peak_allocated_gib"] = measured_gib
+    return out
+
+
+@torch.no_grad()
+def exact_match(
+    model,
+    tokenizer,
+    pairs: list,
+    max_new_tokens: int,
+    batch_size: int = 32,
+    max_batch_tokens: int | None = None,
+    max_prompt_tokens: int | None = None,
+) -> float | None:
+    """Fraction of (prompt, reference) pairs whose greedy continuation equals the reference
+    (surrounding whitespace ignored). None when there is nothing to score.
+
+    Bounded whatever the eval rows hold: each prompt is cut to its last `max_prompt_tokens` tokens (pass
+    trainer.seq_len; without it, to what one batch of `max_batch_tokens` positions leaves beside
+    max_new_tokens), at most `max_new_tokens` are generated, and `max_batch_tokens` bounds each
+    generation batch's positions (generation.generate). Generation stops on every stop token of the
+    model and tokenizer (generation.stop_token_ids)."""
+    if not pairs:
+        return None
+    if max_prompt_tokens is None and max_batch_tokens:
+        max_prompt_tokens = max(1, int(max_batch_tokens) - int(max_new_tokens))
+    was_training = model.training
+    model.eval()
+    try:
+        prompts = [data_prompt(prompt) for prompt, _ in pairs]  # already formatted: the style is not used
+        new = generate(
+            model,
+            tokenizer,
+            prompts,
+            "plain",
+            max_new_tokens,
+            batch_size=batch_size,
+            max_batch_tokens=max_batch_tokens,
+            max_prompt_tokens=max_prompt_tokens,
+        )
+    finally:
+        model.train(was_training)
+    return sum(g.strip() == ref.strip() for g, (_, ref) in zip(new, pairs, strict=True)) / len(pairs)
+
+
+def perplexity(loss: float | None) -> float | None:
+    return math.exp(min(loss, 50.0)) if loss is not None else None
+
+
+def lm_eval_available() -> bool:
+    return importlib.util.find_spec("lm_eval") is not None
+
+
+def lm_eval_scores(model, tokenizer, tasks: list[str], limit: int | None, batch_size: int) -> dict:
+    """Optional lm-eval-harness run on the trained model (base + adapter), for users who have it."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    result = simple_evaluate(
+        model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size), tasks=list(tasks), limit=limit
+    )
+    return {task: scores for task, scores in result["results"].items()}
+
+
+def losses(log_history: list[dict]) -> list[float]:
+    return [entry["loss"] for entry in log_history if "loss" in entry]
+
+
+def trainable_digest(model) -> str:
+    """sha256 over the trainable weights: identical across DDP ranks when gradients were averaged."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters()):
+        if param.requires_grad:
+            digest.update(name.encode())
+            digest.update(param.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def write_metrics(run_dir: Path, metrics: dict, name: str = "metrics.json") -> None:
+    tmp = run_dir / f"{name}.tmp"
+    tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    tmp.replace(run_dir / name)  # never a half-written file

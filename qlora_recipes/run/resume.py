@@ -1,0 +1,290 @@
+"""`resume=auto` / `resume.checkpoint`: `resume_checkpoint` runs the stack check, "already complete",
+the data check, and the fallback past an incomplete or corrupt newest checkpoint.
+`data_fingerprint` says what the training data is: each checkpoint records it (lifecycle) and a
+resume compares it.
+"""
+
+import hashlib
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..errors import UserError
+from .checkpoints import CHECKPOINT, checkpoint_problem, newest_sound, read_record
+from .schedule import lr_factors, schedule_end
+
+log = logging.getLogger(__name__)
+CONTENT_HASH_LIMIT = 4 << 30  # data up to this size is fingerprinted by content, larger by size + mtime
+
+# Keys that may differ between a run and its resumption without changing what is trained.
+RESUME_SAFE_PREFIXES = (
+    "resume.",
+    "force",
+    "cache_dir",
+    "trainer.max_steps",  # the total: the LR schedule continues by continue_schedule's policy
+    "trainer.epochs",
+    "trainer.logging_steps",
+    "trainer.eval_steps",
+    "trainer.save_steps",
+    "trainer.save_total_limit",
+    "trainer.memory_log_steps",
+    "trainer.progress_bar",
+    "trainer.eval_batch_size",
+    "trainer.activation_offloading",  # where activations wait for backward, not what is trained
+    "data.metric_examples",
+    "data.max_new_tokens",
+    "offload.",
+    "logger.",  # where metrics are reported, not what is trained
+    "hub.",  # whether the finished adapter is pushed
+)
+
+
+class AlreadyComplete(Exception):
+    """resume=auto on a run that finished and was not given more steps: nothing to do, exit 0.
+    `metrics` is the finished run's metrics.json."""
+
+    def __init__(self, message: str, metrics: dict):
+        super().__init__(message)
+        self.metrics = metrics
+
+
+def _flatten(node, prefix="") -> dict:
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def stack_changes(saved: DictConfig, current: DictConfig) -> list[str]:
+    """Keys whose change alters what is trained (micro-batch/accumulation may trade off when the
+    effective batch is kept: the data position stays exact). A key the saved config lacks (added to the
+    schema after that run) counts as its schema default, which is what the older code did."""
+    a = _flatten(OmegaConf.to_container(saved, resolve=True))
+    b = _flatten(OmegaConf.to_container(current, resolve=True))
+    defaults = _schema_defaults()
+    a.update({k: defaults[k] for k in b.keys() - a.keys() if k in defaults})
+    changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not k.startswith(RESUME_SAFE_PREFIXES)]
+    if "data.format" in changed and b.get("data.format") == "auto" and _detected_format(current) == a["data.format"]:
+        changed.remove("data.format")  # an older run saved the format it detected; auto detects it again
+    batch_keys = {"trainer.micro_batch_size", "trainer.grad_accum"}
+    same_effective = a.get("trainer.micro_batch_size", 0) * a.get("trainer.grad_accum", 0) == b.get(
+        "trainer.micro_batch_size", 0
+    ) * b.get("trainer.grad_accum", 0)
+    return [k for k in changed if not (k in batch_keys and same_effective)]
+
+
+def _schema_defaults() -> dict:
+    from ..config.schema import TrainConfig
+
+    return _flatten(OmegaConf.to_container(OmegaConf.structured(TrainConfig), resolve=False))
+
+
+def _detected_format(cfg: DictConfig) -> str | None:
+    """The format `data.format=auto` detects in the training data now; None when it cannot be read."""
+    from ..data.formats import detect
+    from ..data.readers import read_source
+
+    try:
+        rows, _ = read_source(cfg.data.path, cfg.data.split or "train", "data.path")
+        return detect(rows)
+    except UserError:
+        return None
+
+
+def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
+    """The checkpoint to resume from (None: start fresh), after checking it belongs to this stack
+    and this data. resume=auto on a finished run with no more steps asked for raises
+    AlreadyComplete; an incomplete or corrupt newest checkpoint is skipped, saying so in one line."""
+    r = cfg.resume
+    if not r.auto and not r.checkpoint:
+        return None
+    if r.checkpoint:
+        checkpoint = Path(r.checkpoint)
+        if not CHECKPOINT.match(checkpoint.name) or not (checkpoint / "trainer_state.json").is_file():
+            raise UserError(
+                f"resume.checkpoint={checkpoint}: not a complete checkpoint dir (checkpoint-N with trainer_state.json)"
+            )
+        problem = checkpoint_problem(checkpoint, deep=True)
+        if problem:
+            raise UserError(f"resume.checkpoint={checkpoint}: incomplete or corrupt ({problem}); choose another one")
+        owner = checkpoint.parent.parent
+    else:
+        found, skipped = newest_sound(run_dir / "checkpoints", deep=True)
+        if skipped:
+            fallback = f"falling back to {Path(found).name}" if found else "no complete checkpoint is left"
+            log.warning("resume: skipping incomplete or corrupt %s; %s", "; ".join(skipped), fallback)
+        checkpoint, owner = (Path(found) if found else None), run_dir
+        if checkpoint is None and _finished_run(run_dir) is None:
+            log.warning("resume=auto: no complete checkpoint in %s; starting fresh", run_dir / "checkpoints")
+            return None
+    saved = owner / "config.yaml"
+    if not saved.is_file():
+        raise UserError(f"resume: {owner} has no config.yaml, so it is not a run dir of this repository")
+    saved_cfg = OmegaConf.load(saved)
+    changed = stack_changes(saved_cfg, cfg)
+    if changed and not r.allow_changes:
+        raise UserError(
+            f"resume: this stack differs from the one that wrote {checkpoint or owner} in {', '.join(changed)}; "
+            "relaunch with the original values, or set resume.allow_changes=true"
+        )
+    record = read_record(checkpoint)
+    if not r.checkpoint:
+        _unless_complete(cfg, run_dir, checkpoint, record, saved_cfg)
+    _check_data(cfg, checkpoint, record)
+    _check_schedule_goes_on(cfg, checkpoint, record)
+    return str(checkpoint) if checkpoint else None
+
+
+def _finished_run(run_dir: Path) -> dict | None:
+    """metrics.json of a run that finished (status ok, adapter/ written), else None."""
+    path = run_dir / "metrics.json"
+    if not (run_dir / "adapter").is_dir() or not path.is_file():
+        return None
+    try:
+        metrics = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return metrics if metrics.get("status") == "ok" else None
+
+
+def _target_steps(cfg: DictConfig, record: dict, saved_cfg: DictConfig | None, done: int) -> int | None:
+    """The total this config asks for, in optimizer steps; None: more than `done`, by an amount only
+    the data loader knows (trainer.epochs raised with no checkpoint to say how long an epoch is)."""
+    t = cfg.trainer
+    if t.max_steps > 0:
+        return t.max_steps
+    if record.get("steps_per_epoch"):
+        return math.ceil(t.epochs * record["steps_per_epoch"])  # transformers' own rounding
+    if saved_cfg is not None and saved_cfg.trainer.max_steps <= 0 and t.epochs <= saved_cfg.trainer.epochs:
+        return done
+    return None
+
+
+def _unless_complete(cfg: DictConfig, run_dir: Path, checkpoint: Path | None, record: dict, saved_cfg) -> None:
+    """A finished run (adapter/ and metrics.json, no checkpoint past it) resumed without more steps
+    is complete: raise AlreadyComplete. With more steps it continues from its last checkpoint."""
+    done = _finished_run(run_dir)
+    if done is None:
+        return
+    steps = int(done.get("steps") or 0)
+    if checkpoint is not None and int(CHECKPOINT.match(checkpoint.name).group(1)) > steps:
+        return  # a continuation got further than the finished run: go on with it
+    target = _target_steps(cfg, record, saved_cfg, steps)
+    if target is not None and target <= steps:
+        raise AlreadyComplete(
+            f"resume: the run in {run_dir} already completed {steps} steps (adapter/, metrics.json); nothing to do "
+            "and nothing changed. Raise trainer.max_steps or trainer.epochs to train further",
+            done,
+        )
+    if checkpoint is None:
+        raise UserError(
+            f"resume: the run in {run_dir} finished at step {steps} and kept no checkpoint to continue from "
+            "(trainer.save_steps=0); train the longer run in a new run dir"
+        )
+
+
+def _check_data(cfg: DictConfig, checkpoint: Path, record: dict) -> None:
+    """The training data must be the bytes the checkpoint was trained on: its saved data position
+    would otherwise point into other examples. resume.allow_changes=true accepts new data."""
+    saved = record.get("data") or {}
+    if checkpoint is None:
+        return
+    if not saved:
+        log.warning(
+            "resume: %s has no data fingerprint (written before checkpoints recorded one), so the training data "
+            "could not be checked; resuming on %s as it is now",
+            checkpoint.name,
+            cfg.data.path,
+        )
+        return
+    if "sha256" not in saved:
+        return  # a hub dataset: not fingerprinted
+    now = data_fingerprint(cfg.data)
+    if "sha256" not in now or now["sha256"] == saved["sha256"]:
+        return  # equal; or the path is gone, which loading the data reports
+    what = (
+        f"the training data {saved['path']} changed since {checkpoint.name} was written ({saved['files']} file(s), "
+        f"{saved['bytes']} bytes, sha256 {saved['sha256'][:12]} -> {now['files']} file(s), {now['bytes']} bytes, "
+        f"sha256 {now['sha256'][:12]})"
+    )
+    if cfg.resume.allow_changes:
+        log.warning("resume: %s; continuing on the new data (resume.allow_changes=true)", what)
+        return
+    raise UserError(
+        f"resume: {what}, so the saved data position would point into other examples; restore the original data, "
+        "train in a new run dir, or set resume.allow_changes=true to continue on the new data"
+    )
+
+
+def _check_schedule_goes_on(cfg: DictConfig, checkpoint: Path, record: dict) -> None:
+    """More steps after the schedule has ended run at its final LR (continue_schedule); where that
+    is 0 (cosine, linear) they cannot change the adapter, and the run says so in one line."""
+    schedule, step = record.get("schedule"), record.get("step")
+    if not schedule or step is None:
+        return
+    target, end = _target_steps(cfg, record, None, step), schedule_end(schedule)
+    if target is None or target <= step or step < end:
+        return
+    if max(lr_factors(schedule, end)) == 0:
+        log.warning(
+            "resume: %s is at the end of its %s LR schedule (step %d), where the learning rate is 0: the %d more "
+            "steps run at LR 0 and do not change the adapter; raise trainer.max_steps or trainer.epochs before a run "
+            "ends, or start a new run for more training",
+            checkpoint.name,
+            schedule["type"],
+            end,
+            target - step,
+        )
+
+
+# ---------------------------------------------------------------- data fingerprint
+_FINGERPRINTS: dict = {}
+
+
+def data_fingerprint(data_cfg) -> dict:
+    """What the training data (`data.path`) is: for a local file or dir, its files' count, bytes
+    and a sha256 over their names and contents (over names, sizes and mtimes above
+    CONTENT_HASH_LIMIT); for a hub dataset, its name only (not checked)."""
+    spec = str(data_cfg.path or "").strip()
+    path = Path(os.path.expanduser(spec))
+    if path.is_file():
+        root, files = path.parent, [path]
+    elif path.is_dir():
+        root = path
+        files = sorted(
+            f
+            for f in path.rglob("*")
+            if f.is_file()
+            and not any(part.startswith(".") for part in f.relative_to(path).parts)
+            and not f.name.startswith("cache-")  # datasets' own cache files
+        )
+    else:
+        return {"path": spec, "kind": "hub"}
+    stats = [(str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    key = (str(path.resolve()), tuple(stats))
+    if key not in _FINGERPRINTS:
+        total = sum(size for _, size, _ in stats)
+        by_content = total <= CONTENT_HASH_LIMIT
+        digest = hashlib.sha256()
+        for (rel, size, mtime), f in zip(stats, files, strict=True):
+            digest.update(f"{rel}\0{size}\0".encode())
+            if by_content:
+                with open(f, "rb") as fh:
+                    while chunk := fh.read(1 << 20):
+                        digest.update(chunk)
+            else:
+                digest.update(str(mtime).encode())
+        _FINGERPRINTS[key] = {
+            "path": str(path.resolve()),
+            "files": len(files),
+            "bytes": total,
+            "sha256": digest.hexdigest(),
+            "kind": "content" if by_content else "size+mtime",
+        }
+    return _FINGERPRINTS[key]

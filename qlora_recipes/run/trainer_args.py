@@ -1,0 +1,85 @@
+"""TRL's SFTConfig built from the stack: the one place the trainer's arguments are made."""
+
+import logging
+import warnings
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from ..units import cfg_get
+
+log = logging.getLogger("train")
+
+
+def sft_config(cfg: DictConfig, run_dir: Path, data_format: str, on_gpu: bool, has_eval: bool):
+    """TRL's SFTConfig: the one place it is built, from the trainer, optim and precision groups, the
+    data format's loss masking and packing, and the dist strategy's keywords."""
+    from trl import SFTConfig
+
+    from .. import data
+    from ..integrations import trackers
+    from ..run import dist
+
+    t, o = cfg.trainer, cfg.optim
+    steps_eval = has_eval and t.eval_steps > 0
+    return SFTConfig(
+        output_dir=str(run_dir / "checkpoints"),
+        per_device_train_batch_size=t.micro_batch_size,
+        per_device_eval_batch_size=t.eval_batch_size,
+        gradient_accumulation_steps=t.grad_accum,
+        max_steps=t.max_steps,
+        num_train_epochs=t.epochs,
+        learning_rate=o.lr,
+        lr_scheduler_type=o.scheduler,
+        # transformers 5 has one key: a float < 1 is a ratio of the total steps, >= 1 a number of steps
+        warmup_steps=o.warmup_steps if o.warmup_steps > 0 else float(o.warmup_ratio),
+        weight_decay=o.weight_decay,
+        max_grad_norm=o.max_grad_norm,
+        adam_beta1=o.beta1,
+        adam_beta2=o.beta2,
+        optim=o.name,
+        bf16=cfg.precision.name == "bf16",
+        fp16=cfg.precision.name == "fp16",
+        use_cpu=not on_gpu,
+        # transformers 5 names it activation checkpointing (the gradient_* keys warn, removed in v6)
+        activation_checkpointing=t.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": t.checkpointing_mode == "reentrant"},
+        activation_offloading=t.activation_offloading,  # saved activations to pinned host RAM (CUDA)
+        use_liger_kernel=t.liger,
+        max_length=t.seq_len,
+        logging_steps=t.logging_steps,
+        logging_first_step=True,
+        eval_strategy="steps" if steps_eval else "no",
+        eval_steps=t.eval_steps if steps_eval else None,
+        save_strategy="steps" if t.save_steps > 0 else "no",
+        save_steps=t.save_steps if t.save_steps > 0 else 500,
+        save_total_limit=t.save_total_limit,
+        # With evaluation, rotation also keeps the checkpoint with the best eval loss.
+        metric_for_best_model="eval_loss" if steps_eval and t.save_steps > 0 else None,
+        greater_is_better=False if steps_eval and t.save_steps > 0 else None,
+        logging_nan_inf_filter=False,  # a NaN loss must show, not be averaged away
+        # the logger group's trackers (training attaches TensorBoard itself, with the memory timeline)
+        report_to=trackers.report_to(cfg),
+        run_name=trackers.run_name(cfg, run_dir),
+        project=cfg_get(cfg, "logger.project", "qlora-recipes"),  # trackio's project
+        disable_tqdm=not t.progress_bar,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        dataloader_num_workers=0,
+        **data.format_kwargs(cfg.data, data_format),
+        **dist.strategy_kwargs(cfg),
+    )
+
+
+# bitsandbytes' words when a paged optimizer meets CPU tensors (bitsandbytes/optim/optimizer.py).
+_PAGED_ON_CPU = r"Paged optimizers are not supported on CPU"
+
+
+def note_optimizer_fallback(cfg: DictConfig, on_gpu: bool) -> None:
+    """Paging moves optimizer state through CUDA unified memory; on CPU bitsandbytes runs the same
+    optimizer unpaged (identical updates) and warns about it. Expected here: one line of ours, and
+    exactly that warning silenced."""
+    if on_gpu or not str(cfg.optim.name).startswith("paged_"):
+        return
+    log.info("optim: %s runs unpaged on this CPU (paging needs CUDA; the updates are the same)", cfg.optim.name)
+    warnings.filterwarnings("ignore", message=_PAGED_ON_CPU, category=UserWarning)

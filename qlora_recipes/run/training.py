@@ -1,0 +1,292 @@
+"""One training run end to end: `train(cfg, run_dir)` is what `qlora train` and `python train.py` call.
+
+Order: validate (config, model dir, target modules) -> plan -> tokenizer -> data, all before
+anything is written (a plan that does not fit writes config.yaml and plan.json, for its ladder, and
+is refused) -> config.yaml + plan.json -> model (quantized, device map) -> k-bit prep + adapters -> TRL SFTTrainer, guarded (atomic checkpoints,
+NaN stop, OOM ladder, preemption) -> eval -> adapter + metrics.json. Tests call `train` in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from .. import data, planner
+from ..console import next_commands, print_stack, print_summary, shown_path
+from ..data.readers import check_local_source
+from ..errors import UserError
+from ..integrations import hub, trackers
+from ..interrupts import sigint_deferred
+from ..invocation import command, task_overrides
+from ..model import loading
+from ..model.check import check_hub_model, validate_model
+from . import dist, lifecycle, metrics, trainer_args
+from .checkpoints import disk_full, find_checkpoint
+from .lock import RunDirLock
+from .memory import PeakTracker, pin_malloc_thresholds, planned_peak_gib
+from .resume import AlreadyComplete, resume_checkpoint
+from .validate import validate
+
+log = logging.getLogger("train")
+
+
+def _main_rank() -> bool:
+    return int(os.environ.get("RANK", 0)) == 0  # under torchrun only rank 0 writes the run dir
+
+
+@dataclass
+class _Fitted:
+    """What the guarded trainer leaves: the trainer, its result, the config that fit, seconds spent."""
+
+    trainer: Any
+    result: Any
+    cfg: DictConfig
+    seconds: float
+
+
+def train(cfg: DictConfig, run_dir: Path, choices: dict | None = None, on_write=None) -> dict:
+    """Run one stack end to end; returns the metrics also written to run_dir/metrics.json.
+    `on_write()` runs where the run dir is first written (the caller's own files, e.g. Hydra's).
+
+    The run's memory peak is its own (peak.py): tracked from here, so loading counts, to the end,
+    so an earlier run in the same process (a Hydra multirun) does not leak into it."""
+    gpu = loading.on_gpu()
+    if not gpu:
+        pin_malloc_thresholds()  # CPU: RSS follows the live tensors, as the plan counts them (peak.py)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed, imported by the trainer, warns when it guesses
+    tracker = PeakTracker(gpu).start()
+    try:
+        with RunDirLock(run_dir, enabled=_main_rank()):  # one run per run dir
+            return _train(cfg, run_dir, choices, tracker, on_write)
+    finally:
+        tracker.stop()
+
+
+def _train(cfg: DictConfig, run_dir: Path, choices: dict | None, tracker: PeakTracker, on_write=None) -> dict:
+    from transformers import set_seed
+
+    started = time.time()
+    gpu = loading.on_gpu()
+    try:
+        plan, resume_from = _check_and_plan(cfg, run_dir, choices, gpu, on_write)
+    except AlreadyComplete as done:  # resume=auto on a finished run: nothing to do, exit 0
+        log.warning("%s", done)
+        return done.metrics
+
+    set_seed(cfg.seed)
+    tokenizer = loading.load_tokenizer(cfg)
+    train_ds, eval_ds, data_stats = data.load_splits(cfg.data, tokenizer, cfg.trainer.seq_len, cfg.seed)
+    _write_run_files(cfg, run_dir, choices, plan, on_write)  # every check has passed
+    model = loading.make_trainable(cfg, loading.load_model(cfg, run_dir, planner.loader_max_memory(plan)))
+    trainable, total = model.get_nb_trainable_parameters()
+    log.info("trainable params: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
+
+    want_em = cfg.data.metric == "exact_match" and eval_ds is not None
+    pairs = data.generation_pairs(eval_ds, data_stats["format"], cfg.data.metric_examples) if want_em else []
+    em_before = _exact_match(cfg, model, tokenizer, pairs)
+
+    tb = _tensorboard(run_dir) if "tensorboard" in trackers.enabled(cfg) else None
+    tracking = trackers.start(cfg, run_dir) if _main_rank() else None  # the logger group's W&B / MLflow runs
+    finished = False
+    try:
+        splits = (train_ds, eval_ds)
+        fitted = _fit(cfg, run_dir, model, tokenizer, splits, data_stats["format"], plan, resume_from, (tb, tracker))
+        eval_loss = fitted.trainer.evaluate()["eval_loss"] if eval_ds is not None else None
+        scores = _scores(cfg, model, tokenizer, pairs, eval_loss, em_before)
+        _save_adapter(fitted.trainer, tokenizer, run_dir)
+        out = {**_run_figures(fitted, plan, resume_from), **scores, "wall_s": time.time() - started, "data": data_stats}
+        out.update(metrics.memory_figures(tracker.peak_gib(), plan, tracker.gpu))  # after eval and saving
+        sharded = cfg.dist.strategy in dist.SHARDED  # whole weights gathered; this rank's share, measured
+        out["adapter_sha256"] = dist.adapter_digest(fitted.trainer) if sharded else metrics.trainable_digest(model)
+        out["adapter_sha256_step0"] = getattr(fitted.trainer, "adapter_sha256_step0", None)  # equal on every rank
+        if sharded:
+            out["sharding"] = dist.sharding_figures(fitted.trainer)
+        rank = int(os.environ.get("RANK", 0))
+        metrics.write_metrics(run_dir, out, name="metrics.json" if _main_rank() else f"metrics.rank{rank}.json")
+        finished = True
+    finally:
+        if tb is not None:
+            tb.close()
+        if tracking is not None:
+            tracking.close(failed=not finished)
+    if _main_rank():  # adapter/README.md: the model card; with hub.push=true, the adapter to the hub
+        hub.publish_adapter(cfg, run_dir)
+    if _main_rank():  # the figures a user reads and what to run next; metrics.json has them all
+        print_summary(out, run_dir, next_commands(command(), run_dir, task_overrides(), out["steps"]))
+    return out
+
+
+def _check_and_plan(cfg: DictConfig, run_dir: Path, choices: dict | None, gpu: bool, on_write=None) -> tuple:
+    """Everything that can refuse a run from its config and model dir, before anything is loaded or
+    written; a plan that does not fit is written (config.yaml, plan.json with its ladder), then refused."""
+    validate(cfg, gpu_available=gpu)
+    # the causes a user can fix by hand first: a data file missing, then the model out of reach
+    check_local_source(cfg.data.path, "data.path")
+    if cfg.data.eval_path is not None:
+        check_local_source(cfg.data.eval_path, "data.eval_path")
+    check_hub_model(cfg.model)
+    validate_model(cfg)
+    resume_from = resume_checkpoint(cfg, run_dir)  # checks the saved config first
+    # one rank's share (WORLD_SIZE ranks): FSDP/ZeRO-3 on GPUs, every strategy on CPU ranks (gloo)
+    plan = planner.plan(cfg)
+    if not (plan["fits"] or cfg.force):
+        _write_run_files(cfg, run_dir, choices, plan, on_write)
+    planner.refuse_unless_fits(plan, force=cfg.force)
+    return plan, resume_from
+
+
+def _write_run_files(cfg: DictConfig, run_dir: Path, choices: dict | None, plan: dict, on_write=None) -> None:
+    """config.yaml and plan.json (and the caller's files), all or none: Ctrl-C waits for the group."""
+    if not _main_rank():
+        return
+    print(f"run dir: {shown_path(run_dir)}", flush=True)
+    print_stack(cfg, choices)
+    with sigint_deferred():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        planner.write_plan(plan, run_dir)
+        if on_write is not None:
+            on_write()
+
+
+def _tensorboard(run_dir: Path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(run_dir / "tb")) if _main_rank() else None
+
+
+def _fit(cfg, run_dir, model, tokenizer, splits, data_format, plan, resume_from, watch) -> _Fitted:
+    """Train under the guards; a preemption writes its metrics and raises lifecycle.Preempted.
+    `watch`: the TensorBoard writer (or None) and the run's PeakTracker, for the memory timeline."""
+    from transformers.integrations import TensorBoardCallback
+
+    from .callbacks import MemoryLogger
+
+    train_ds, eval_ds = splits
+    tb, tracker = watch
+    gpu = loading.on_gpu()
+    planned = (planned_peak_gib(plan, gpu), tracker.quantity)  # memory.png's line to compare with
+    preemption = lifecycle.PreemptionCallback()
+
+    def make_trainer(c: DictConfig):
+        tb_callback = TensorBoardCallback(tb_writer=tb)
+        tb_callback.logging_dir = str(run_dir / "tb")  # where it reopens after train() closes it
+        tb_callbacks = [tb_callback] if "tensorboard" in trackers.enabled(c) else []  # logger=none: no tb/
+        memory_log = MemoryLogger(run_dir, c.trainer.memory_log_steps, tb, tracker, planned)
+        dist.prepare_ranks(c, gpu)
+        trainer = lifecycle.GuardedTrainer(
+            model=model,
+            args=trainer_args.sft_config(c, run_dir, data_format, gpu, eval_ds is not None),
+            train_dataset=train_ds,
+            eval_dataset=eval_ds,
+            processing_class=tokenizer,
+            callbacks=[memory_log, *tb_callbacks, preemption],
+        )
+        trainer.adapter_sha256_step0 = dist.sync_adapters(model)  # every rank starts from rank 0's adapters
+        return trainer
+
+    trainer_args.note_optimizer_fallback(cfg, gpu)
+    started = time.time()
+    preemption.install()
+    try:
+        trainer, result, fit_cfg = lifecycle.train_with_oom_ladder(
+            cfg, model, make_trainer, run_dir, resume_from, [rung["overrides"] for rung in plan.get("ladder", [])]
+        )
+    finally:
+        preemption.uninstall()
+    if preemption.received:
+        step = trainer.state.global_step
+        checkpoint = find_checkpoint(run_dir / "checkpoints")
+        status = {"status": "preempted", "signal": preemption.received, "steps": step, "checkpoint": checkpoint}
+        metrics.write_metrics(run_dir, status)
+        raise lifecycle.Preempted(preemption.received, step, checkpoint)
+    return _Fitted(trainer, result, fit_cfg, time.time() - started)
+
+
+def _exact_match(cfg, model, tokenizer, pairs) -> float | None:
+    """The task metric: prompts cut to seq_len tokens, at most max_new_tokens generated, batches no
+    larger than an eval batch (eval_batch_size x seq_len positions): the bound the memory plan
+    counts (planner/loss.py)."""
+    t = cfg.trainer
+    return metrics.exact_match(
+        model,
+        tokenizer,
+        pairs,
+        cfg.data.max_new_tokens,
+        max_batch_tokens=t.eval_batch_size * t.seq_len,
+        max_prompt_tokens=t.seq_len,
+    )
+
+
+def _scores(cfg, model, tokenizer, pairs, eval_loss, em_before) -> dict:
+    """Eval loss, perplexity, the task metric before and after, and lm-eval tasks when asked for."""
+    t = cfg.trainer
+    lm_eval = (
+        metrics.lm_eval_scores(model, tokenizer, t.lm_eval_tasks, t.lm_eval_limit, t.eval_batch_size)
+        if t.lm_eval_tasks
+        else None
+    )
+    return {
+        "eval_loss": eval_loss,
+        "eval_perplexity": metrics.perplexity(eval_loss),
+        "eval_exact_match_before": em_before,
+        "eval_exact_match": _exact_match(cfg, model, tokenizer, pairs),
+        "lm_eval": lm_eval,
+    }
+
+
+def _run_figures(fitted: _Fitted, plan: dict, resume_from: str | None) -> dict:
+    """Loss curve, throughput, memory (measured and planned) and the batch shape that fit."""
+    import torch
+
+    history = fitted.trainer.state.log_history
+    loss_curve = metrics.losses(history)
+    tokens = max((float(e.get("num_tokens", 0)) for e in history), default=0.0)
+    return {
+        "status": "ok",
+        "train_loss_first": loss_curve[0] if loss_curve else None,
+        "train_loss_last": loss_curve[-1] if loss_curve else None,
+        "train_loss_mean": fitted.result.training_loss,
+        "train_losses": loss_curve,  # every logged training loss, in order
+        "tokens_per_s": tokens / fitted.seconds if fitted.seconds > 0 else None,
+        "device": loading.device_name(),
+        "steps": fitted.trainer.state.global_step,
+        "micro_batch_size": fitted.cfg.trainer.micro_batch_size,
+        "grad_accum": fitted.cfg.trainer.grad_accum,
+        "resumed_from": resume_from,
+        "train_s": fitted.seconds,
+        "torch": torch.__version__,
+    }
+
+
+def _save_adapter(trainer, tokenizer, run_dir: Path) -> None:
+    """The adapter dir appears complete or not at all (written aside, then renamed); a full disk
+    (or Ctrl-C) while writing leaves no adapter.partial, and the checkpoints as they were."""
+    staging = run_dir / "adapter.partial"
+    try:
+        if not dist.save_gathered_adapter(trainer, str(staging), _main_rank()):
+            trainer.save_model(str(staging))  # rank 0 writes (ZeRO-3 gathers the adapter first)
+        if _main_rank():
+            tokenizer.save_pretrained(staging)
+    except BaseException as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        if disk_full(err):
+            kept = find_checkpoint(run_dir / "checkpoints")
+            raise UserError(
+                f"disk full while saving the adapter in {run_dir}: nothing of it was kept"
+                + (f" and the checkpoints are intact (newest: {kept})" if kept else "")
+                + f"; free space and run again (resume=auto hydra.run.dir={shlex.quote(shown_path(run_dir))} "
+                "resumes from the newest checkpoint)"
+            ) from None
+        raise
+    if _main_rank():
+        shutil.rmtree(run_dir / "adapter", ignore_errors=True)
+        staging.rename(run_dir / "adapter")

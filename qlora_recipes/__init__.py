@@ -1,9 +1,9 @@
-"""QLoRA recipe library: one module per concern (see README.md, "Layout")."""
+"""QLoRA recipe library: one room (sub-package) per concern; docs/ARCHITECTURE.md is the map."""
 
 import logging
 
 # bitsandbytes tries to fetch an optional AVX512 CPU inference kernel from the hub at import and
-# warns when it cannot; we never use that path (modeling._keep_4bit_layout_trainable), so hush it.
+# warns when it cannot; we never use that path (model/loading._keep_4bit_layout_trainable), so hush it.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 # datasets' progress bars: data.load_splits turns them off (TRL's passes over 2000 rows drowned the

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omegaconf import MISSING
 from omegaconf.errors import MissingMandatoryValue
 
 from ..errors import UserError
@@ -66,9 +67,10 @@ def _arch_biases(arch: str, cfg_json: Mapping[str, Any] | None = None) -> tuple[
 def given(model: ModelConfig, key: str) -> Any:
     """model.<key>, None where it is unset (???): a composed DictConfig raises on reading one."""
     try:
-        return getattr(model, key)
+        value = getattr(model, key)
     except MissingMandatoryValue:
         return None
+    return None if value == MISSING else value  # a dataclass built without it holds the "???" marker
 
 
 def model_figures(model: ModelConfig) -> Figures:

@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from ..errors import UserError
 from ..units import torch_dtype
+from .families import traits
 from .hf_configs import bnb_config, lora_config
 
 log = logging.getLogger(__name__)
@@ -86,11 +87,11 @@ def _planned_placement(cfg: DictConfig, max_memory: dict | None) -> tuple[dict |
     return dict(planned["device_map"]), budgets
 
 
-# Attention per family. `model.attn_implementation` defaults to sdpa; a family whose transformers class
-# has no sdpa path says so (`_supports_sdpa = False`; transformers 5.23: Gemma 2, whose attention-logit
-# soft-capping sdpa cannot apply) and gets eager instead (conf/model/gemma2-9b.yaml names it too; the
-# planner counts gemma2 as eager by architecture, planner/components.eager). Other values are taken as
-# given; when transformers refuses one, the error names model.attn_implementation.
+# Attention per family. `model.attn_implementation` defaults to sdpa; a family without an sdpa path gets
+# eager instead: families.py says so for the families it knows (Gemma 2, whose attention-logit
+# soft-capping sdpa cannot apply; the planner asks the same traits), transformers' `_supports_sdpa =
+# False` for the others. Other values are taken as given; when transformers refuses one, the error
+# names model.attn_implementation.
 _ATTENTION_WORDS = (
     "attn_implementation",
     "attention implementation",
@@ -123,7 +124,10 @@ def attention_for(cfg: DictConfig) -> str:
     if requested != "sdpa":
         return requested
     cls = _model_class(cfg)
-    if cls is not None and not getattr(cls, "_supports_sdpa", True):
+    if cls is None:
+        return requested
+    family = getattr(getattr(cls, "config_class", None), "model_type", "")  # the dir's own, not model.architecture
+    if traits(family).attention == "eager" or not getattr(cls, "_supports_sdpa", True):
         log.info(
             "attention: eager for %s (transformers has no sdpa path for it; set model.attn_implementation to "
             "choose another)",

@@ -15,7 +15,7 @@ metric), placement (device map, max_memory), peaks (phases, pressure, the alloca
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..config import devices as _dev
 from .figures import model_figures
@@ -28,6 +28,9 @@ from .search import longest_seq_len as _longest_seq_len
 from .sharded import CPU_RANKS, SHARDED, plan_cpu_rank, plan_sharded
 from .single import plan_single
 from .spec import spec_from_cfg
+
+if TYPE_CHECKING:
+    from ..config.schema import TrainConfig
 
 __all__ = [
     "DoesNotFit",
@@ -42,7 +45,7 @@ __all__ = [
 
 
 def plan(
-    cfg: Any,
+    cfg: TrainConfig,
     gpus: list[int] | None = None,
     host_ram: int | None = None,
     world_size: int | None = None,
@@ -81,6 +84,8 @@ def plan(
     return result
 
 
-def longest_seq_len(cfg: Any, gpus: list[int] | None = None, host_ram: int | None = None, granularity: int = 64):
+def longest_seq_len(
+    cfg: TrainConfig, gpus: list[int] | None = None, host_ram: int | None = None, granularity: int = 64
+):
     """The longest trainer.seq_len (a multiple of `granularity`) at which the stack fits, or None."""
     return _longest_seq_len(cfg, plan, gpus, host_ram, granularity)

@@ -266,8 +266,8 @@ def optimizer_shared_bytes(optim: str) -> int:
 
 
 def eager(st: StackSpec) -> bool:
-    # Gemma 2's attention-logit soft-capping has no SDPA path: transformers runs it eagerly.
-    return st.attn == "eager" or st.fig.architecture == "gemma2"
+    # a family whose attention sdpa cannot run (Gemma 2's soft-capped logits) loads eager (model/loading.py)
+    return st.attn == "eager" or st.fig.traits.attention == "eager"
 
 
 def attention_rows(st: StackSpec, b: int) -> tuple[int, int]:
@@ -327,7 +327,7 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
     c, r, mask = act_dtypes(st, on_cpu)
     h, f, a, d = fig.hidden_size, fig.intermediate_size, fig.num_heads, fig.head_dim
     qd, kvd = a * d, fig.num_kv_heads * d
-    norms = 4 if fig.architecture == "gemma2" else 2
+    norms = 4 if fig.traits.sandwich_norms else 2
     per_token = norms * (4 * h + 4) + 3 * r * f
     if eager(st):
         per_token += 3 * c * qd
@@ -345,7 +345,7 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
         total += b * s * c * bb.dora_in + c * bb.dora_weight
     if eager(st):
         rows, n = attention_rows(st, b)
-        total += rows * a * n * n * (4 + c + (c if fig.architecture == "gemma2" else 0))
+        total += rows * a * n * n * (4 + c + (c if fig.traits.attn_logit_softcap else 0))
     return total
 
 

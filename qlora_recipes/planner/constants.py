@@ -1,10 +1,12 @@
 """The planner's documented constants and the choices it knows: measured or sourced byte figures
 (CUDA context, process baseline, allocator slack, bitsandbytes block sizes) and the names of the
-architectures, quantization and PEFT methods, device-map strategies and optimizers it can plan.
+device-map strategies, compute dtypes and optimizers it can plan (the model families are
+model/families.py's).
 """
 
 from __future__ import annotations
 
+from ..model.families import KNOWN_ARCHITECTURES  # noqa: F401  (the families inventoried from figures)
 from ..units import GiB
 
 # CUDA context of a process that imports torch, bitsandbytes and runs cuBLAS/flash kernels: the
@@ -42,11 +44,12 @@ TRL_OFFLOAD_MIN_BYTES = 1024
 # transformers' bnb quantizers shrink max_memory by 10 % before placing layers (adjust_max_memory).
 BNB_MAX_MEMORY_FACTOR = 0.90
 
-KNOWN_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma2")
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 
-# transformers `optim` strings -> how the optimizer keeps state.
+# transformers `optim` strings -> how the optimizer keeps state: the byte figures of components.py
+# and single.py are keyed by the kind. Every optimizer the schema accepts needs an entry
+# (tests/test_optimizer_figures.py checks).
 OPTIMIZERS = {
     "adamw_torch": "adam32_torch",
     "adamw_torch_fused": "adam32_torch_fused",

@@ -12,11 +12,17 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import MISSING
+from omegaconf.errors import MissingMandatoryValue
 
 from ..errors import UserError
-from ..units import cfg_get, torch_dtype
-from .constants import KNOWN_ARCHITECTURES
+from ..model.families import KNOWN_ARCHITECTURES, FamilyTraits, traits
+from ..units import torch_dtype
+
+if TYPE_CHECKING:
+    from ..config.schema import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -40,52 +46,63 @@ class Figures:
     config_dir: str | None = None  # a local dir with config.json (used for the meta model)
     trust_remote_code: bool = False
 
+    @property
+    def traits(self) -> FamilyTraits:
+        return traits(self.architecture)
+
 
 _FIGURE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
 
 
 def _arch_biases(arch: str, cfg_json: Mapping[str, Any] | None = None) -> tuple[bool, bool, bool]:
-    cj = cfg_json or {}
-    if arch == "qwen2":
+    cj, family = cfg_json or {}, traits(arch)
+    if family.qkv_bias:
         return True, False, False
-    if arch in ("llama", "gemma2"):
+    if family.config_biases:
         ab = bool(cj.get("attention_bias", False))
         return ab, ab, bool(cj.get("mlp_bias", False))
     return False, False, False
 
 
-def model_figures(model_cfg: Any) -> Figures:
+def given(model: ModelConfig, key: str) -> Any:
+    """model.<key>, None where it is unset (???): a composed DictConfig raises on reading one."""
+    try:
+        value = getattr(model, key)
+    except MissingMandatoryValue:
+        return None
+    return None if value == MISSING else value  # a dataclass built without it holds the "???" marker
+
+
+def model_figures(model: ModelConfig) -> Figures:
     """Figures of cfg.model: from `<name_or_path>/config.json` if that is a local dir, else the yaml."""
-    name = cfg_get(model_cfg, "name_or_path")
-    trust = bool(cfg_get(model_cfg, "trust_remote_code", False))
+    name = given(model, "name_or_path")
+    trust = bool(model.trust_remote_code)
     if name and Path(str(name)).expanduser().is_dir() and (Path(str(name)).expanduser() / "config.json").is_file():
         return _figures_from_config_json(Path(str(name)).expanduser(), trust)
-    missing = [k for k in _FIGURE_FIELDS if cfg_get(model_cfg, k) is None]
+    missing = [k for k in _FIGURE_FIELDS if given(model, k) is None]
     if missing:
         raise UserError(
             f"model {name or '<unnamed>'!s}: no architecture figures ({', '.join('model.' + k for k in missing)} "
             "unset) and no local config.json; pick a conf/model option, add one with the figures, "
             "or point model.name_or_path at a local model dir"
         )
-    arch = str(cfg_get(model_cfg, "architecture", "llama")).lower()
-    heads = int(cfg_get(model_cfg, "num_heads"))
-    hidden = int(cfg_get(model_cfg, "hidden_size"))
-    head_dim = cfg_get(model_cfg, "head_dim")
+    arch = str(model.architecture).lower()
+    heads, hidden, head_dim = int(model.num_heads), int(model.hidden_size), model.head_dim
     qkv_bias, o_bias, mlp_bias = _arch_biases(arch)
     fig = Figures(
         architecture=arch,
         hidden_size=hidden,
-        num_layers=int(cfg_get(model_cfg, "num_layers")),
+        num_layers=int(model.num_layers),
         num_heads=heads,
-        num_kv_heads=int(cfg_get(model_cfg, "num_kv_heads")),
+        num_kv_heads=int(model.num_kv_heads),
         head_dim=int(head_dim) if head_dim else (hidden // heads if heads else 0),
-        intermediate_size=int(cfg_get(model_cfg, "intermediate_size")),
-        vocab_size=int(cfg_get(model_cfg, "vocab_size")),
-        tie_embeddings=bool(cfg_get(model_cfg, "tie_embeddings", False)),
+        intermediate_size=int(model.intermediate_size),
+        vocab_size=int(model.vocab_size),
+        tie_embeddings=bool(model.tie_embeddings),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=mlp_bias,
-        max_position_embeddings=int(cfg_get(model_cfg, "max_position_embeddings", 4096) or 4096),
+        max_position_embeddings=int(model.max_position_embeddings),
         source="conf/model",
         trust_remote_code=trust,
     )
@@ -124,8 +141,7 @@ def _figures_from_config_json(path: Path, trust: bool) -> Figures:
         )
     kv = cj.get("num_key_value_heads") or heads
     head_dim = cj.get("head_dim") or hidden // heads
-    # Per-class defaults of tie_word_embeddings when config.json leaves it out.
-    tie_default = arch not in ("llama", "mistral", "qwen2")
+    tie_default = traits(arch).tie_embeddings  # the config class's default when config.json leaves it out
     qkv_bias, o_bias, mlp_bias = _arch_biases(arch, cj)
     fig = Figures(
         architecture=arch,
@@ -185,7 +201,7 @@ class Block:
 
 def inventory(fig: Figures) -> tuple[Block, ...]:
     """The blocks of the model: analytic for the known families, from a meta model otherwise."""
-    if fig.architecture in KNOWN_ARCHITECTURES:
+    if fig.traits.known:
         return _analytic_inventory(fig)
     return _meta_inventory(fig)
 
@@ -195,11 +211,11 @@ def _analytic_inventory(fig: Figures) -> tuple[Block, ...]:
     h, f, d = fig.hidden_size, fig.intermediate_size, fig.head_dim
     qd, kvd = fig.num_heads * d, fig.num_kv_heads * d
     norms = ["input_layernorm", "post_attention_layernorm"]
-    if fig.architecture == "gemma2":
+    if fig.traits.sandwich_norms:
         norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     blocks: list[Block] = []
     embed_buffers: tuple = ()
-    if fig.architecture == "gemma2":
+    if fig.traits.embed_scale:
         embed_buffers = (("model.embed_tokens.embed_scale", 1, 0),)  # 0-dim, in the load dtype
     blocks.append(
         Block(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import devices as _dev
 from ..errors import UserError
@@ -18,6 +18,9 @@ from .constants import DEVICE_MAP_STRATEGIES, HEADROOM_TARGET, OPTIMIZERS
 from .peaks import device_peak, ok, pressure, worst_device
 from .sharded import plan_sharded
 from .single import plan_single
+
+if TYPE_CHECKING:
+    from ..config.schema import DistConfig
 from .spec import StackSpec
 
 COSTS = {
@@ -220,7 +223,7 @@ def ladder_rungs(st: StackSpec, hw: _dev.Hardware, plan: dict) -> list[dict]:
     return rungs
 
 
-def offload_params_rungs(base: dict, st: StackSpec, dist: Any, ws: int, ranks_here: int, host_ram: int | None):
+def offload_params_rungs(base: dict, st: StackSpec, dist: DistConfig, ws: int, ranks_here: int, host_ram: int | None):
     """The FSDP ladder: the plan with `dist.offload_params=true` (shards and optimizer step in host RAM)."""
     alt = plan_sharded(base, st, dist, ws, ranks_here, offload=True, host_ram=host_ram)
     ov = {"dist.offload_params": "true"}

@@ -33,11 +33,13 @@ positions.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING
 
-from ..units import cfg_get
 from .components import act_dtypes, eval_layer_bytes
 from .spec import StackSpec
+
+if TYPE_CHECKING:
+    from ..config.schema import DataConfig
 
 TOKEN_TILE = 4096  # trl/kernels/chunked_logprob.py TOKEN_CHUNK_SIZE
 VOCAB_TILE = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE: the buffer's width, whatever V
@@ -59,15 +61,14 @@ class MetricStack(StackSpec):
     gen_new_tokens: int = 0
 
 
-def with_metric(st: StackSpec, data: Any) -> StackSpec:
+def with_metric(st: StackSpec, data: DataConfig) -> StackSpec:
     """`st` with data.metric's generation figures: exact_match on an eval split generates for
     min(GEN_METRIC_BATCH, data.metric_examples) prompts at a time, data.max_new_tokens each."""
-    examples = cfg_get(data, "metric_examples", 64)
-    limit = GEN_METRIC_BATCH if examples is None else min(GEN_METRIC_BATCH, int(examples))
-    if cfg_get(data, "metric") != "exact_match" or not st.evaluates or limit <= 0:
+    limit = min(GEN_METRIC_BATCH, int(data.metric_examples))
+    if data.metric != "exact_match" or not st.evaluates or limit <= 0:
         return st
     base = {f.name: getattr(st, f.name) for f in fields(StackSpec)}
-    return MetricStack(**base, gen_batch=limit, gen_new_tokens=int(cfg_get(data, "max_new_tokens", 32)))
+    return MetricStack(**base, gen_batch=limit, gen_new_tokens=int(data.max_new_tokens))
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def _head(st: StackSpec, b: int, on_cpu: bool) -> _Head:
     fig = st.fig
     return _Head(
         n_pos, min(n_pos, TOKEN_TILE), min(fig.vocab_size, VOCAB_TILE), c, r, fig.hidden_size,
-        triton=not on_cpu, softcap=fig.architecture == "gemma2", vocab=fig.vocab_size,
+        triton=not on_cpu, softcap=fig.traits.final_logit_softcap, vocab=fig.vocab_size,
     )  # fmt: skip
 
 

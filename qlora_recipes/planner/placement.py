@@ -16,7 +16,7 @@ from typing import Any
 from ..config import devices as _dev
 from ..errors import UserError
 from .components import BlockBytes, should_convert, skip_patterns
-from .constants import BNB_MAX_MEMORY_FACTOR, KNOWN_ARCHITECTURES
+from .constants import BNB_MAX_MEMORY_FACTOR
 from .figures import Block, inventory, meta_model
 from .spec import StackSpec
 
@@ -131,7 +131,7 @@ def rewrites_offloaded(st: StackSpec) -> bool:
     tensor (core_model_loading.offload_and_maybe_resave_param, in the load dtype) only when a
     WeightConverter of the model's conversion mapping rebuilds it (MoE experts), not for the
     families figures.py knows."""
-    if st.fig.architecture in KNOWN_ARCHITECTURES:
+    if st.fig.traits.known:
         return False
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .figures import model_figures
 
+if TYPE_CHECKING:
+    from ..config.schema import TrainConfig
+
 
 def longest_seq_len(
-    cfg: Any, plan_fn: Callable[..., dict], gpus: list[int] | None, host_ram: int | None, granularity: int = 64
+    cfg: TrainConfig, plan_fn: Callable[..., dict], gpus: list[int] | None, host_ram: int | None, granularity: int = 64
 ) -> int | None:
     """The largest multiple of `granularity` (at most max_position_embeddings) whose plan fits;
     None when not even `granularity` tokens fit."""

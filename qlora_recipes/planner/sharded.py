@@ -8,7 +8,7 @@ each rank's own peak RSS (bench/results/planner-sharded.json measures it).
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..config import devices as _dev
 from ..errors import UserError
@@ -27,12 +27,15 @@ from .peaks import (
 )
 from .spec import StackSpec
 
+if TYPE_CHECKING:
+    from ..config.schema import DistConfig
+
 SHARDED = ("fsdp", "zero3")  # strategies that shard the (4-bit) parameters across ranks
 CPU_RANKS = ("ddp", "fsdp", "zero2", "zero3")  # strategies planned per rank process on CPU
 
 
 def plan_sharded(
-    base: dict, st: StackSpec, dist: Any, ws: int, ranks_here: int, offload: bool, host_ram: int | None
+    base: dict, st: StackSpec, dist: DistConfig, ws: int, ranks_here: int, offload: bool, host_ram: int | None
 ) -> dict:
     """Rewrite a single-GPU plan (device_map null: everything on cuda:0) into one rank's share.
 
@@ -169,7 +172,7 @@ def _device(rows: dict, name: str, budget: int, ranks_here: int, load_on_cpu: bo
 CPU_RANK_EXTRA_BYTES = int(0.027 * GiB)
 
 
-def plan_cpu_rank(base: dict, st: StackSpec, dist: Any, ws: int, host_ram: int | None) -> dict:
+def plan_cpu_rank(base: dict, st: StackSpec, dist: DistConfig, ws: int, host_ram: int | None) -> dict:
     """One CPU rank's plan (no GPUs: `ws` rank processes on this host over gloo), rewritten from the
     one-process CPU plan `base`: the same transients (a rank computes its own micro-batch: loss,
     layer working set, loading) and its strategy's share of the static rows. Every rank loads the

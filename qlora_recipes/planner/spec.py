@@ -7,13 +7,24 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config.schema import PEFT_METHODS, QUANT_METHODS, padding_free_on
 from ..errors import UserError
-from ..units import DTYPE_BYTES, cfg_get, dtype_bytes, dtype_name
+from ..units import DTYPE_BYTES, dtype_bytes, dtype_name
 from .constants import COMPUTE_DTYPES, DEVICE_MAP_STRATEGIES, OPTIMIZERS
-from .figures import Figures, model_figures
+from .figures import Figures, given, model_figures
+
+if TYPE_CHECKING:
+    from ..config.schema import (
+        OffloadConfig,
+        OptimConfig,
+        PeftConfig,
+        PrecisionConfig,
+        QuantConfig,
+        TrainConfig,
+        TrainerConfig,
+    )
 
 
 @dataclass(frozen=True)
@@ -68,55 +79,48 @@ class StackSpec:
         return 4 if self.quantized and self.upcast_frozen else dtype_bytes(self.dtype)
 
 
-def spec_from_cfg(cfg: Any, world_size: int) -> StackSpec:
+def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
     """Read the memory-relevant choices from a composed config; UserError on values it cannot plan."""
-    model, quant, peft, trainer = (cfg_get(cfg, k) for k in ("model", "quant", "peft", "trainer"))
-    if model is None:
-        raise UserError("config has no model group; compose conf/train.yaml (config_name train)")
+    model, quant, peft, trainer, data = cfg.model, cfg.quant, cfg.peft, cfg.trainer, cfg.data
     fig = model_figures(model)
-    method, pmethod, oname, dtype, storage_bytes = _methods(
-        quant, peft, cfg_get(cfg, "optim"), cfg_get(cfg, "precision")
-    )
+    method, pmethod, oname, dtype, storage_bytes = _methods(quant, peft, cfg.optim, cfg.precision)
     ints = _sizes(trainer, peft)
-    mode = str(cfg_get(trainer, "checkpointing_mode", "non_reentrant"))
+    mode = str(trainer.checkpointing_mode)
     if mode not in ("non_reentrant", "reentrant"):
         raise UserError(f"trainer.checkpointing_mode={mode!r} is not one of non_reentrant, reentrant")
-    placement = _offload(cfg_get(cfg, "offload"))
-    targets = cfg_get(peft, "target_modules", "all-linear")
-    if isinstance(targets, (list, tuple)):
-        targets = tuple(str(t) for t in targets)
-    elif targets is None:
+    targets = peft.target_modules
+    if targets is None:
         raise UserError("peft.target_modules is null; use all-linear or a list like [q_proj, v_proj]")
-    data = cfg_get(cfg, "data")
-    evaluates = bool(cfg_get(data, "eval_path")) or float(cfg_get(data, "eval_fraction", 0.0) or 0.0) > 0
+    if not isinstance(targets, str):  # a list (a ListConfig while callers still pass the DictConfig)
+        targets = tuple(str(t) for t in targets)
     return StackSpec(
         fig=fig,
-        name_or_path=str(cfg_get(model, "name_or_path", "")),
+        name_or_path=str(given(model, "name_or_path") or ""),
         quant=method,
-        double_quant=bool(cfg_get(quant, "double_quant", True)),
+        double_quant=bool(quant.double_quant),
         quant_storage_bytes=storage_bytes,
-        skip_modules=tuple(cfg_get(quant, "skip_modules", []) or []),
+        skip_modules=tuple(quant.skip_modules or ()),
         peft=pmethod,
         r=ints["r"],
-        alpha=float(cfg_get(peft, "alpha", 2 * ints["r"])),
-        lora_dropout=float(cfg_get(peft, "dropout", 0.0) or 0.0),
+        alpha=float(peft.alpha),
+        lora_dropout=float(peft.dropout),
         target_modules=targets,
-        modules_to_save=tuple(cfg_get(peft, "modules_to_save", None) or ()),
+        modules_to_save=tuple(peft.modules_to_save or ()),
         optim=oname,
         dtype=dtype,
-        upcast_frozen=bool(cfg_get(cfg, "precision.upcast_frozen", True)),
+        upcast_frozen=bool(cfg.precision.upcast_frozen),
         micro_batch=ints["micro_batch"],
         grad_accum=ints["grad_accum"],
         eval_batch=ints["eval_batch"],
-        evaluates=evaluates,
+        evaluates=bool(data.eval_path) or float(data.eval_fraction) > 0,
         seq_len=ints["seq_len"],
-        checkpointing=bool(cfg_get(trainer, "gradient_checkpointing", True)),
+        checkpointing=bool(trainer.gradient_checkpointing),
         checkpointing_mode=mode,
-        activation_offloading=bool(cfg_get(trainer, "activation_offloading", False)),
-        attn=str(cfg_get(model, "attn_implementation", "sdpa") or "sdpa"),
-        packing=bool(cfg_get(data, "packing", False)),
+        activation_offloading=bool(trainer.activation_offloading),
+        attn=str(model.attn_implementation),
+        packing=bool(data.packing),
         padding_free=padding_free_on(data),
-        **placement,
+        **_offload(cfg.offload),
         world_size=max(1, int(world_size)),
     )
 
@@ -136,28 +140,32 @@ def data_note(st: StackSpec) -> str | None:
     )
 
 
-def _methods(quant: Any, peft: Any, optim: Any, precision: Any) -> tuple[str, str, str, str, int]:
-    """(quant method, peft method, optimizer, compute dtype, bytes per quantized storage element)."""
-    method = str(cfg_get(quant, "method", "nf4")).lower()
+def _methods(
+    quant: QuantConfig, peft: PeftConfig, optim: OptimConfig, precision: PrecisionConfig
+) -> tuple[str, str, str, str, int]:
+    """(quant method, peft method, optimizer, compute dtype, bytes per quantized storage element).
+    The checks repeat validate.py's for the callers that plan without validating (`qlora plan`,
+    `qlora launch --plan`, bench): the byte tables below are keyed by these names."""
+    method = str(quant.method).lower()
     if method not in QUANT_METHODS:
         raise UserError(f"quant.method={method!r} is not one of {', '.join(QUANT_METHODS)}")
-    pmethod = str(cfg_get(peft, "method", "lora")).lower()
+    pmethod = str(peft.method).lower()
     if pmethod not in PEFT_METHODS:
         raise UserError(f"peft.method={pmethod!r} is not one of {', '.join(PEFT_METHODS)}")
-    oname = str(cfg_get(optim, "name", "paged_adamw_8bit"))
+    oname = str(optim.name)
     if oname not in OPTIMIZERS:
         raise UserError(f"optim.name={oname!r}: the planner knows {', '.join(OPTIMIZERS)}; pick one of those")
-    dtype = str(cfg_get(precision, "dtype", "bfloat16"))
+    dtype = str(precision.dtype)
     if dtype_name(dtype) not in COMPUTE_DTYPES:
         raise UserError(f"precision.dtype={dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
-    storage = str(cfg_get(quant, "storage_dtype", "uint8"))
+    storage = str(quant.storage_dtype)
     storage_bytes = DTYPE_BYTES.get(storage)
     if storage_bytes is None:
         raise UserError(f"quant.storage_dtype={storage!r} is not one of uint8, bfloat16, float16, float32")
     return method, pmethod, oname, dtype, storage_bytes
 
 
-def _sizes(trainer: Any, peft: Any) -> dict[str, int]:
+def _sizes(trainer: TrainerConfig, peft: PeftConfig) -> dict[str, int]:
     ints = {}
     for key, node, name, lo in [
         ("micro_batch", trainer, "micro_batch_size", 1),
@@ -167,24 +175,24 @@ def _sizes(trainer: Any, peft: Any) -> dict[str, int]:
         ("r", peft, "r", 1),
     ]:
         group = "peft" if node is peft else "trainer"
-        value = cfg_get(node, name)
+        value = getattr(node, name)
         if value is None or int(value) < lo:
             raise UserError(f"{group}.{name}={value!r} must be an integer >= {lo}")
         ints[key] = int(value)
     return ints
 
 
-def _offload(offload: Any) -> dict[str, Any]:
+def _offload(offload: OffloadConfig) -> dict[str, Any]:
     """The placement fields of the spec from the offload group."""
-    device_map = cfg_get(offload, "device_map")
+    device_map = offload.device_map
     if device_map is not None:
         device_map = str(device_map)
         if not (device_map in DEVICE_MAP_STRATEGIES or device_map == "cpu" or re.fullmatch(r"(cuda:)?\d+", device_map)):
             raise UserError(
                 f"offload.device_map={device_map!r} is not one of null, {', '.join(DEVICE_MAP_STRATEGIES)}, cpu, cuda:N"
             )
-    max_memory = cfg_get(offload, "max_memory") or {}
-    folder = cfg_get(offload, "folder")
+    max_memory = offload.max_memory or {}
+    folder = offload.folder
     return {
         "device_map": device_map,
         "max_memory": tuple((str(k), str(v)) for k, v in dict(max_memory).items()),

@@ -68,9 +68,15 @@ def is_section(f: dataclasses.Field) -> bool:
     return isinstance(f.type, type) and dataclasses.is_dataclass(f.type)
 
 
-def resume_safe_prefixes(schema: type) -> tuple[str, ...]:
+def resume_safe_prefixes(schema: type, prefix: str = "") -> tuple[str, ...]:
     """Keys that may differ between a run and its resumption: "group." for a whole sub-config."""
-    return tuple(key + ("." if is_section(f) else "") for key, f in keys(schema) if f.metadata.get("resume_safe"))
+    found: list[str] = []
+    for f in dataclasses.fields(schema):
+        if f.metadata.get("resume_safe"):
+            found.append(prefix + f.name + ("." if is_section(f) else ""))
+        elif is_section(f):
+            found += resume_safe_prefixes(f.type, f"{prefix}{f.name}.")
+    return tuple(found)
 
 
 def range_ok(value: Any, rule: str) -> bool:

@@ -58,10 +58,10 @@ def _cases(work: Path, steps: int) -> list[tuple[str, list[str]]]:
 
 
 def _run(overrides: list[str], upcast: bool, run_dir: Path) -> dict:
-    from qlora_recipes.config.loader import compose
+    from qlora_recipes.config.loader import load
     from qlora_recipes.run.training import train
 
-    m = train(compose([*overrides, f"precision.upcast_frozen={str(upcast).lower()}"]), run_dir)
+    m = train(load([*overrides, f"precision.upcast_frozen={str(upcast).lower()}"]), run_dir)
     # Losses and metrics only: memory is the planner suites' business, measured one process per run.
     return {k: m.get(k) for k in ("train_losses", "eval_loss", "eval_exact_match")}
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from bench.runner import log_tail, run_child
 from bench.suite import Settings, compose
+from qlora_recipes.config.schema import ModelConfig
 from qlora_recipes.units import GiB
 
 FIGURE_KEYS = (
@@ -37,11 +38,11 @@ MODEL_MAX_POSITIONS = 131072  # built models allow long sequences (default RoPE;
 MARKER = "bench-model.json"  # written last: a model dir with it is complete
 
 
-def figures_of(model_cfg: Mapping[str, Any], **changes: Any) -> dict:
-    """The architecture figures of a model option (a dict or DictConfig), with `changes` applied."""
-    fig = {k: model_cfg[k] for k in FIGURE_KEYS if k in model_cfg}
-    fig["head_dim"] = model_cfg.get("head_dim") if hasattr(model_cfg, "get") else None
-    arch = model_cfg.get("architecture", "llama") if hasattr(model_cfg, "get") else "llama"
+def figures_of(model_cfg: ModelConfig, **changes: Any) -> dict:
+    """The architecture figures of a model option, with `changes` applied."""
+    fig = {k: getattr(model_cfg, k) for k in FIGURE_KEYS}
+    fig["head_dim"] = model_cfg.head_dim
+    arch = model_cfg.architecture
     if arch != "llama":
         raise ValueError(f"random-weight models are built for the llama architecture only, not {arch}")
     fig.update({k: v for k, v in changes.items() if v is not None})

@@ -68,10 +68,10 @@ def expand_stacks(entries: list[dict]) -> list[dict]:
 
 
 def compose(overrides: list[str]):
-    """The config train.py composes for these overrides (hydra.* ones are for the child only)."""
-    from qlora_recipes.config.loader import compose as compose_stack
+    """The typed config train.py runs for these overrides (hydra.* ones are for the child only)."""
+    from qlora_recipes.config.loader import load
 
-    return compose_stack([o for o in overrides if not o.startswith("hydra.")])
+    return load([o for o in overrides if not o.startswith("hydra.")])
 
 
 def one_line(err: Exception) -> str:

@@ -1,18 +1,25 @@
 """Console output: the composed stack as a tree, the run's summary table and next commands, one-line errors."""
 
+from __future__ import annotations
+
 import contextlib
+import dataclasses
 import os
 import shlex
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from rich.console import Console
 from rich.markup import escape
 from rich.tree import Tree
 
 from .resources import CONF_DIR
+
+if TYPE_CHECKING:
+    from .config.schema import TrainConfig
 
 STACK_GROUPS = ("model", "data", "quant", "peft", "optim", "offload", "precision", "trainer")
 
@@ -26,7 +33,7 @@ def _option_data_path(option: str) -> str | None:
         return None
 
 
-def group_label(cfg: DictConfig, group: str, option: str | None) -> str | None:
+def group_label(cfg: TrainConfig, group: str, option: str | None) -> str | None:
     """What a branch is labelled with: the chosen option, except that `data` names the user's own
     file when data.path no longer is the option's (`data.path=my.jsonl` keeps option `order`)."""
     if group == "data" and option:
@@ -36,7 +43,7 @@ def group_label(cfg: DictConfig, group: str, option: str | None) -> str | None:
     return option
 
 
-def stack_tree(cfg: DictConfig, choices: dict | None = None) -> Tree:
+def stack_tree(cfg: TrainConfig, choices: dict | None = None) -> Tree:
     """One branch per group, labelled with the chosen option, leaves the resolved values."""
     choices = choices or {}
     root = Tree(f"[bold]stack[/] recipe={choices.get('recipe') or '-'}")
@@ -45,13 +52,13 @@ def stack_tree(cfg: DictConfig, choices: dict | None = None) -> Tree:
         branch = root.add(
             f"[bold cyan]{group}[/]" + (f" = [green]{escape(label)}[/]" if label else ""), highlight=False
         )
-        for key, value in OmegaConf.to_container(cfg[group], resolve=True).items():
+        for key, value in dataclasses.asdict(getattr(cfg, group)).items():
             if value not in (None, [], {}):
                 branch.add(f"{key}: {value}", highlight=False)
     return root
 
 
-def print_stack(cfg: DictConfig, choices: dict | None = None) -> None:
+def print_stack(cfg: TrainConfig, choices: dict | None = None) -> None:
     Console(stderr=False).print(stack_tree(cfg, choices))
 
 

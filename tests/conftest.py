@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from qlora_recipes.config.loader import register_schemas  # noqa: E402
+from qlora_recipes.config.loader import register_schemas, to_typed  # noqa: E402
 
 register_schemas()
 # Every folder of conf/ is a group in train.yaml's defaults, except the presets chosen with `+`
@@ -23,10 +23,11 @@ GROUPS = tuple(
 
 
 def compose_cfg(*overrides: str):
-    """The config train.py would compose for these command-line overrides."""
+    """The typed config (TrainConfig) train.py would run for these command-line overrides; Hydra's
+    composition errors propagate as Hydra raises them, the typing's (unknown `+key`) as UserError."""
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
+        return to_typed(compose(config_name="train", overrides=list(overrides)))
 
 
 def options(group: str) -> list[str]:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, compose_cfg
-from omegaconf import OmegaConf
 
 from qlora_recipes import planner
 from qlora_recipes.config import devices
@@ -80,12 +79,11 @@ def test_deepspeed_config_parses(path):
 
 @pytest.mark.parametrize("option", ["none", "ddp", "fsdp", "zero2", "zero3"])
 def test_dist_option_composes_and_points_at_shipped_files(option):
-    cfg = compose_cfg(f"dist={option}")
-    OmegaConf.resolve(cfg)
+    cfg = compose_cfg(f"dist={option}")  # typed: every interpolation resolved
     assert cfg.dist.strategy == option
-    for key in ("accelerate_config", "deepspeed_config"):
-        if cfg.dist[key]:
-            assert Path(cfg.dist[key]).is_file(), key
+    for path in (cfg.dist.accelerate_config, cfg.dist.deepspeed_config):
+        if path:
+            assert Path(path).is_file(), path
 
 
 def _accelerate_env(config: Path, *extra: str) -> dict:

@@ -33,12 +33,12 @@ def trace(spec: dict) -> dict:
     from bench.trace import kernels, step
     from bench.trace.model import four_bit_linears, make_trainable, materialize, meta_base
     from bench.trace.tracker import PlanTracker
-    from qlora_recipes.config.loader import compose
+    from qlora_recipes.config.loader import load
 
     started = time.perf_counter()
     device = spec.get("device", "cuda")
     fake = bool(spec.get("fake", True))
-    cfg = compose(list(spec["overrides"]))
+    cfg = load(list(spec["overrides"]))
     torch.manual_seed(0)
     import bitsandbytes.functional as bnbf
 
@@ -117,7 +117,7 @@ def _kernel_modes(cfg, spec: dict, fake: bool, device: str) -> list:
         modes.append(kernels.trl_triton_folds())
         # flash attention needs sm80+ (Ampere); a recipe declaring no bf16 (T4 / V100) runs the
         # memory-efficient kernel instead
-        flash = spec.get("flash", (cfg.get("hardware") or {}).get("bf16", True) is not False)
+        flash = spec.get("flash", cfg.hardware.bf16)
         kernels.gpu_dispatch(flash=bool(flash))
     return modes
 

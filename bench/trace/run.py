@@ -138,10 +138,10 @@ def trace_stack(
     overrides: list[str], device: str = "cuda", layers: int | str | None = "auto", log_dir: Path | None = None, **extra
 ) -> dict:
     """Trace a stack: whole, or two layer slices extrapolated to the model's layers."""
-    from qlora_recipes.config.loader import compose
+    from qlora_recipes.config.loader import load
     from qlora_recipes.planner import model_figures
 
-    cfg = compose(list(overrides))
+    cfg = load(list(overrides))
     total_layers = model_figures(cfg.model).num_layers
     pair = (
         slice_layers(cfg)
@@ -185,9 +185,9 @@ def plan_for(overrides: list[str], gpus: list[int] | None = None) -> dict:
     RAM: as tests/test_recipes.py plans a recipe) or the GPU given; without the ladder."""
     from qlora_recipes import planner
     from qlora_recipes.config import devices
-    from qlora_recipes.config.loader import compose
+    from qlora_recipes.config.loader import load
 
-    cfg = compose(list(overrides))
+    cfg = load(list(overrides))
     declared = devices.declared_gpus(cfg)[:1] if cfg.hardware.gpus > 0 else []
     return planner.plan(
         cfg, gpus=gpus or declared or None, host_ram=devices.declared_host_ram(cfg), world_size=1, ladder=False
@@ -197,9 +197,9 @@ def plan_for(overrides: list[str], gpus: list[int] | None = None) -> dict:
 def recipe_gpus(overrides: list[str]) -> list[int] | None:
     """The GPU a recipe's hardware node declares (one process: its first), else None."""
     from qlora_recipes.config import devices
-    from qlora_recipes.config.loader import compose
+    from qlora_recipes.config.loader import load
 
-    cfg = compose(list(overrides))
+    cfg = load(list(overrides))
     return devices.declared_gpus(cfg)[:1] or None if cfg.hardware.gpus > 0 else None
 
 

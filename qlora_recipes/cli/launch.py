@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..config.loader import compose
+from ..config.loader import load
 from .helptext import groups_help, quiet_when_the_reader_goes, readme_pointer, recipes_help
 from .runner import ArgumentParser, run_plain
 
@@ -52,7 +52,7 @@ def plan(recipe: str, overrides: list[str], check: bool) -> int:
     from .. import planner
     from ..config import devices
 
-    cfg = compose([f"recipe={recipe}", *overrides])
+    cfg = load([f"recipe={recipe}", *overrides])
     result = planner.plan(cfg, gpus=devices.declared_gpus(cfg), host_ram=devices.declared_host_ram(cfg))
     path = planner.write_plan(result, Path("runs") / "plans" / recipe)
     print(f"recipe {recipe}: planned for {devices.describe(cfg)}, {devices.ranks(cfg)} rank(s)")
@@ -69,7 +69,7 @@ def launch(recipe: str, overrides: list[str], dry_run: bool, cpu: bool = False) 
     from ..run import dist
     from ..run.validate import validate
 
-    cfg = compose([f"recipe={recipe}", *overrides])
+    cfg = load([f"recipe={recipe}", *overrides])
     gpus_here = [] if cpu else devices.detect_gpus()
     if not dry_run and not cpu:
         devices.check_hardware_here(cfg, recipe, gpus_here)

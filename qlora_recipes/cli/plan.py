@@ -14,7 +14,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from ..config.loader import register_schemas
+from ..config.loader import register_schemas, to_typed
+from ..config.schema import TrainConfig
 from ..errors import UserError
 from ..resources import CONF_DIR
 from . import runner
@@ -74,7 +75,7 @@ def parse_hardware_flags(argv: list[str]) -> dict:
     return out
 
 
-def hardware_to_plan(cfg: DictConfig) -> tuple[list[int] | None, int | None, str]:
+def hardware_to_plan(cfg: TrainConfig) -> tuple[list[int] | None, int | None, str]:
     """--gpus / --host-ram when given; else this machine's GPUs; else, on a machine without GPU,
     the recipe's hardware node when it names GPUs (what the recipe is sized for); else the CPU."""
     from ..config import devices
@@ -86,8 +87,7 @@ def hardware_to_plan(cfg: DictConfig) -> tuple[list[int] | None, int | None, str
     here = devices.detect_gpus()
     if here:
         return None, host_ram, f"this machine's {len(here)} GPU(s)"  # None: the planner detects them
-    hw = cfg.get("hardware")
-    if hw is not None and int(hw.get("gpus", 0) or 0) > 0:
+    if cfg.hardware.gpus > 0:
         return (
             devices.declared_gpus(cfg),
             host_ram or devices.declared_host_ram(cfg),
@@ -102,11 +102,15 @@ def main(cfg: DictConfig) -> None:
         plan_and_print(cfg)
 
 
-def plan_and_print(cfg: DictConfig) -> None:
+def plan_and_print(composed: DictConfig) -> None:
+    """Check the stack as `qlora train` does (config/checks.py), then plan it and print the plan."""
     from .. import planner
+    from ..config.checks import check_stack
 
     started = time.perf_counter()
     try:
+        cfg = to_typed(composed)
+        check_stack(cfg)
         gpus, host_ram, planned_for = hardware_to_plan(cfg)
         plan = planner.plan(cfg, gpus=gpus, host_ram=host_ram)  # one rank's share under FSDP / ZeRO-3
     except UserError as err:  # here, not in cli.run: Hydra would add its own "Error executing job" line

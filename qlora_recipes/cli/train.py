@@ -18,12 +18,16 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..config.loader import one_line
+from ..config.loader import one_line, to_typed
 from ..errors import UserError
 from ..invocation import command, set_command
 from . import runner
 from .helptext import quiet_when_the_reader_goes
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 log = logging.getLogger("train")
 USAGE = """usage: qlora train [GROUP=OPTION ...] [GROUP.KEY=VALUE ...]    (also: python train.py ...)
@@ -48,7 +52,7 @@ class _Launch:
     deferred_hydra_files = False
 
 
-def main(cfg) -> float | None:
+def main(cfg: DictConfig) -> float | None:
     """The Hydra task: check, then train; a user's mistake leaves as one line (runner.Stop)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -70,15 +74,13 @@ def main(cfg) -> float | None:
         raise runner.Stop(_interrupted(run_dir, fresh, hydra_cfg), 130) from None
 
 
-def _checked_train(cfg, run_dir: Path, hydra_cfg, multirun: bool) -> float | None:
+def _checked_train(composed: DictConfig, run_dir: Path, hydra_cfg, multirun: bool) -> float | None:
     from omegaconf.errors import OmegaConfBaseException
 
     from ..run.validate import check_config
 
-    try:
-        check_config(cfg)  # the config alone, before torch and the rest are imported (about a second)
-    except OmegaConfBaseException as err:
-        raise UserError(one_line(err)) from None
+    cfg = to_typed(composed)  # below here the typed config only
+    check_config(cfg)  # the config alone, before torch and the rest are imported (about a second)
     if cfg.dist.strategy in ("fsdp", "zero2", "zero3") and "LOCAL_RANK" not in os.environ:
         # transformers refuses later, after loading: "Using fsdp only works in distributed training"
         raise UserError(
@@ -88,7 +90,7 @@ def _checked_train(cfg, run_dir: Path, hydra_cfg, multirun: bool) -> float | Non
     from ..run.lifecycle import Preempted
     from ..run.training import train
 
-    on_write = None if multirun or not _Launch.deferred_hydra_files else (lambda: _save_hydra_files(run_dir, cfg))
+    on_write = None if multirun or not _Launch.deferred_hydra_files else (lambda: _save_hydra_files(run_dir, composed))
     try:
         result = train(cfg, run_dir, dict(hydra_cfg.runtime.choices), on_write=on_write)
     except Preempted as stop:
@@ -119,7 +121,7 @@ def _resume_command(hydra_cfg, run_dir: Path) -> str:
     return " ".join([command(), *map(shlex.quote, keep), "resume=auto", shlex.quote(f"hydra.run.dir={run_dir}")])
 
 
-def _save_hydra_files(run_dir: Path, cfg) -> None:
+def _save_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
     """What Hydra writes into `.hydra/` before a job (config, hydra, overrides), written once the
     run's input is checked."""
     from hydra.core.hydra_config import HydraConfig

@@ -16,10 +16,13 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from ..units import GiB, fmt_gib, parse_size
+
+if TYPE_CHECKING:
+    from .schema import TrainConfig
 
 # "auto" budgets (conf/offload/*.yaml): a share of each GPU's total memory and of host RAM.
 AUTO_GPU_FRACTION = 0.90
@@ -112,7 +115,7 @@ def hardware(gpus: list[int] | None = None, host: int | None = None) -> Hardware
     return Hardware(tuple(detect_gpus()), int(host) if host else host_ram(), declared=False)
 
 
-def declared_gpus(cfg: Any) -> list[int]:
+def declared_gpus(cfg: TrainConfig) -> list[int]:
     """The GPUs of one node of the recipe's `hardware` node (total bytes each); [] = CPU only."""
     hw = cfg.hardware
     if hw.gpus <= 0:
@@ -122,13 +125,13 @@ def declared_gpus(cfg: Any) -> list[int]:
     return [int(hw.gpu_memory_gib * GiB)] * int(hw.gpus)
 
 
-def declared_host_ram(cfg: Any) -> int | None:
+def declared_host_ram(cfg: TrainConfig) -> int | None:
     """Host RAM of one node in bytes, or None (the planner then uses this machine's)."""
     ram = cfg.hardware.host_ram_gib
     return int(ram) * GiB if ram else None
 
 
-def ranks(cfg: Any) -> int:
+def ranks(cfg: TrainConfig) -> int:
     """Ranks the recipe runs with: one per GPU on every node, or 1 for dist.strategy=none."""
     hw = cfg.hardware
     if cfg.dist.strategy == "none":
@@ -136,7 +139,7 @@ def ranks(cfg: Any) -> int:
     return max(1, hw.gpus) * max(1, hw.nodes)
 
 
-def describe(cfg: Any) -> str:
+def describe(cfg: TrainConfig) -> str:
     """The recipe's hardware node in words: 2 x 23.5 GiB GPUs (name)."""
     hw = cfg.hardware
     if hw.gpus <= 0:
@@ -145,7 +148,7 @@ def describe(cfg: Any) -> str:
     return f"{hw.gpus} x {hw.gpu_memory_gib:g} GiB GPU{'s' if hw.gpus > 1 else ''}{nodes} ({hw.name})"
 
 
-def check_hardware_here(cfg: Any, recipe: str, gpus_here: list[int] | None = None) -> None:
+def check_hardware_here(cfg: TrainConfig, recipe: str, gpus_here: list[int] | None = None) -> None:
     """UserError (one line, pointing to `make plan-<recipe>`) unless this node has the GPUs the
     recipe's hardware node asks for: at least that many, each with at least that much memory."""
     hw = cfg.hardware

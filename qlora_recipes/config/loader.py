@@ -1,16 +1,32 @@
 """The one way a config is made: Hydra composes conf/train.yaml with the overrides onto the typed
-schema (config/schema.py); composition errors become one UserError line."""
+schema (config/schema.py), `to_typed` turns the composed DictConfig into a `TrainConfig`, and `load`
+adds the config-only checks (config/checks.py). Every error is one UserError line.
 
+    compose(overrides) -> DictConfig      what Hydra composes (the command line's own object)
+    to_typed(cfg) -> TrainConfig          every `${...}` resolved, no unknown `+key`, plain lists/dicts
+    load(overrides) -> TrainConfig        compose + to_typed + check_stack
+    with_overrides(cfg, ["k=v"])          a changed copy of a typed config (the OOM ladder's rungs)
+    read_saved(path) -> TrainConfig       a run's config.yaml; keys it lacks take the schema's defaults
+"""
+
+from __future__ import annotations
+
+import dataclasses
 import re
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from ..errors import UserError
 from ..invocation import command
 from ..resources import shipped_path
-from ..units import cfg_get
+from .fields import is_section
 from .schema import TrainConfig
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 
 def register_schemas() -> None:
@@ -29,7 +45,7 @@ def if_data_path(path: str, value: Any, otherwise: Any = None, *, _parent_: Any)
     `data.path` starts from the generic defaults instead of inheriting them."""
     from pathlib import Path
 
-    current = cfg_get(_parent_, "path")
+    current = None if OmegaConf.is_missing(_parent_, "path") else _parent_.get("path")
     if current is None:
         return otherwise
     if str(current) == str(path):
@@ -39,7 +55,7 @@ def if_data_path(path: str, value: Any, otherwise: Any = None, *, _parent_: Any)
     return value if same else otherwise
 
 
-def compose(overrides: list[str]):
+def compose(overrides: list[str]) -> DictConfig:
     """The config `qlora train` would compose for these overrides, outside a Hydra run (launch,
     bench, tests). Hydra's composition errors become one UserError line."""
     from hydra import compose as hydra_compose
@@ -48,9 +64,7 @@ def compose(overrides: list[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from ..errors import UserError
     from ..resources import CONF_DIR
-    from .loader import one_line
 
     register_schemas()
     GlobalHydra.instance().clear()
@@ -59,6 +73,76 @@ def compose(overrides: list[str]):
             return hydra_compose(config_name="train", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as err:
         raise UserError(one_line(err)) from None
+
+
+def to_typed(cfg: DictConfig) -> TrainConfig:
+    """The composed config as a TrainConfig: every `${...}` resolves now (not when config.yaml is
+    written) and no `+key` was added that no field reads (it would be ignored silently)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+        extra = unknown_keys(cfg)
+        if extra:
+            raise UserError(
+                f"unknown key {extra[0]}: no stack reads it; check the spelling (`{command()} --cfg job` prints every key)"
+            )
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        raise UserError(one_line(err)) from None
+
+
+def load(overrides: list[str]) -> TrainConfig:
+    """The typed config `qlora train` would run for these overrides, through the config-only checks."""
+    from .checks import check_stack
+
+    cfg = to_typed(compose(overrides))
+    check_stack(cfg)
+    return cfg
+
+
+def with_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
+    """A copy of `cfg` with `key=value` overrides applied (the values parsed as on the command line,
+    typed by the schema); `cfg` itself is left as it was."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    node = OmegaConf.structured(cfg)
+    try:
+        node.merge_with_dotlist(list(overrides))
+        return OmegaConf.to_object(node)
+    except OmegaConfBaseException as err:
+        raise UserError(one_line(err)) from None
+
+
+def read_saved(path: Path, dropped: list[str] | None = None) -> TrainConfig:
+    """A saved run's config.yaml as a TrainConfig; a key it lacks (added to the schema after that run)
+    takes the schema's default. A key the schema no longer reads is an error, or, given a `dropped`
+    list, left out and named there. Raises OmegaConf's error or ValueError (yaml) when it does not fit."""
+    saved = OmegaConf.load(path)
+    if dropped is not None:
+        for key in unknown_keys(saved):
+            parent, _, last = key.rpartition(".")
+            node = OmegaConf.select(saved, parent) if parent else saved
+            node.pop(last)
+            dropped.append(key)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved))
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    """config.yaml's text for a typed config: the same keys, order and values as the composed one."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
+
+
+def unknown_keys(cfg: DictConfig, schema: type = TrainConfig, prefix: str = "") -> list[str]:
+    """Keys added with `+key=value` that no schema field reads."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    found = []
+    for key in cfg:
+        if key not in fields:
+            found.append(prefix + str(key))
+        elif is_section(fields[key]):
+            found += unknown_keys(cfg[key], fields[key].type, f"{prefix}{key}.")
+    return found
 
 
 def one_line(err: Exception) -> str:

@@ -3,167 +3,251 @@
 `conf/train.yaml` puts `train_schema` first in its defaults list, so every option file, recipe and
 command-line override is merged onto these dataclasses in struct mode: a misspelled key fails with
 a message that names it, and a value of the wrong type fails with the key and the expected type.
+
+Each field carries its facts in metadata (config/fields.py `option`): help, and where they apply
+the allowed choices, positivity, a range and resume-safety; config/checks.py and run/resume.py
+derive their checks from them. Keys with a fixed set of values stay plain strings with `choices`
+in metadata: OmegaConf 2.3 has no Literal, and Enum members would leak into config.yaml, plan.json
+and the error messages.
 """
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import MISSING
 
-from ..units import cfg_get
+from .fields import option
+
+# The value sets of keys with a fixed set of values: the one list each, for the checks and the planner.
+QUANT_METHODS = ("nf4", "fp4", "int8", "none")
+PEFT_METHODS = ("lora", "dora", "rslora")
+PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # TRL 1.16 SFTConfig.packing_strategy
+DATA_FORMATS = ("auto", "alpaca", "messages", "sharegpt", "prompt_completion", "text")
+STORAGE_DTYPES = ("uint8", "bfloat16", "float16", "float32")
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")  # short aliases (bf16, ...) accepted too
+PRECISIONS = ("bf16", "fp16", "fp32")
+# transformers `optim` strings the planner knows how to size (planner/constants) and transformers 5.23
+# accepts (OptimizerNames); tests/test_bad_input_catalog.py keeps the two in step.
+OPTIMIZERS = (
+    "paged_adamw_8bit",
+    "paged_adamw_32bit",
+    "adamw_bnb_8bit",
+    "adamw_8bit",
+    "adamw_torch",
+    "adamw_torch_fused",
+    "adafactor",
+    "sgd",
+)
+# transformers 5.23 SchedulerType (config/checks.py refuses the ones that need kwargs or an eval).
+SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "reduce_lr_on_plateau",
+    "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+    "greedy",
+)
+# transformers 5.23 attention implementations (ALL_ATTENTION_FUNCTIONS and eager), each also with the
+# old `paged|` prefix; `org/name` is a hub kernel, which only loading can check.
+ATTENTION = (
+    "eager",
+    "sdpa",
+    "flex_attention",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+    "paged|eager",
+)
+DIST_STRATEGIES = ("none", "ddp", "fsdp", "zero2", "zero3")
+DIST_LAUNCHERS = ("accelerate", "torchrun")
+FSDP_STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+FIGURE = "an architecture figure"  # the help of the figures a local config.json replaces
 
 
 @dataclass
 class ModelConfig:
-    # Where the weights are: a hub id or a local dir in the HF layout. Figures below describe the
-    # architecture so the planner can reason offline; a local config.json overrides them.
-    name_or_path: str = MISSING
-    hub_id: str | None = None
-    architecture: str = "llama"
-    hidden_size: int = MISSING
-    num_layers: int = MISSING
-    num_heads: int = MISSING
-    num_kv_heads: int = MISSING
-    intermediate_size: int = MISSING
-    vocab_size: int = MISSING
-    tie_embeddings: bool = False
-    head_dim: int | None = None
-    max_position_embeddings: int = 4096
-    trust_remote_code: bool = False
-    revision: str | None = None
-    attn_implementation: str = "sdpa"
-    lora_lr: float = 2e-4  # learning rate this model size wants (QLoRA paper, Table 9)
+    # Figures describe the architecture so the planner can reason offline; a local config.json overrides them.
+    name_or_path: str = option(MISSING, "where the weights are: a hub id or a local dir in the HF layout")
+    hub_id: str | None = option(None, "the hub id of a local copy (model cards, the hub check)")
+    architecture: str = option("llama", "the model family (llama, mistral, qwen2, gemma2, ...)")
+    hidden_size: int = option(MISSING, FIGURE, range=">= 1|null")
+    num_layers: int = option(MISSING, FIGURE, range=">= 1|null")
+    num_heads: int = option(MISSING, FIGURE, range=">= 1|null")
+    num_kv_heads: int = option(MISSING, FIGURE, range=">= 1|null")
+    intermediate_size: int = option(MISSING, FIGURE, range=">= 1|null")
+    vocab_size: int = option(MISSING, FIGURE, range=">= 1|null")
+    tie_embeddings: bool = option(False, "lm_head shares the embedding matrix")
+    head_dim: int | None = option(None, "null: hidden_size / num_heads", range=">= 1|null")
+    max_position_embeddings: int = option(4096, "the model's context length", range=">= 1")
+    trust_remote_code: bool = option(False, "run the model repo's own code (transformers trust_remote_code)")
+    revision: str | None = option(None, "a hub branch, tag or commit; null: main")
+    attn_implementation: str = option("sdpa", "transformers' attention implementation (or a hub kernel, org/name)")
+    # the learning rate this model size wants (QLoRA paper, Table 9)
+    lora_lr: float = option(2e-4, "the default learning rate of this model", range="> 0")
 
 
 @dataclass
 class DataConfig:
-    path: str = MISSING  # .jsonl/.json/.csv/.parquet file, a dataset dir, or a hub dataset name
-    format: str = "auto"  # auto | alpaca | messages | prompt_completion | text
-    split: str = "train"  # for hub datasets and dataset dirs
-    eval_path: str | None = None  # a separate eval file; otherwise eval_fraction of path
-    eval_fraction: float = 0.1
-    packing: bool = False
-    packing_strategy: str = "bfd"  # TRL's, with packing: bfd | bfd_split | wrapped (see padding_free_on)
-    padding_free: bool = False  # each micro-batch one flat row of real tokens, no pads (TRL padding_free)
-    completion_only_loss: bool = True  # loss on completions / assistant turns only
-    metric: str | None = None  # null: eval loss (and perplexity) only; exact_match: greedy generations vs references
-    metric_examples: int = 64  # eval rows used for the generation metric
-    max_new_tokens: int = 32
-    # Chat data (messages, ShareGPT, chat prompt/completion): null or "tokenizer" = the tokenizer's own
-    # template; a built-in name (data.chat.BUILTIN_TEMPLATES: chatml, llama3, gemma, mistral); or a .jinja file.
-    chat_template: str | None = None
-    too_long: str = "truncate"  # rows longer than trainer.seq_len: truncate (keep the first seq_len tokens) | drop
+    path: str = option(MISSING, ".jsonl/.json/.csv/.parquet file, a dataset dir, or a hub dataset name")
+    format: str = option("auto", "the rows' format; auto detects it", choices=DATA_FORMATS)
+    split: str = option("train", "the split of a hub dataset or dataset dir")
+    eval_path: str | None = option(None, "a separate eval file; otherwise eval_fraction of path")
+    eval_fraction: float = option(0.1, "the share of rows held out for eval", range="[0, 1)")
+    packing: bool = option(False, "pack several rows into each trainer.seq_len row")
+    # TRL's, with packing (see padding_free_on)
+    packing_strategy: str = option("bfd", "how rows are packed", choices=PACKING_STRATEGIES)
+    padding_free: bool = option(False, "each micro-batch one flat row of real tokens, no pads (TRL padding_free)")
+    completion_only_loss: bool = option(True, "loss on completions / assistant turns only")
+    metric: str | None = option(
+        None, "null: eval loss (and perplexity) only; exact_match: greedy generations vs references"
+    )
+    metric_examples: int = option(64, "eval rows the generation metric uses", range=">= 1", resume_safe=True)
+    max_new_tokens: int = option(32, "tokens generated per eval row for the metric", positive=True, resume_safe=True)
+    # null or "tokenizer" = the tokenizer's own template; a built-in name (data.chat.BUILTIN_TEMPLATES:
+    # chatml, llama3, gemma, mistral); or a .jinja file.
+    chat_template: str | None = option(None, "the chat template of chat data (messages, ShareGPT, chat prompts)")
+    too_long: str = option(
+        "truncate",
+        "rows longer than trainer.seq_len: truncate (keep the first seq_len tokens) | drop",
+        choices=("truncate", "drop"),
+    )
 
 
-# The options of keys with a fixed set of values; validate.py and the planner both check against these.
-QUANT_METHODS = ("nf4", "fp4", "int8", "none")
-PEFT_METHODS = ("lora", "dora", "rslora")
-PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # TRL 1.16 SFTConfig.packing_strategy
-
-
-def padding_free_on(data: Any) -> bool:
+def padding_free_on(data: "DataConfig | Mapping") -> bool:
     """Whether TRL trains padding-free: `padding_free`, or packing with a best-fit strategy, which
     TRL 1.16 makes padding-free regardless (SFTTrainer.__init__: `args.padding_free or (args.packing
-    and args.packing_strategy in {"bfd", "bfd_split"})`)."""
-    packing = bool(cfg_get(data, "packing", False))
-    best_fit = cfg_get(data, "packing_strategy", "bfd") in ("bfd", "bfd_split")
-    return bool(cfg_get(data, "padding_free", False)) or (packing and best_fit)
+    and args.packing_strategy in {"bfd", "bfd_split"})`). A plain dict is read as one too."""
+    node = data.get if isinstance(data, Mapping) else lambda key: getattr(data, key)
+    best_fit = node("packing_strategy") in ("bfd", "bfd_split")
+    return bool(node("padding_free")) or (bool(node("packing")) and best_fit)
 
 
 @dataclass
 class QuantConfig:
-    method: str = "nf4"  # nf4 | fp4 | int8 | none
-    double_quant: bool = True
-    compute_dtype: str = "${precision.dtype}"
-    storage_dtype: str = "uint8"  # bnb_4bit_quant_storage; set to the FSDP dtype under FSDP
-    int8_threshold: float = 6.0
-    skip_modules: list[str] = field(default_factory=list)
+    method: str = option("nf4", "how the base is quantized", choices=QUANT_METHODS)
+    double_quant: bool = option(True, "quantize the 4-bit absmax constants too (QLoRA's double quantization)")
+    compute_dtype: str = option("${precision.dtype}", "the dtype 4-bit matmuls compute in")
+    storage_dtype: str = option(
+        "uint8", "bnb_4bit_quant_storage; set to the FSDP dtype under FSDP", choices=STORAGE_DTYPES
+    )
+    int8_threshold: float = option(6.0, "LLM.int8's outlier threshold", range=">= 0")
+    skip_modules: list[str] = option(list, "modules left unquantized (llm_int8_skip_modules)")
 
 
 @dataclass
 class PeftConfig:
-    method: str = "lora"  # lora | dora | rslora
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.05
-    target_modules: Any = "all-linear"  # "all-linear" or a list of module names
-    modules_to_save: list[str] | None = None
+    method: str = option("lora", "the adapter kind", choices=PEFT_METHODS)
+    r: int = option(16, "the LoRA rank", positive=True, range=">= 1")
+    alpha: int = option(32, "the LoRA scaling numerator (scale alpha / r)", positive=True)
+    dropout: float = option(0.05, "the LoRA dropout probability", range="[0, 1)")
+    target_modules: Any = option("all-linear", '"all-linear", a list of module names or a regular expression')
+    modules_to_save: list[str] | None = option(None, "modules trained in full and saved with the adapter")
 
 
 @dataclass
 class OptimConfig:
-    name: str = "paged_adamw_8bit"  # the transformers `optim` string
-    lr: float = "${model.lora_lr}"  # type: ignore[assignment]  # per model size unless set
-    scheduler: str = "cosine"
-    warmup_ratio: float = 0.03  # a fraction of the total steps, in [0, 1)
-    warmup_steps: int = 0  # a number of warmup steps; when > 0 it is used instead of warmup_ratio
-    weight_decay: float = 0.0
-    max_grad_norm: float = 0.3
-    beta1: float = 0.9
-    beta2: float = 0.999
+    name: str = option(
+        "paged_adamw_8bit",
+        "the transformers `optim` string",
+        choices=OPTIMIZERS,
+        choices_hint="(or pick the group: optim=paged8bit|adamw8bit|paged32bit|adamw|adafactor)",
+    )
+    # per model size unless set
+    lr: float = option("${model.lora_lr}", "the learning rate", positive=True, range="> 0")
+    scheduler: str = option("cosine", "the learning-rate schedule (transformers' SchedulerType)", choices=SCHEDULERS)
+    warmup_ratio: float = option(0.03, "a fraction of the total steps", range="[0, 1)")
+    warmup_steps: int = option(0, "steps of warmup; 0: use optim.warmup_ratio", range=">= 0")
+    weight_decay: float = option(0.0, "the AdamW weight decay", range=">= 0")
+    max_grad_norm: float = option(0.3, "the gradient-norm clipping threshold", range="> 0")
+    beta1: float = option(0.9, "Adam's first-moment decay", range="[0, 1)")
+    beta2: float = option(0.999, "Adam's second-moment decay", range="[0, 1)")
 
 
 @dataclass
 class OffloadConfig:
-    # device_map null: everything on one device (this rank's GPU, or the CPU without one).
-    device_map: str | None = None
-    # Budgets passed to from_pretrained as max_memory. Key "gpu" means every visible GPU;
-    # "0", "1", ... name one GPU; "cpu" the host.
-    max_memory: dict[str, str] = field(default_factory=dict)
-    disk: bool = False  # let what overflows CPU RAM go to `folder` on disk
-    folder: str | None = None  # offload folder for layers placed on disk (relative: in the run dir)
+    device_map: str | None = option(
+        None,
+        "null: everything on one device (this rank's GPU, or the CPU without one); auto: accelerate places layers",
+        choices=(None, "auto"),
+    )
+    # Key "gpu" means every visible GPU; "0", "1", ... name one GPU; "cpu" the host.
+    max_memory: dict[str, str] = option(dict, "budgets passed to from_pretrained as max_memory")
+    disk: bool = option(False, "let what overflows CPU RAM go to `folder` on disk")
+    folder: str | None = option(None, "offload folder for layers placed on disk (relative: in the run dir)")
 
 
 @dataclass
 class PrecisionConfig:
-    name: str = "bf16"
-    dtype: str = "bfloat16"  # compute dtype and the dtype non-quantized weights load in
-    # A quantized base: true keeps prepare_model_for_kbit_training's fp32 copy of the frozen
-    # non-quantized params (embeddings, lm_head, norms); false keeps them in `dtype` (torchtune,
-    # unsloth). No effect with quant=none or precision=fp32: they are in `dtype` already.
-    upcast_frozen: bool = True
+    name: str = option("bf16", "the training precision", choices=PRECISIONS)
+    dtype: str = option("bfloat16", "compute dtype and the dtype non-quantized weights load in")
+    # No effect with quant=none or precision=fp32: they are in `dtype` already.
+    upcast_frozen: bool = option(
+        True,
+        "a quantized base: true keeps prepare_model_for_kbit_training's fp32 copy of the frozen non-quantized "
+        "params (embeddings, lm_head, norms); false keeps them in `dtype` (torchtune, unsloth)",
+    )
 
 
 @dataclass
 class TrainerConfig:
-    micro_batch_size: int = 4
-    grad_accum: int = 4
-    eval_batch_size: int = 16
-    seq_len: int = 2048
-    max_steps: int = -1  # -1: run `epochs` epochs
-    epochs: float = 1.0
-    gradient_checkpointing: bool = True
-    checkpointing_mode: str = "non_reentrant"  # non_reentrant | reentrant
-    activation_offloading: bool = False  # TRL: saved activations to pinned host RAM (CUDA only)
-    liger: bool = False  # Liger kernels through TRL/transformers' use_liger_kernel (Triton: CUDA only)
-    logging_steps: int = 10
-    eval_steps: int = 0  # 0: evaluate at the end only
-    save_steps: int = 0  # 0: save the adapter at the end only
-    save_total_limit: int = 2  # the newest K checkpoints, plus the best by eval loss
-    lm_eval_tasks: list[str] = field(default_factory=list)  # lm-eval-harness tasks run at the end, if installed
-    lm_eval_limit: int | None = None  # examples per lm-eval task (None: all)
-    memory_log_steps: int = 10  # memory.jsonl / TensorBoard memory scalars every N steps
-    progress_bar: bool = True
+    micro_batch_size: int = option(4, "rows per forward/backward", positive=True)
+    grad_accum: int = option(4, "micro-batches per optimizer step", positive=True)
+    eval_batch_size: int = option(16, "rows per eval forward", positive=True, resume_safe=True)
+    seq_len: int = option(2048, "tokens per row (longer rows: data.too_long)", positive=True)
+    # the total: on resume the LR schedule continues by continue_schedule's policy
+    max_steps: int = option(-1, "-1 or 0: run trainer.epochs epochs", range=">= -1", resume_safe=True)
+    epochs: float = option(
+        1.0, "passes over the data; used when trainer.max_steps is -1", range=">= 0", resume_safe=True
+    )
+    gradient_checkpointing: bool = option(True, "recompute activations in backward instead of keeping them")
+    checkpointing_mode: str = option(
+        "non_reentrant", "torch's checkpoint variant", choices=("non_reentrant", "reentrant")
+    )
+    # where activations wait for backward, not what is trained
+    activation_offloading: bool = option(
+        False, "TRL: saved activations to pinned host RAM (CUDA only)", resume_safe=True
+    )
+    liger: bool = option(False, "Liger kernels through TRL/transformers' use_liger_kernel (Triton: CUDA only)")
+    logging_steps: int = option(10, "steps between logged losses", positive=True, resume_safe=True)
+    eval_steps: int = option(0, "0: evaluate at the end only", range=">= 0", resume_safe=True)
+    save_steps: int = option(0, "0: save the adapter at the end only, no checkpoints", range=">= 0", resume_safe=True)
+    # plus the best by eval loss
+    save_total_limit: int = option(2, "the newest checkpoints kept", range=">= 0", resume_safe=True)
+    lm_eval_tasks: list[str] = option(list, "lm-eval-harness tasks run at the end, if installed")
+    lm_eval_limit: int | None = option(None, "examples per lm-eval task; null: all", range=">= 1|null")
+    memory_log_steps: int = option(
+        10, "steps between memory samples", range=">= 1", resume_safe=True
+    )  # memory.jsonl / TensorBoard memory scalars
+    progress_bar: bool = option(True, "show the trainer's progress bar", resume_safe=True)
 
 
 @dataclass
 class ResumeConfig:
-    auto: bool = False  # continue from the newest complete checkpoint of this run dir
-    checkpoint: str | None = None  # or from this checkpoint dir
-    allow_changes: bool = False  # resume even when stack-changing keys differ from the saved run
+    auto: bool = option(False, "continue from the newest complete checkpoint of this run dir")
+    checkpoint: str | None = option(None, "or from this checkpoint dir")
+    allow_changes: bool = option(False, "resume even when stack-changing keys differ from the saved run")
 
 
 @dataclass
 class HardwareConfig:
     # What a recipe is sized for, machine-readable: scripts/launch.py checks it before starting,
     # `make plan-<recipe>` and tests/test_recipes.py plan for it. gpus=0: any machine (CPU is fine).
-    name: str = "any machine"
-    gpus: int = 0  # GPUs per node
-    gpu_memory_gib: float | None = None  # usable memory of each GPU (torch's total_memory), GiB
-    nodes: int = 1
-    host_ram_gib: int | None = None  # host RAM the plan assumes (offload, FSDP loading); SLURM mem
-    bf16: bool = True  # False for pre-Ampere GPUs (T4, V100): precision must be fp16
-    timeout_min: int = 1440  # wall time a scheduler grants the job (hydra/launcher=slurm)
+    name: str = option("any machine", "what the hardware is called in messages")
+    gpus: int = option(0, "GPUs per node", range=">= 0")
+    gpu_memory_gib: float | None = option(None, "each GPU's memory in GiB", range="> 0|null")  # torch's total_memory
+    nodes: int = option(1, "nodes", range=">= 1")
+    # the plan assumes it for offload and FSDP loading; SLURM's mem
+    host_ram_gib: int | None = option(None, "host RAM in GiB", range="> 0|null")
+    bf16: bool = option(True, "False for pre-Ampere GPUs (T4, V100): precision must be fp16")
+    # wall time (hydra/launcher=slurm)
+    timeout_min: int = option(1440, "minutes a scheduler grants the job", range=">= 1")
 
 
 @dataclass
@@ -171,80 +255,90 @@ class DistConfig:
     # How ranks share the work (conf/dist): none = one process (or plain DDP under torchrun);
     # ddp = a full replica per GPU; fsdp = FSDP + QLoRA (sharded 4-bit storage);
     # zero2 / zero3 = DeepSpeed (needs `pip install deepspeed`, not in requirements.txt).
-    strategy: str = "none"
-    launcher: str = "accelerate"  # accelerate | torchrun: how scripts/launch.py starts the ranks
-    accelerate_config: str | None = None  # launch/accelerate/*.yaml for `accelerate launch`
-    deepspeed_config: str | None = None  # launch/deepspeed/*.json (zero2 / zero3)
-    offload_params: bool = False  # FSDP: parameter shards live in host RAM (fsdp_offload_params)
-    load_on_cpu: bool = False  # each rank loads + quantizes the base in host RAM, then shards to its GPU
-    cpu_ram_efficient_loading: bool = True  # fsdp_cpu_ram_efficient_loading
-    state_dict_type: str = "SHARDED_STATE_DICT"  # FSDP checkpoints (the adapter is gathered to save)
+    strategy: str = option("none", "how ranks share the work", choices=DIST_STRATEGIES)
+    launcher: str = option("accelerate", "how scripts/launch.py starts the ranks", choices=DIST_LAUNCHERS)
+    accelerate_config: str | None = option(None, "launch/accelerate/*.yaml for `accelerate launch`")
+    deepspeed_config: str | None = option(None, "launch/deepspeed/*.json (zero2 / zero3)")
+    offload_params: bool = option(False, "FSDP: parameter shards live in host RAM (fsdp_offload_params)")
+    load_on_cpu: bool = option(False, "each rank loads + quantizes the base in host RAM, then shards to its GPU")
+    cpu_ram_efficient_loading: bool = option(True, "fsdp_cpu_ram_efficient_loading")
+    state_dict_type: str = option(
+        "SHARDED_STATE_DICT", "FSDP checkpoints (the adapter is gathered to save)"
+    )  # checked against FSDP_STATE_DICT_TYPES with its own message (run/validate.py)
 
 
 @dataclass
 class TensorBoardLogger:
-    enabled: bool = False  # scalars (losses, memory) to tb/ in the run dir: `tensorboard --logdir runs`
+    enabled: bool = option(False, "scalars (losses, memory) to tb/ in the run dir: `tensorboard --logdir runs`")
 
 
 @dataclass
 class WandbLogger:
-    enabled: bool = False
-    # online | offline | disabled; null: wandb's own choice (WANDB_MODE, `wandb offline`, else online).
+    enabled: bool = option(False, "report to Weights & Biases")
     # Offline runs land in RUN/wandb/ (`wandb sync RUN/wandb/offline-run-*` uploads them later).
-    mode: str | None = None
-    entity: str | None = None  # team or user; null: the login's default
+    mode: str | None = option(
+        None, "online | offline | disabled; null: wandb's own choice (WANDB_MODE, `wandb offline`, else online)"
+    )
+    entity: str | None = option(None, "team or user; null: the login's default")
 
 
 @dataclass
 class MlflowLogger:
-    enabled: bool = False
-    # null: MLFLOW_TRACKING_URI when set, else a file store in the run dir (RUN/mlruns:
-    # `mlflow ui --backend-store-uri RUN/mlruns`)
-    tracking_uri: str | None = None
+    enabled: bool = option(False, "report to MLflow")
+    tracking_uri: str | None = option(
+        None,
+        "null: MLFLOW_TRACKING_URI when set, else a file store in the run dir "
+        "(RUN/mlruns: `mlflow ui --backend-store-uri RUN/mlruns`)",
+    )
 
 
 @dataclass
 class TrackioLogger:
-    enabled: bool = False  # local: trackio's own store (TRACKIO_DIR, else HF_HOME/trackio): `trackio show`
+    enabled: bool = option(False, "local: trackio's own store (TRACKIO_DIR, else HF_HOME/trackio): `trackio show`")
 
 
 @dataclass
 class LoggerConfig:
     # The `logger` group: one or several trackers at once (`logger=[tensorboard,wandb]`), each option
     # file switching its backend on. TensorBoard writes tb/ itself; the others are the trainer's report_to.
-    tensorboard: TensorBoardLogger = field(default_factory=TensorBoardLogger)
-    wandb: WandbLogger = field(default_factory=WandbLogger)
-    mlflow: MlflowLogger = field(default_factory=MlflowLogger)
-    trackio: TrackioLogger = field(default_factory=TrackioLogger)
-    project: str = "qlora-recipes"  # the W&B project, the MLflow experiment and the trackio project
-    run_name: str | None = None  # null: the run dir and its overrides, e.g. "2026-01-31/12-00-00 peft.r=8"
+    tensorboard: TensorBoardLogger = option(TensorBoardLogger, "TensorBoard scalars")
+    wandb: WandbLogger = option(WandbLogger, "Weights & Biases")
+    mlflow: MlflowLogger = option(MlflowLogger, "MLflow")
+    trackio: TrackioLogger = option(TrackioLogger, "trackio")
+    project: str = option("qlora-recipes", "the W&B project, the MLflow experiment and the trackio project")
+    run_name: str | None = option(None, 'null: the run dir and its overrides, e.g. "2026-01-31/12-00-00 peft.r=8"')
 
 
 @dataclass
 class HubConfig:
-    # Push the adapter (with its model card) to the Hugging Face Hub after training. The token comes
-    # from HF_TOKEN or `hf auth login`, never from the config: nothing secret is written anywhere.
-    push: bool = False
-    repo_id: str | None = None  # "user/name" or "org/name"; created when missing
-    private: bool | None = None  # null: the hub's default for a new repo (an existing repo keeps its own)
-    revision: str | None = None  # a branch to commit to (created from main when missing); null: main
+    # The token comes from HF_TOKEN or `hf auth login`, never from the config: nothing secret is written anywhere.
+    push: bool = option(False, "push the adapter (with its model card) to the Hugging Face Hub after training")
+    repo_id: str | None = option(None, '"user/name" or "org/name"; created when missing')
+    private: bool | None = option(None, "null: the hub's default for a new repo (an existing repo keeps its own)")
+    revision: str | None = option(None, "a branch to commit to (created from main when missing); null: main")
 
 
 @dataclass
 class TrainConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    quant: QuantConfig = field(default_factory=QuantConfig)
-    peft: PeftConfig = field(default_factory=PeftConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    resume: ResumeConfig = field(default_factory=ResumeConfig)
-    hardware: HardwareConfig = field(default_factory=HardwareConfig)
-    dist: DistConfig = field(default_factory=DistConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    hub: HubConfig = field(default_factory=HubConfig)
-    seed: int = 0
-    force: bool = False  # start even when the memory plan says the stack does not fit
-    cache_dir: str = "${oc.env:QLORA_RECIPES_CACHE,${oc.env:HOME}/.cache/qlora-recipes}"
+    model: ModelConfig = option(ModelConfig, "the base model and its architecture figures")
+    data: DataConfig = option(DataConfig, "the training (and eval) data")
+    quant: QuantConfig = option(QuantConfig, "how the base is quantized")
+    peft: PeftConfig = option(PeftConfig, "the adapter")
+    optim: OptimConfig = option(OptimConfig, "the optimizer and learning-rate schedule")
+    offload: OffloadConfig = option(OffloadConfig, "where layers go when the GPU is too small", resume_safe=True)
+    precision: PrecisionConfig = option(PrecisionConfig, "the compute dtype")
+    trainer: TrainerConfig = option(TrainerConfig, "batch, length, steps, checkpointing, logging")
+    resume: ResumeConfig = option(ResumeConfig, "continuing a run", resume_safe=True)
+    hardware: HardwareConfig = option(HardwareConfig, "what a recipe is sized for")
+    dist: DistConfig = option(DistConfig, "how ranks share the work")
+    # where metrics are reported, not what is trained
+    logger: LoggerConfig = option(LoggerConfig, "the trackers", resume_safe=True)
+    # whether the finished adapter is pushed
+    hub: HubConfig = option(HubConfig, "pushing the adapter to the Hugging Face Hub", resume_safe=True)
+    seed: int = option(0, "the random seed (numpy takes 0 .. 2**32 - 1)", range="[0, 4294967296)")
+    force: bool = option(False, "start even when the memory plan says the stack does not fit", resume_safe=True)
+    cache_dir: str = option(
+        "${oc.env:QLORA_RECIPES_CACHE,${oc.env:HOME}/.cache/qlora-recipes}",
+        "where tokenized data is cached",
+        resume_safe=True,
+    )

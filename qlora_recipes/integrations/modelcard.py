@@ -47,7 +47,7 @@ def _local(path: str) -> Path | None:
 
 def base_model(model) -> tuple[str | None, str]:
     """(the base's hub id or None, how the card names it)."""
-    if model.get("hub_id"):
+    if model.hub_id:
         return str(model.hub_id), f"[`{model.hub_id}`](https://huggingface.co/{model.hub_id})"
     name = str(model.name_or_path)
     local = _local(name)
@@ -221,7 +221,7 @@ def _body(cfg, kind, name, base_id, base_text, data_text, metrics, choices, run_
         "",
         "## Base model",
         "",
-        base_text + (f", revision `{cfg.model.revision}`" if cfg.model.get("revision") else ""),
+        base_text + (f", revision `{cfg.model.revision}`" if cfg.model.revision else ""),
         "",
         "## Training data",
         "",

@@ -13,6 +13,7 @@ import json
 import logging
 from pathlib import Path
 
+from ..config.schema import TrainConfig
 from ..errors import UserError
 from .prompts import PromptFormat, load_prompt_format, recorded_prompt_format
 
@@ -69,23 +70,22 @@ def resolve_dir(path: str | Path, allow_merged: bool) -> tuple[str, Path]:
     raise UserError(f"{raw}: not a run dir (no config.yaml and adapter/){merged}; {usage}")
 
 
-def load_run_config(run_dir: Path):
+def load_run_config(run_dir: Path) -> TrainConfig:
     """The run's fully resolved config.yaml, typed by the schema."""
-    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from ..config.schema import TrainConfig
+    from ..config.loader import read_saved
 
     path = run_dir / "config.yaml"
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path))
+        cfg = read_saved(path)
     except (OmegaConfBaseException, ValueError) as err:  # yaml errors are ValueErrors too
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"{path}: not a config this version of train.py wrote ({first}); re-run training") from None
     return cfg
 
 
-def run_prompt_style(run_dir: Path, cfg) -> str:
+def run_prompt_style(run_dir: Path, cfg: TrainConfig) -> str:
     """How the run's prompts were rendered: "chat" (messages / conversational prompt_completion),
     "alpaca" (instruction rows wrapped in the Alpaca template) or "plain"."""
     fmt, conversational = cfg.data.format, False
@@ -104,7 +104,7 @@ def run_prompt_style(run_dir: Path, cfg) -> str:
     return "plain"
 
 
-def run_prompt_format(run_dir: Path, cfg, style: str) -> PromptFormat:
+def run_prompt_format(run_dir: Path, cfg: TrainConfig, style: str) -> PromptFormat:
     """How a plain prompt is wrapped for this run (`style`: the run's, or one --chat / --no-chat forced):
     the prompt format its metrics.json recorded; for a run dir from before that record, the one its data
     (config.yaml's data group) gives when read again; else the style alone."""
@@ -127,7 +127,7 @@ def run_prompt_format(run_dir: Path, cfg, style: str) -> PromptFormat:
     return load_prompt_format(run_dir, style, recorded)
 
 
-def run_tokenizer(cfg, run_dir: Path):
+def run_tokenizer(cfg: TrainConfig, run_dir: Path):
     """The tokenizer saved with the adapter (the one training used), else the base's."""
     from transformers import AutoTokenizer
 
@@ -161,7 +161,7 @@ def _same_base(a: str, b: str) -> bool:
     return pa.name.lower() == pb.name.lower()
 
 
-def check_adapter_base(cfg, run_dir: Path) -> dict:
+def check_adapter_base(cfg: TrainConfig, run_dir: Path) -> dict:
     """The adapter must have been trained on the base the run's config loads (by name)."""
     adapter_cfg = adapter_config(run_dir / "adapter")
     if adapter_cfg.get("peft_type", "LORA") != "LORA":
@@ -217,7 +217,7 @@ def check_adapter_shapes(model, run_dir: Path, adapter_cfg: dict) -> None:
             )
 
 
-def load_stack(cfg, run_dir: Path, adapter_cfg: dict | None = None):
+def load_stack(cfg: TrainConfig, run_dir: Path, adapter_cfg: dict | None = None):
     """The stack the run trained and evaluated: its (quantized) base via `loading.load_model`, plus
     the saved adapter, in eval mode."""
     adapter_cfg = adapter_cfg if adapter_cfg is not None else check_adapter_base(cfg, run_dir)

@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 from transformers import TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 from trl import SFTTrainer
 
+from ..config.loader import with_overrides
+from ..config.schema import TrainConfig
 from ..errors import UserError
 from ..integrations import cluster
 from .checkpoints import RECORD, STAGING, disk_full, find_checkpoint, fsync_dir, sync_file, trainer_state
@@ -253,7 +254,7 @@ class PreemptionCallback(TrainerCallback):
 class OomRecord:
     attempts: list = field(default_factory=list)
 
-    def write(self, run_dir: Path, cfg: DictConfig) -> None:
+    def write(self, run_dir: Path, cfg: TrainConfig) -> None:
         t = cfg.trainer
         fit = {
             "trainer.micro_batch_size": t.micro_batch_size,
@@ -263,22 +264,21 @@ class OomRecord:
         (run_dir / "oom.json").write_text(json.dumps({"attempts": self.attempts, "fit": fit}, indent=2) + "\n")
 
 
-def next_in_process_rung(cfg: DictConfig) -> tuple[DictConfig, str] | None:
+def next_in_process_rung(cfg: TrainConfig) -> tuple[TrainConfig, str] | None:
     """Halve the micro-batch (doubling accumulation keeps the effective batch), else turn on
-    gradient checkpointing; None when neither is left."""
-    cfg = cfg.copy()
+    gradient checkpointing; None when neither is left. Returns the changed copy and its overrides."""
     t = cfg.trainer
     if t.micro_batch_size > 1:
-        t.micro_batch_size, t.grad_accum = t.micro_batch_size // 2, t.grad_accum * 2
-        return cfg, f"trainer.micro_batch_size={t.micro_batch_size} trainer.grad_accum={t.grad_accum}"
-    if not t.gradient_checkpointing:
-        t.gradient_checkpointing = True
-        return cfg, "trainer.gradient_checkpointing=true"
-    return None
+        applied = f"trainer.micro_batch_size={t.micro_batch_size // 2} trainer.grad_accum={t.grad_accum * 2}"
+    elif not t.gradient_checkpointing:
+        applied = "trainer.gradient_checkpointing=true"
+    else:
+        return None
+    return with_overrides(cfg, applied.split()), applied
 
 
 def train_with_oom_ladder(
-    cfg: DictConfig, model, make_trainer, run_dir: Path, resume_from: str | None, relaunch_rungs: list[str]
+    cfg: TrainConfig, model, make_trainer, run_dir: Path, resume_from: str | None, relaunch_rungs: list[str]
 ):
     """Run make_trainer(cfg).train(); on out-of-memory apply the next in-process rung and go on
     from the newest checkpoint; with none yet, from the start: every trainable tensor (adapters and

@@ -4,6 +4,7 @@ the data check, and the fallback past an incomplete or corrupt newest checkpoint
 resume compares it.
 """
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -11,8 +12,9 @@ import math
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
+from ..config.fields import resume_safe_prefixes
+from ..config.loader import read_saved
+from ..config.schema import DataConfig, TrainConfig
 from ..errors import UserError
 from .checkpoints import CHECKPOINT, checkpoint_problem, newest_sound, read_record
 from .schedule import lr_factors, schedule_end
@@ -20,27 +22,9 @@ from .schedule import lr_factors, schedule_end
 log = logging.getLogger(__name__)
 CONTENT_HASH_LIMIT = 4 << 30  # data up to this size is fingerprinted by content, larger by size + mtime
 
-# Keys that may differ between a run and its resumption without changing what is trained.
-RESUME_SAFE_PREFIXES = (
-    "resume.",
-    "force",
-    "cache_dir",
-    "trainer.max_steps",  # the total: the LR schedule continues by continue_schedule's policy
-    "trainer.epochs",
-    "trainer.logging_steps",
-    "trainer.eval_steps",
-    "trainer.save_steps",
-    "trainer.save_total_limit",
-    "trainer.memory_log_steps",
-    "trainer.progress_bar",
-    "trainer.eval_batch_size",
-    "trainer.activation_offloading",  # where activations wait for backward, not what is trained
-    "data.metric_examples",
-    "data.max_new_tokens",
-    "offload.",
-    "logger.",  # where metrics are reported, not what is trained
-    "hub.",  # whether the finished adapter is pushed
-)
+# Keys that may differ between a run and its resumption without changing what is trained: the fields
+# marked resume_safe in config/schema.py ("group." for a whole group).
+RESUME_SAFE_PREFIXES = resume_safe_prefixes(TrainConfig)
 
 
 class AlreadyComplete(Exception):
@@ -61,14 +45,14 @@ def _flatten(node, prefix="") -> dict:
     return {prefix[:-1]: node}
 
 
-def stack_changes(saved: DictConfig, current: DictConfig) -> list[str]:
+def stack_changes(saved: TrainConfig, current: TrainConfig, dropped: list[str] = ()) -> list[str]:
     """Keys whose change alters what is trained (micro-batch/accumulation may trade off when the
-    effective batch is kept: the data position stays exact). A key the saved config lacks (added to the
-    schema after that run) counts as its schema default, which is what the older code did."""
-    a = _flatten(OmegaConf.to_container(saved, resolve=True))
-    b = _flatten(OmegaConf.to_container(current, resolve=True))
-    defaults = _schema_defaults()
-    a.update({k: defaults[k] for k in b.keys() - a.keys() if k in defaults})
+    effective batch is kept: the data position stays exact). A key the saved config lacked (added to
+    the schema after that run) reads as its schema default, as the older code did; `dropped` are keys
+    the saved config had and this schema no longer reads."""
+    a = _flatten(dataclasses.asdict(saved))
+    b = _flatten(dataclasses.asdict(current))
+    a.update(dict.fromkeys(dropped, _GONE))
     changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not k.startswith(RESUME_SAFE_PREFIXES)]
     if "data.format" in changed and b.get("data.format") == "auto" and _detected_format(current) == a["data.format"]:
         changed.remove("data.format")  # an older run saved the format it detected; auto detects it again
@@ -79,13 +63,10 @@ def stack_changes(saved: DictConfig, current: DictConfig) -> list[str]:
     return [k for k in changed if not (k in batch_keys and same_effective)]
 
 
-def _schema_defaults() -> dict:
-    from ..config.schema import TrainConfig
-
-    return _flatten(OmegaConf.to_container(OmegaConf.structured(TrainConfig), resolve=False))
+_GONE = object()  # the value of a saved key that the current schema no longer has
 
 
-def _detected_format(cfg: DictConfig) -> str | None:
+def _detected_format(cfg: TrainConfig) -> str | None:
     """The format `data.format=auto` detects in the training data now; None when it cannot be read."""
     from ..data.formats import detect
     from ..data.readers import read_source
@@ -97,10 +78,12 @@ def _detected_format(cfg: DictConfig) -> str | None:
         return None
 
 
-def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
+def resume_checkpoint(cfg: TrainConfig, run_dir: Path) -> str | None:
     """The checkpoint to resume from (None: start fresh), after checking it belongs to this stack
     and this data. resume=auto on a finished run with no more steps asked for raises
     AlreadyComplete; an incomplete or corrupt newest checkpoint is skipped, saying so in one line."""
+    from omegaconf.errors import OmegaConfBaseException
+
     r = cfg.resume
     if not r.auto and not r.checkpoint:
         return None
@@ -126,8 +109,13 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
     saved = owner / "config.yaml"
     if not saved.is_file():
         raise UserError(f"resume: {owner} has no config.yaml, so it is not a run dir of this repository")
-    saved_cfg = OmegaConf.load(saved)
-    changed = stack_changes(saved_cfg, cfg)
+    dropped: list[str] = []
+    try:
+        saved_cfg = read_saved(saved, dropped)
+    except (OmegaConfBaseException, ValueError) as err:  # yaml errors are ValueErrors too
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"resume: {saved} is not a config this version of train.py can read ({first})") from None
+    changed = stack_changes(saved_cfg, cfg, dropped)
     if changed and not r.allow_changes:
         raise UserError(
             f"resume: this stack differs from the one that wrote {checkpoint or owner} in {', '.join(changed)}; "
@@ -153,7 +141,7 @@ def _finished_run(run_dir: Path) -> dict | None:
     return metrics if metrics.get("status") == "ok" else None
 
 
-def _target_steps(cfg: DictConfig, record: dict, saved_cfg: DictConfig | None, done: int) -> int | None:
+def _target_steps(cfg: TrainConfig, record: dict, saved_cfg: TrainConfig | None, done: int) -> int | None:
     """The total this config asks for, in optimizer steps; None: more than `done`, by an amount only
     the data loader knows (trainer.epochs raised with no checkpoint to say how long an epoch is)."""
     t = cfg.trainer
@@ -166,7 +154,9 @@ def _target_steps(cfg: DictConfig, record: dict, saved_cfg: DictConfig | None, d
     return None
 
 
-def _unless_complete(cfg: DictConfig, run_dir: Path, checkpoint: Path | None, record: dict, saved_cfg) -> None:
+def _unless_complete(
+    cfg: TrainConfig, run_dir: Path, checkpoint: Path | None, record: dict, saved_cfg: TrainConfig
+) -> None:
     """A finished run (adapter/ and metrics.json, no checkpoint past it) resumed without more steps
     is complete: raise AlreadyComplete. With more steps it continues from its last checkpoint."""
     done = _finished_run(run_dir)
@@ -189,7 +179,7 @@ def _unless_complete(cfg: DictConfig, run_dir: Path, checkpoint: Path | None, re
         )
 
 
-def _check_data(cfg: DictConfig, checkpoint: Path, record: dict) -> None:
+def _check_data(cfg: TrainConfig, checkpoint: Path, record: dict) -> None:
     """The training data must be the bytes the checkpoint was trained on: its saved data position
     would otherwise point into other examples. resume.allow_changes=true accepts new data."""
     saved = record.get("data") or {}
@@ -222,7 +212,7 @@ def _check_data(cfg: DictConfig, checkpoint: Path, record: dict) -> None:
     )
 
 
-def _check_schedule_goes_on(cfg: DictConfig, checkpoint: Path, record: dict) -> None:
+def _check_schedule_goes_on(cfg: TrainConfig, checkpoint: Path, record: dict) -> None:
     """More steps after the schedule has ended run at its final LR (continue_schedule); where that
     is 0 (cosine, linear) they cannot change the adapter, and the run says so in one line."""
     schedule, step = record.get("schedule"), record.get("step")
@@ -247,7 +237,7 @@ def _check_schedule_goes_on(cfg: DictConfig, checkpoint: Path, record: dict) -> 
 _FINGERPRINTS: dict = {}
 
 
-def data_fingerprint(data_cfg) -> dict:
+def data_fingerprint(data_cfg: DataConfig) -> dict:
     """What the training data (`data.path`) is: for a local file or dir, its files' count, bytes
     and a sha256 over their names and contents (over names, sizes and mtimes above
     CONTENT_HASH_LIMIT); for a hub dataset, its name only (not checked)."""

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from .. import data, planner
+from ..config.loader import to_yaml as config_yaml
+from ..config.schema import TrainConfig
 from ..console import next_commands, print_stack, print_summary, shown_path
 from ..data.readers import check_local_source
 from ..errors import UserError
@@ -48,11 +48,11 @@ class _Fitted:
 
     trainer: Any
     result: Any
-    cfg: DictConfig
+    cfg: TrainConfig
     seconds: float
 
 
-def train(cfg: DictConfig, run_dir: Path, choices: dict | None = None, on_write=None) -> dict:
+def train(cfg: TrainConfig, run_dir: Path, choices: dict | None = None, on_write=None) -> dict:
     """Run one stack end to end; returns the metrics also written to run_dir/metrics.json.
     `on_write()` runs where the run dir is first written (the caller's own files, e.g. Hydra's).
 
@@ -70,7 +70,7 @@ def train(cfg: DictConfig, run_dir: Path, choices: dict | None = None, on_write=
         tracker.stop()
 
 
-def _train(cfg: DictConfig, run_dir: Path, choices: dict | None, tracker: PeakTracker, on_write=None) -> dict:
+def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakTracker, on_write=None) -> dict:
     from transformers import set_seed
 
     started = time.time()
@@ -124,7 +124,7 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict | None, tracker: PeakTr
     return out
 
 
-def _check_and_plan(cfg: DictConfig, run_dir: Path, choices: dict | None, gpu: bool, on_write=None) -> tuple:
+def _check_and_plan(cfg: TrainConfig, run_dir: Path, choices: dict | None, gpu: bool, on_write=None) -> tuple:
     """Everything that can refuse a run from its config and model dir, before anything is loaded or
     written; a plan that does not fit is written (config.yaml, plan.json with its ladder), then refused."""
     validate(cfg, gpu_available=gpu)
@@ -143,7 +143,7 @@ def _check_and_plan(cfg: DictConfig, run_dir: Path, choices: dict | None, gpu: b
     return plan, resume_from
 
 
-def _write_run_files(cfg: DictConfig, run_dir: Path, choices: dict | None, plan: dict, on_write=None) -> None:
+def _write_run_files(cfg: TrainConfig, run_dir: Path, choices: dict | None, plan: dict, on_write=None) -> None:
     """config.yaml and plan.json (and the caller's files), all or none: Ctrl-C waits for the group."""
     if not _main_rank():
         return
@@ -151,7 +151,7 @@ def _write_run_files(cfg: DictConfig, run_dir: Path, choices: dict | None, plan:
     print_stack(cfg, choices)
     with sigint_deferred():
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        (run_dir / "config.yaml").write_text(config_yaml(cfg))
         planner.write_plan(plan, run_dir)
         if on_write is not None:
             on_write()
@@ -163,7 +163,7 @@ def _tensorboard(run_dir: Path):
     return SummaryWriter(log_dir=str(run_dir / "tb")) if _main_rank() else None
 
 
-def _fit(cfg, run_dir, model, tokenizer, splits, data_format, plan, resume_from, watch) -> _Fitted:
+def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan, resume_from, watch) -> _Fitted:
     """Train under the guards; a preemption writes its metrics and raises lifecycle.Preempted.
     `watch`: the TensorBoard writer (or None) and the run's PeakTracker, for the memory timeline."""
     from transformers.integrations import TensorBoardCallback
@@ -176,7 +176,7 @@ def _fit(cfg, run_dir, model, tokenizer, splits, data_format, plan, resume_from,
     planned = (planned_peak_gib(plan, gpu), tracker.quantity)  # memory.png's line to compare with
     preemption = lifecycle.PreemptionCallback()
 
-    def make_trainer(c: DictConfig):
+    def make_trainer(c: TrainConfig):
         tb_callback = TensorBoardCallback(tb_writer=tb)
         tb_callback.logging_dir = str(run_dir / "tb")  # where it reopens after train() closes it
         tb_callbacks = [tb_callback] if "tensorboard" in trackers.enabled(c) else []  # logger=none: no tb/
@@ -211,7 +211,7 @@ def _fit(cfg, run_dir, model, tokenizer, splits, data_format, plan, resume_from,
     return _Fitted(trainer, result, fit_cfg, time.time() - started)
 
 
-def _exact_match(cfg, model, tokenizer, pairs) -> float | None:
+def _exact_match(cfg: TrainConfig, model, tokenizer, pairs) -> float | None:
     """The task metric: prompts cut to seq_len tokens, at most max_new_tokens generated, batches no
     larger than an eval batch (eval_batch_size x seq_len positions): the bound the memory plan
     counts (planner/loss.py)."""
@@ -226,7 +226,7 @@ def _exact_match(cfg, model, tokenizer, pairs) -> float | None:
     )
 
 
-def _scores(cfg, model, tokenizer, pairs, eval_loss, em_before) -> dict:
+def _scores(cfg: TrainConfig, model, tokenizer, pairs, eval_loss, em_before) -> dict:
     """Eval loss, perplexity, the task metric before and after, and lm-eval tasks when asked for."""
     t = cfg.trainer
     lm_eval = (

@@ -1,0 +1,188 @@
+"""The checks a typed config passes on its own: no devices, no files, no packages (run/validate.py adds
+those). `check_stack(cfg)` is what `qlora train` and `qlora plan` both run; each failure is one
+UserError line.
+
+The tables come from the schema's field metadata (config/fields.py): CHOICES, POSITIVE, RANGES.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import UserError
+from ..units import PRECISION_DTYPE, dtype_name
+from .fields import keys, range_ok, values
+from .schema import ATTENTION, COMPUTE_DTYPES, TrainConfig
+
+CHOICES = {key: f.metadata["choices"] for key, f in keys(TrainConfig) if "choices" in f.metadata}
+POSITIVE = tuple(key for key, f in keys(TrainConfig) if f.metadata.get("positive"))
+# Every other numeric key: its range and, for the message, what it means (the field's help).
+RANGES = {key: (f.metadata["range"], f.metadata["help"]) for key, f in keys(TrainConfig) if "range" in f.metadata}
+
+# The three in SCHEDULER_KWARGS need lr_scheduler_kwargs this repository does not pass, the two in
+# SCHEDULER_EVAL an eval strategy (TrainingArguments checks).
+SCHEDULER_KWARGS = {
+    "cosine_with_min_lr": "min_lr",
+    "cosine_warmup_with_min_lr": "min_lr",
+    "warmup_stable_decay": "num_decay_steps",
+}
+SCHEDULER_EVAL = ("reduce_lr_on_plateau", "greedy")
+
+
+def check_stack(cfg: TrainConfig) -> None:
+    """Every check that needs only the typed config, in the order `qlora train` has always run them."""
+    for key, f, value in values(cfg):
+        allowed = f.metadata.get("choices")
+        if allowed is not None and value not in allowed:
+            names = ", ".join(str(a) for a in allowed)
+            hint = f" {f.metadata['choices_hint']}" if "choices_hint" in f.metadata else ""
+            raise UserError(f"{key}={value} is not an option; choose one of: {names}{hint}")
+    for key, f, value in values(cfg):
+        if f.metadata.get("positive") and (value is None or value <= 0):
+            raise UserError(f"{key}={value} must be positive")
+    t = cfg.trainer
+    if t.max_steps <= 0 and t.epochs <= 0:
+        raise UserError("trainer.max_steps and trainer.epochs are both <= 0: set one of them")
+    if not 0 <= cfg.peft.dropout < 1:
+        raise UserError(f"peft.dropout={cfg.peft.dropout} must be in [0, 1)")
+    if not 0 <= cfg.data.eval_fraction < 1:
+        raise UserError(f"data.eval_fraction={cfg.data.eval_fraction} must be in [0, 1)")
+    if cfg.data.metric not in (None, "exact_match"):
+        raise UserError(f"data.metric={cfg.data.metric} is not a metric; use exact_match, or null for eval loss only")
+    check_ranges(cfg)
+    _check_values(cfg)
+    _check_combinations(cfg)
+    check_precision(cfg)
+    _check_placement(cfg)
+    check_hardware(cfg)
+
+
+def check_ranges(cfg: TrainConfig) -> None:
+    """Each numeric key with a `range` in its metadata, within it."""
+    for key, f, value in values(cfg):
+        rule = f.metadata.get("range")
+        if rule is None or range_ok(value, rule):
+            continue
+        bound, _, nullable = rule.partition("|")
+        want = f"in {bound}" if bound.startswith("[") else bound
+        hint = ""
+        if key == "optim.warmup_ratio" and isinstance(value, (int, float)) and value >= 1:
+            hint = f"; for {int(value)} warmup steps set optim.warmup_steps={int(value)} instead"
+        elif key == "optim.max_grad_norm":
+            hint = "; a large value such as 1e9 turns clipping off"
+        meaning = f.metadata["help"]
+        raise UserError(f"{key}={value} must be {want}{' or null' if nullable else ''} ({meaning}){hint}")
+
+
+def check_precision(cfg: TrainConfig) -> None:
+    p = cfg.precision
+    if PRECISION_DTYPE[p.name] != p.dtype:
+        raise UserError(
+            f"precision.dtype={p.dtype} contradicts precision={p.name}; pick precision=bf16|fp16|fp32 instead"
+        )
+
+
+def _check_placement(cfg: TrainConfig) -> None:
+    """Offload settings and method pairs that cannot work whatever the machine."""
+    o = cfg.offload
+    if o.device_map == "auto" and not o.max_memory:
+        raise UserError("offload.device_map=auto without offload.max_memory: use offload=cpu or set budgets")
+    if o.disk and not o.folder:
+        raise UserError(
+            "offload=disk needs an offload folder: set offload.folder=PATH (relative paths land in the run dir)"
+        )
+    if o.disk and o.device_map != "auto":
+        raise UserError("offload=disk needs offload.device_map=auto so accelerate can place layers on disk")
+    if cfg.peft.method == "dora" and cfg.quant.method == "int8":
+        # peft's DoRA weight norm needs the dequantized base; with LLM.int8 layers bitsandbytes
+        # 0.50 fails in MatMul8bitFp (seen on CPU): a traceback after minutes of loading.
+        raise UserError(
+            "peft=dora does not work over quant=int8 (bitsandbytes 8-bit matmul fails); use quant=nf4 or peft=lora"
+        )
+    if cfg.quant.method == "none" and cfg.quant.storage_dtype != "uint8":
+        raise UserError("quant.storage_dtype only applies to 4-bit quantization; drop it or use quant=nf4")
+
+
+def check_hardware(cfg: TrainConfig) -> None:
+    """The `hardware` node a recipe declares, and the precision it allows."""
+    hw = cfg.hardware
+    if hw.gpus < 0 or hw.nodes < 1 or hw.timeout_min <= 0:
+        raise UserError(
+            f"hardware: gpus={hw.gpus}, nodes={hw.nodes}, timeout_min={hw.timeout_min}; "
+            "need gpus >= 0 (per node), nodes >= 1, timeout_min > 0"
+        )
+    if hw.gpus > 0 and not (hw.gpu_memory_gib and hw.gpu_memory_gib > 0):
+        raise UserError(f"hardware.gpus={hw.gpus} needs hardware.gpu_memory_gib (each GPU's memory in GiB, e.g. 79)")
+    if hw.host_ram_gib is not None and hw.host_ram_gib <= 0:
+        raise UserError(f"hardware.host_ram_gib={hw.host_ram_gib} must be positive (GiB) or null")
+    if not hw.bf16 and cfg.precision.name == "bf16":
+        raise UserError(
+            f"precision=bf16 but hardware {hw.name!r} has no bfloat16 (pre-Ampere, e.g. T4, V100): use precision=fp16"
+        )
+
+
+def _check_values(cfg: TrainConfig) -> None:
+    """String keys whose valid values are not a plain list: the libraries' own sets where they decide."""
+    o, attn = cfg.optim, str(cfg.model.attn_implementation)
+    if o.scheduler in SCHEDULER_KWARGS:
+        raise UserError(
+            f"optim.scheduler={o.scheduler} needs lr_scheduler_kwargs ({SCHEDULER_KWARGS[o.scheduler]}), which this "
+            "repository does not pass; use optim.scheduler=cosine (or linear, constant_with_warmup, ...)"
+        )
+    compute = cfg.quant.compute_dtype
+    if dtype_name(compute) not in COMPUTE_DTYPES:
+        raise UserError(f"quant.compute_dtype={compute} is not an option; choose one of: {', '.join(COMPUTE_DTYPES)}")
+    if attn.removeprefix("paged|") not in ATTENTION and "/" not in attn:  # transformers strips paged|
+        raise UserError(
+            f"model.attn_implementation={attn} is not an option; choose one of: {', '.join(ATTENTION)} "
+            "(or a hub kernel, org/name)"
+        )
+    check_target_modules(cfg.peft.target_modules, cfg.peft.modules_to_save)
+
+
+def check_target_modules(targets, to_save) -> None:
+    """peft.target_modules: all-linear, a regular expression or a list of names; modules_to_save: names."""
+    example = "'peft.target_modules=[q_proj,v_proj]'"
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            return
+        if not targets.strip():
+            raise UserError(f"peft.target_modules is empty; use peft.target_modules=all-linear or a list, {example}")
+        try:
+            re.compile(targets)
+        except re.error as err:
+            raise UserError(
+                f"peft.target_modules={targets!r} is not a valid regular expression ({err}); "
+                f"use all-linear or a list, {example}"
+            ) from None
+        return
+    if not (isinstance(targets, list) and targets and all(isinstance(t, str) and t.strip() for t in targets)):
+        raise UserError(
+            f"peft.target_modules={'null' if targets is None else repr(targets)} is not a module list; "
+            "use peft.target_modules=all-linear, a list of "
+            f"module names ({example}) or a regular expression over full module names"
+        )
+    if to_save is not None and not all(isinstance(t, str) and t.strip() for t in to_save):
+        raise UserError(f"peft.modules_to_save={to_save!r}: give module names, e.g. 'peft.modules_to_save=[lm_head]'")
+
+
+def _check_combinations(cfg: TrainConfig) -> None:
+    t, d, scheduler = cfg.trainer, cfg.data, cfg.optim.scheduler
+    if t.save_steps > 0 and t.save_total_limit == 0:
+        raise UserError(
+            f"trainer.save_total_limit=0 with trainer.save_steps={t.save_steps}: transformers reads 0 as keep every "
+            "checkpoint; keep the newest N with trainer.save_total_limit=N (N >= 1), or trainer.save_steps=0"
+        )
+    has_eval = d.eval_path not in (None, "") or d.eval_fraction > 0
+    if scheduler in SCHEDULER_EVAL and (t.eval_steps <= 0 or not has_eval):
+        raise UserError(
+            f"optim.scheduler={scheduler} steps on the eval loss: set trainer.eval_steps=N (N >= 1) and keep an "
+            "eval split (data.eval_fraction > 0 or data.eval_path)"
+        )
+    if t.eval_steps > 0 and not has_eval:
+        # the trainer would skip every evaluation without a word (hf_configs.sft_config turns it off)
+        raise UserError(
+            f"trainer.eval_steps={t.eval_steps} but the run has no eval split (data.eval_path is null and "
+            "data.eval_fraction=0): hold out rows with data.eval_fraction=0.1 or set data.eval_path=FILE, or set "
+            "trainer.eval_steps=0 to train without evaluation"
+        )

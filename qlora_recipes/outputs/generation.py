@@ -26,7 +26,16 @@ from typing import Any
 
 from ..errors import UserError
 from .prompts import Prompt, PromptFormat, load_prompt_format, render
-from .rundir import MERGE_REPORT, check_adapter_base, load_run_config, load_stack, resolve_dir, run_prompt_format, run_prompt_style, run_tokenizer
+from .rundir import (
+    MERGE_REPORT,
+    check_adapter_base,
+    load_run_config,
+    load_stack,
+    resolve_dir,
+    run_prompt_format,
+    run_prompt_style,
+    run_tokenizer,
+)
 
 log = logging.getLogger(__name__)
 

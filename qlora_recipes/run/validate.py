@@ -179,7 +179,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_ranges(cfg)
     _check_choices(cfg)
     _check_combinations(cfg)
-    check_trackers(cfg)  # the logger group: each tracker's package importable, its options valid
+    check_trackers(cfg.logger)  # the logger group: each tracker's package importable, its options valid
     check_model_dir(cfg.model)
 
 

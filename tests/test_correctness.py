@@ -65,8 +65,10 @@ def test_skip_modules_keep_the_output_head_unquantized(small, tmp_path):
     import bitsandbytes as bnb
 
     cfg = compose_cfg(*BASE, *small, "quant.skip_modules=[down_proj]", "trainer.max_steps=2", "trainer.save_steps=0")
-    assert {"down_proj", "lm_head"} <= set(hf_configs.bnb_config(cfg).llm_int8_skip_modules)
-    assert hf_configs.bnb_config(compose_cfg(*BASE, *small)).llm_int8_skip_modules is None  # transformers' default
+    skipped = hf_configs.bnb_config(cfg.quant, cfg.offload, cfg.model).llm_int8_skip_modules
+    assert {"down_proj", "lm_head"} <= set(skipped)
+    default = compose_cfg(*BASE, *small)
+    assert hf_configs.bnb_config(default.quant, default.offload, default.model).llm_int8_skip_modules is None
     model = loading.load_model(cfg, tmp_path)
     assert type(model.lm_head) is torch.nn.Linear
     mlp = model.model.layers[0].mlp

@@ -113,7 +113,7 @@ def test_fsdp_recipe_passes_the_same_fsdp_settings_as_the_accelerate_config(offl
         if key.startswith("FSDP_"):
             monkeypatch.setenv(key, value)
     from_launcher = FullyShardedDataParallelPlugin()
-    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[], **dist.strategy_kwargs(cfg))
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[], **dist.strategy_kwargs(cfg.dist))
     from_trainer = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
     for attr in ("fsdp_version", "reshard_after_forward", "state_dict_type", "cpu_ram_efficient_loading",
                  "activation_checkpointing"):  # fmt: skip
@@ -125,10 +125,10 @@ def test_fsdp_recipe_passes_the_same_fsdp_settings_as_the_accelerate_config(offl
 
 
 def test_sft_kwargs_per_strategy():
-    assert dist.strategy_kwargs(compose_cfg(), world_size=1) == {}
-    assert dist.strategy_kwargs(compose_cfg(), world_size=2) == {"ddp_find_unused_parameters": False}
-    assert dist.strategy_kwargs(compose_cfg("dist=ddp"), world_size=2) == {"ddp_find_unused_parameters": False}
-    zero3 = dist.strategy_kwargs(compose_cfg("dist=zero3"))
+    assert dist.strategy_kwargs(compose_cfg().dist, world_size=1) == {}
+    assert dist.strategy_kwargs(compose_cfg().dist, world_size=2) == {"ddp_find_unused_parameters": False}
+    assert dist.strategy_kwargs(compose_cfg("dist=ddp").dist, world_size=2) == {"ddp_find_unused_parameters": False}
+    zero3 = dist.strategy_kwargs(compose_cfg("dist=zero3").dist)
     assert zero3 == {"deepspeed": str(REPO / "launch/deepspeed/zero3_offload.json")}
 
 

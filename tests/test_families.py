@@ -87,7 +87,7 @@ def test_family_trains_on_cpu_under_the_default_command(models, data_file, tmp_p
     cfg = compose_cfg(
         f"model={option}", f"model.name_or_path={models[arch]}", f"data.path={data_file}", "trainer=smoke"
     )
-    assert loading.attention_for(cfg) == ATTENTION[arch]
+    assert loading.attention_for(cfg.model) == ATTENTION[arch]
     with caplog.at_level("INFO"):
         out = train(cfg, tmp_path / "run")
     assert out["status"] == "ok" and out["steps"] == 3
@@ -104,9 +104,9 @@ def test_sdpa_default_on_a_family_without_sdpa_becomes_eager(models, caplog):
     cfg = compose_cfg(f"model.name_or_path={models['gemma2']}")
     assert cfg.model.attn_implementation == "sdpa"
     with caplog.at_level("INFO", logger="qlora_recipes.model.loading"):
-        assert loading.attention_for(cfg) == "eager"
+        assert loading.attention_for(cfg.model) == "eager"
     assert "attention: eager for Gemma2ForCausalLM" in caplog.text
-    assert loading.attention_for(compose_cfg(f"model.name_or_path={models['llama']}")) == "sdpa"
+    assert loading.attention_for(compose_cfg(f"model.name_or_path={models['llama']}").model) == "sdpa"
 
 
 @pytest.mark.parametrize("attn", ["flash_attention_2", "no_such_attention"])

@@ -275,7 +275,7 @@ def test_qlora_push_of_a_run_with_the_hub_out_of_reach_is_one_line(trained):
 PUSH_RECORDING = """
 import json, sys
 from types import SimpleNamespace
-from qlora_recipes import hub
+from qlora_recipes.integrations import hub
 from qlora_recipes.cli import push
 
 quiet = hub.quiet_but_upload_progress

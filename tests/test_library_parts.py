@@ -164,6 +164,7 @@ def anon():  # anonymous memory (Python objects, Arrow buffers); mapped Arrow pa
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
+from qlora_recipes.config.schema import DataConfig
 from qlora_recipes.data import load_splits
 from qlora_recipes.run.memory import reset_rss_high_water_mark, rss_bytes, rss_high_water_mark
 
@@ -178,7 +179,7 @@ base, base_anon = rss_bytes(), anon()
 reset_rss_high_water_mark()
 sampler = threading.Thread(target=sample)
 sampler.start()
-train, eval_ds, stats = load_splits({"path": sys.argv[1], "eval_fraction": 0.01}, None, 64, 0)
+train, eval_ds, stats = load_splits(DataConfig(path=sys.argv[1], eval_fraction=0.01), None, 64, 0)
 done.set()
 sampler.join()
 print(json.dumps({"anon": peak[0] - base_anon, "rss": rss_high_water_mark() - base, "train": len(train),

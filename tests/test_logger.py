@@ -56,8 +56,8 @@ def _train(*args: str, env: dict | None = None, hide: str | None = None) -> subp
 )
 def test_logger_options_choose_the_backends_and_report_to(overrides, wanted):
     cfg = compose_cfg(*overrides)
-    assert trackers.enabled(cfg) == wanted
-    assert trackers.report_to(cfg) == [b for b in wanted if b != "tensorboard"]  # TensorBoard is attached by us
+    assert trackers.enabled(cfg.logger) == wanted
+    assert trackers.report_to(cfg.logger) == [b for b in wanted if b != "tensorboard"]  # TensorBoard is attached by us
 
 
 def test_run_name_is_the_run_dir_and_the_overrides_that_shape_the_stack(tmp_path):
@@ -67,21 +67,21 @@ def test_run_name_is_the_run_dir_and_the_overrides_that_shape_the_stack(tmp_path
         "- peft.r=8\n- logger=[tensorboard,wandb]\n- hydra.run.dir=/somewhere\n- optim=adamw8bit\n- resume=auto\n"
     )
     cfg = compose_cfg()
-    assert trackers.run_name(cfg, run_dir) == "2026-01-31/12-00-00 peft.r=8,optim=adamw8bit"
-    assert trackers.run_name(compose_cfg("logger.run_name=mine"), run_dir) == "mine"
-    assert trackers.run_name(cfg, tmp_path / "plain") == f"{tmp_path.name}/plain"  # no overrides recorded
+    assert trackers.run_name(cfg.logger, run_dir) == "2026-01-31/12-00-00 peft.r=8,optim=adamw8bit"
+    assert trackers.run_name(compose_cfg("logger.run_name=mine").logger, run_dir) == "mine"
+    assert trackers.run_name(cfg.logger, tmp_path / "plain") == f"{tmp_path.name}/plain"  # no overrides recorded
 
 
 def test_a_missing_tracker_package_is_one_line_naming_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # what find_spec reports for a package that is not there
     with pytest.raises(UserError, match=r"logger=wandb needs wandb, which is not installed: pip install wandb"):
-        trackers.check(compose_cfg("logger=[tensorboard,wandb]"))
-    trackers.check(compose_cfg("logger=tensorboard"))  # TensorBoard ships with requirements.txt
+        trackers.check(compose_cfg("logger=[tensorboard,wandb]").logger)
+    trackers.check(compose_cfg("logger=tensorboard").logger)  # TensorBoard ships with requirements.txt
 
 
 def test_a_bad_wandb_mode_is_refused():
     with pytest.raises(UserError, match="logger.wandb.mode=sometimes is not an option"):
-        trackers.check(compose_cfg("logger.wandb.mode=sometimes"))
+        trackers.check(compose_cfg("logger.wandb.mode=sometimes").logger)
 
 
 def test_missing_package_stops_the_command_before_anything_is_written(tmp_path):
@@ -111,23 +111,23 @@ def no_wandb_login(monkeypatch, tmp_path):
 def test_wandb_online_without_a_login_is_refused_up_front(no_wandb_login, monkeypatch):
     cfg = compose_cfg("logger=[tensorboard,wandb]")
     with pytest.raises(UserError, match=r"no W&B login here .*`wandb login`.*WANDB_MODE=offline") as err:
-        trackers.check(cfg)
+        trackers.check(cfg.logger)
     assert "\n" not in str(err.value) and "https://wandb.example.test" in str(err.value)
-    trackers.check(compose_cfg("logger=[tensorboard,wandb]", "logger.wandb.mode=offline"))
-    trackers.check(compose_cfg("logger=[tensorboard,wandb]", "logger.wandb.mode=disabled"))
-    trackers.check(compose_cfg("logger=tensorboard"))  # no W&B, no question
+    trackers.check(compose_cfg("logger=[tensorboard,wandb]", "logger.wandb.mode=offline").logger)
+    trackers.check(compose_cfg("logger=[tensorboard,wandb]", "logger.wandb.mode=disabled").logger)
+    trackers.check(compose_cfg("logger=tensorboard").logger)  # no W&B, no question
     monkeypatch.setenv("WANDB_MODE", "offline")
-    trackers.check(cfg)
+    trackers.check(cfg.logger)
     monkeypatch.delenv("WANDB_MODE")
     no_wandb_login.write_text(f"machine wandb.example.test\n  login user\n  password {'k' * 40}\n")  # `wandb login`
-    trackers.check(cfg)
+    trackers.check(cfg.logger)
     no_wandb_login.unlink()
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
-    trackers.check(cfg)
+    trackers.check(cfg.logger)
     monkeypatch.delenv("WANDB_API_KEY")
     monkeypatch.setenv("WANDB_MODE", "offline")
     with pytest.raises(UserError, match="no W&B login here"):  # logger.wandb.mode=online wins over WANDB_MODE
-        trackers.check(compose_cfg("logger=[tensorboard,wandb]", "logger.wandb.mode=online"))
+        trackers.check(compose_cfg("logger=[tensorboard,wandb]", "logger.wandb.mode=online").logger)
 
 
 @needs("wandb")
@@ -224,10 +224,10 @@ def test_a_resumed_run_goes_on_in_the_same_tracker_runs(tmp_path):
     cfg = compose_cfg("logger=[wandb,mlflow]", "logger.wandb.mode=offline")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    trackers.start(cfg, run_dir).close(failed=True)  # e.g. preempted
+    trackers.start(cfg.logger, run_dir).close(failed=True)  # e.g. preempted
     ids = json.loads((run_dir / "trackers.json").read_text())
     assert set(ids) == {"wandb", "mlflow"}  # run ids only (a tracking URI may hold credentials)
-    trackers.start(cfg, run_dir).close()  # resume=auto in the same run dir
+    trackers.start(cfg.logger, run_dir).close()  # resume=auto in the same run dir
     assert json.loads((run_dir / "trackers.json").read_text()) == ids
     assert len(_mlflow_runs(run_dir / "mlflow.db")) == 1
     assert {p.name.rsplit("-", 1)[-1] for p in (run_dir / "wandb").glob("offline-run-*")} == {ids["wandb"]}

@@ -127,7 +127,7 @@ def test_a_paged_optimizer_on_cpu_is_one_line_of_ours_and_no_library_warning(cap
     with warnings.catch_warnings(record=True) as caught:  # restores the filters afterwards
         warnings.simplefilter("always")
         with caplog.at_level(logging.INFO, logger="train"):
-            trainer_args.note_optimizer_fallback(cfg, on_gpu=False)
+            trainer_args.note_optimizer_fallback(cfg.optim, on_gpu=False)
         bnb.optim.PagedAdamW8bit([param], lr=1e-3).step()
         other = [str(w.message) for w in caught]
     assert not any("Paged optimizers" in m for m in other)

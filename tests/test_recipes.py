@@ -119,7 +119,7 @@ def test_fsdp_recipes_shard_and_match_the_storage_dtype():
     for name in ("llama3.1-70b-2x24gb", "llama3.1-405b-8xa100"):
         cfg = compose_cfg(f"recipe={name}")
         assert cfg.dist.strategy == "fsdp" and cfg.quant.storage_dtype == cfg.precision.dtype == "bfloat16"
-        kwargs = dist.strategy_kwargs(cfg)
+        kwargs = dist.strategy_kwargs(cfg.dist)
         assert kwargs["fsdp"] is True and kwargs["fsdp_config"]["version"] == 2
         assert kwargs["fsdp_config"]["cpu_offload"] is bool(cfg.dist.offload_params)
     two = compose_cfg("recipe=llama3.1-70b-2x24gb")

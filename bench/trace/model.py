@@ -110,7 +110,7 @@ def meta_base(cfg: Any, layers: int | None = None, device_map: dict | None = Non
 
     dtype = torch_dtype(cfg.precision.dtype)
     config = hf_config(cfg, layers)
-    qconf = bnb_config(cfg)
+    qconf = bnb_config(cfg.quant, cfg.offload, cfg.model)
     if qconf is not None and qconf.load_in_8bit:
         raise NotImplementedError("quant=int8 is not traced (LLM.int8 keeps outlier columns chosen from the data)")
     with torch.device("meta"):

@@ -18,8 +18,8 @@ import json
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from ..config.schema import DataConfig
 from ..errors import UserError
-from ..units import cfg_get
 from .readers import Rows
 
 if TYPE_CHECKING:
@@ -309,7 +309,7 @@ def convert_row(rows: Rows, i: Any, row: Any, fmt: str, conversational: bool) ->
     return {"prompt": _string(rows, i, row, "prompt"), "completion": _string(rows, i, row, "completion")}
 
 
-def format_kwargs(data_cfg: Any, fmt: str) -> dict:
+def format_kwargs(data: DataConfig, fmt: str) -> dict:
     """The SFTConfig fields (TRL 1.16 names) this data needs. The caller sets max_length=trainer.seq_len.
 
     prompt/completion and alpaca: `completion_only_loss` (loss on the completion only, the prompt's
@@ -319,11 +319,11 @@ def format_kwargs(data_cfg: Any, fmt: str) -> dict:
     `padding_free` says; validate.py refuses the combinations TRL or the attention cannot run).
     """
     fmt = trains_as(check_format_name(fmt, allow_auto=False))
-    only = bool(cfg_get(data_cfg, "completion_only_loss", True))
+    only = bool(data.completion_only_loss)
     kwargs: dict[str, Any] = {
-        "packing": bool(cfg_get(data_cfg, "packing", False)),
-        "packing_strategy": str(cfg_get(data_cfg, "packing_strategy", "bfd")),
-        "padding_free": bool(cfg_get(data_cfg, "padding_free", False)),
+        "packing": bool(data.packing),
+        "packing_strategy": str(data.packing_strategy),
+        "padding_free": bool(data.padding_free),
         "dataset_text_field": "text",
         "completion_only_loss": None,
         "assistant_only_loss": False,

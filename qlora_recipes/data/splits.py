@@ -19,8 +19,8 @@ from typing import Any
 
 from datasets import Dataset
 
+from ..config.schema import DataConfig
 from ..errors import UserError
-from ..units import cfg_get
 from .chat import resolve_template, use_chat_template
 from .formats import check_format_name, convert, detect, trains_as
 from .readers import BATCH_ROWS, read_source
@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 TOO_LONG = ("truncate", "drop")
 
 
-def load_splits(data_cfg: Any, tokenizer: Any, seq_len: int, seed: int) -> tuple[Dataset, Dataset | None, dict]:
-    """Load `data_cfg.path` (and `data_cfg.eval_path`), validate every row and return
+def load_splits(data: DataConfig, tokenizer: Any, seq_len: int, seed: int) -> tuple[Dataset, Dataset | None, dict]:
+    """Load `data.path` (and `data.eval_path`), validate every row and return
     `(train, eval_or_None, stats)`.
 
     The datasets have the columns TRL's SFTTrainer reads: `prompt`+`completion` (alpaca and
@@ -54,15 +54,15 @@ def load_splits(data_cfg: Any, tokenizer: Any, seq_len: int, seed: int) -> tuple
     figures are None when `tokenizer` is None.
     """
     quiet_datasets()  # before the first read: datasets' bars would drown ours and the trainer's
-    configured = check_format_name(cfg_get(data_cfg, "format", "auto"))
-    split = cfg_get(data_cfg, "split", "train") or "train"
-    eval_path = cfg_get(data_cfg, "eval_path")
-    eval_fraction = _eval_fraction(cfg_get(data_cfg, "eval_fraction", 0.0))
-    too_long = _too_long(cfg_get(data_cfg, "too_long", "truncate"))
+    configured = check_format_name(data.format)
+    split = data.split or "train"
+    eval_path = data.eval_path
+    eval_fraction = _eval_fraction(data.eval_fraction)
+    too_long = _too_long(data.too_long)
     if not isinstance(seq_len, int) or seq_len < 1:
         raise UserError(f"trainer.seq_len: {seq_len!r} must be a positive number of tokens")
 
-    detected, train, conversational, source = _load(cfg_get(data_cfg, "path"), split, "data.path", configured)
+    detected, train, conversational, source = _load(data.path, split, "data.path", configured)
     fmt = trains_as(detected)
     eval_ds = None
     eval_source = None
@@ -90,17 +90,17 @@ def load_splits(data_cfg: Any, tokenizer: Any, seq_len: int, seed: int) -> tuple
         "dropped_too_long": None,
         "max_tokens": None,
         "chat_template": None,
-        "metric": _metric_name(cfg_get(data_cfg, "metric"), eval_ds is not None),
+        "metric": _metric_name(data.metric, eval_ds is not None),
         "prompt_format": None,
     }
-    option = cfg_get(data_cfg, "chat_template")
+    option = data.chat_template
     if tokenizer is not None:
         if chat:
             stats["chat_template"] = use_chat_template(tokenizer, option, source)
         elif resolve_template(option)[0] is not None:
             log.info("data.chat_template is set but %s holds %s rows, not chat: it is not used", source, detected)
         splits = {"train": train} if eval_ds is None else {"train": train, "eval": eval_ds}
-        kept = _add_token_stats(stats, splits, conversational, tokenizer, data_cfg)
+        kept = _add_token_stats(stats, splits, conversational, tokenizer, data)
         train, eval_ds = kept["train"], kept.get("eval")
         stats["rows"] = {"train": len(train), "eval": len(eval_ds) if eval_ds is not None else 0}
     stats["prompt_format"] = prompt_format(train, fmt, conversational)
@@ -260,14 +260,14 @@ def common_affixes(prompts: Iterable[str] | Iterable[list[str]]) -> tuple[str, s
 
 
 def _add_token_stats(
-    stats: dict[str, Any], splits: dict[str, Dataset], conversational: bool, tokenizer: Any, data_cfg: Any
+    stats: dict[str, Any], splits: dict[str, Dataset], conversational: bool, tokenizer: Any, data: DataConfig
 ) -> dict[str, Dataset]:
     """Tokenize each split for TRL, fill the token figures of `stats`, drop the rows over seq_len under
     `too_long=drop`, and say in the log what TRL will truncate and drop; a UserError when a split would keep
     no trained token at all. Returns the splits as training gets them."""
     fmt, seq_len, too_long = stats["format"], stats["seq_len"], stats["too_long"]
-    packing = bool(cfg_get(data_cfg, "packing", False))
-    how = tokenization_for(tokenizer, fmt, conversational, data_cfg, stats["source"])
+    packing = bool(data.packing)
+    how = tokenization_for(tokenizer, fmt, conversational, data, stats["source"])
     tokenized, counts = {}, {}
     for k, ds in splits.items():
         ds = tokenize_split(ds, tokenizer, how, k, _where(stats, k))

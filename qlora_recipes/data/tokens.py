@@ -18,6 +18,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+from ..config.schema import DataConfig
 from ..console import library_bars_on
 from ..errors import UserError
 from .chat import chat_template_for
@@ -42,8 +43,8 @@ class Tokenization:
     assistant_only: bool
 
 
-def tokenization_for(tokenizer: Any, fmt: str, conversational: bool, data_cfg: Any, where: str) -> Tokenization:
-    flags = format_kwargs(data_cfg, fmt)
+def tokenization_for(tokenizer: Any, fmt: str, conversational: bool, data: DataConfig, where: str) -> Tokenization:
+    flags = format_kwargs(data, fmt)
     assistant_only = bool(flags["assistant_only_loss"])
     template = chat_template_for(tokenizer, fmt, conversational, assistant_only, where)
     return Tokenization(fmt, conversational, template, bool(flags["completion_only_loss"]), assistant_only)

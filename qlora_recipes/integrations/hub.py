@@ -21,9 +21,9 @@ import os
 import re
 from pathlib import Path
 
+from ..config.schema import TrainConfig
 from ..console import library_bars_on
 from ..errors import UserError
-from ..units import cfg_get
 
 log = logging.getLogger("train")
 
@@ -152,21 +152,19 @@ def portable_adapter_config(adapter_dir: Path, base_id: str | None) -> dict[str,
     return {"adapter_config.json": (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()}
 
 
-def publish_adapter(cfg, run_dir: Path) -> None:
+def publish_adapter(cfg: TrainConfig, run_dir: Path) -> None:
     """The adapter's model card (adapter/README.md), and with hub.push=true the adapter dir in one commit."""
     from . import modelcard
 
-    if not cfg_get(cfg, "hub.push", False):
+    if not cfg.hub.push:
         modelcard.write_card(modelcard.run_card(Path(run_dir), "adapter"), Path(run_dir) / "adapter")
         return
-    url = push_adapter(
-        cfg, run_dir, cfg_get(cfg, "hub.repo_id"), cfg_get(cfg, "hub.private"), cfg_get(cfg, "hub.revision")
-    )
+    url = push_adapter(cfg, run_dir, cfg.hub.repo_id, cfg.hub.private, cfg.hub.revision)
     log.info("hub: pushed the adapter to %s", url)
     print(f"pushed the adapter to {url}", flush=True)
 
 
-def push_adapter(cfg, run_dir: Path, repo_id: str, private: bool | None, revision: str | None) -> str:
+def push_adapter(cfg: TrainConfig, run_dir: Path, repo_id: str, private: bool | None, revision: str | None) -> str:
     """The run's adapter dir, its card naming `repo_id`, in one commit; the commit's URL."""
     from . import modelcard
 

@@ -19,6 +19,7 @@ import re
 import shlex
 from pathlib import Path
 
+from ..config.schema import DataConfig, ModelConfig, TrainConfig
 from ..resources import ROOT
 from .trackers import run_overrides, stack_overrides
 
@@ -45,7 +46,7 @@ def _local(path: str) -> Path | None:
     return candidate if candidate.exists() else None
 
 
-def base_model(model) -> tuple[str | None, str]:
+def base_model(model: ModelConfig) -> tuple[str | None, str]:
     """(the base's hub id or None, how the card names it)."""
     if model.hub_id:
         return str(model.hub_id), f"[`{model.hub_id}`](https://huggingface.co/{model.hub_id})"
@@ -66,7 +67,7 @@ def base_model(model) -> tuple[str | None, str]:
     return None, f"a local model dir `{shown}` (not on the hub; `model.hub_id=ORG/NAME` names its hub id)"
 
 
-def dataset(data) -> tuple[str | None, str]:
+def dataset(data: DataConfig) -> tuple[str | None, str]:
     """(the training data's hub dataset id or None, how the card names it)."""
     path = str(data.path)
     if _local(path) is None and HUB_ID.match(path):
@@ -78,7 +79,7 @@ def dataset(data) -> tuple[str | None, str]:
     )
 
 
-def _stack(cfg, choices: dict) -> list[str]:
+def _stack(cfg: TrainConfig, choices: dict) -> list[str]:
     """The groups' options and the keys that shape the result, as markdown lines."""
     t, o, p, q = cfg.trainer, cfg.optim, cfg.peft, cfg.quant
     targets = p.target_modules if isinstance(p.target_modules, str) else ", ".join(map(str, p.target_modules))
@@ -207,7 +208,7 @@ def run_card(run_dir: Path, kind: str = "adapter", repo_id: str | None = None, m
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n{body}\n")
 
 
-def _body(cfg, kind, name, base_id, base_text, data_text, metrics, choices, run_dir, merge) -> str:
+def _body(cfg: TrainConfig, kind, name, base_id, base_text, data_text, metrics, choices, run_dir, merge) -> str:
     method = METHOD_NAMES.get(cfg.peft.method, cfg.peft.method)
     what = (
         f"A {method} adapter" if kind == "adapter" else f"A standalone model: a {method} adapter merged into its base,"

@@ -1,11 +1,11 @@
 """Experiment trackers (the `logger` group): which backends a run reports to, the run's name, and the
 tracker runs opened around training.
 
-    check(cfg)                 a backend's package missing, a bad option, W&B online without a login:
+    check(logger)              a backend's package missing, a bad option, W&B online without a login:
                                one UserError line, before anything is written (imports wandb only for that)
-    report_to(cfg)             the trainer's report_to: wandb, mlflow, trackio (transformers' own callbacks)
-    run_name(cfg, run_dir)     logger.run_name, or the run dir and its overrides: "2026-01-31/12-00-00 peft.r=8"
-    start(cfg, run_dir)        W&B and MLflow runs opened in the run dir; `.close()` ends every open run
+    report_to(logger)          the trainer's report_to: wandb, mlflow, trackio (transformers' own callbacks)
+    run_name(logger, run_dir)  logger.run_name, or the run dir and its overrides: "2026-01-31/12-00-00 peft.r=8"
+    start(logger, run_dir)     W&B and MLflow runs opened in the run dir; `.close()` ends every open run
 
 TensorBoard stays ours (training writes tb/ with one SummaryWriter, shared with the memory timeline).
 The W&B and MLflow runs are opened here rather than by their callbacks so that they land in the run
@@ -24,8 +24,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config.schema import LoggerConfig
 from ..errors import UserError
-from ..units import cfg_get
 
 log = logging.getLogger("train")
 
@@ -47,22 +47,22 @@ IDS_FILE = (
 )
 
 
-def enabled(cfg) -> list[str]:
+def enabled(logger: LoggerConfig) -> list[str]:
     """The backends switched on, in BACKENDS order."""
-    return [name for name in BACKENDS if cfg_get(cfg, f"logger.{name}.enabled", False)]
+    return [name for name in BACKENDS if getattr(logger, name).enabled]
 
 
-def report_to(cfg) -> list[str]:
+def report_to(logger: LoggerConfig) -> list[str]:
     """The trainer's report_to: every enabled backend but TensorBoard, which training attaches itself."""
-    return [name for name in enabled(cfg) if name != "tensorboard"]
+    return [name for name in enabled(logger) if name != "tensorboard"]
 
 
-def check(cfg) -> None:
+def check(logger: LoggerConfig) -> None:
     """Before anything is written: each enabled backend's package is importable, its options valid,
     W&B online logged in."""
     missing = [
         (name, pip)
-        for name in report_to(cfg)
+        for name in report_to(logger)
         for modules, pip in [PACKAGES[name]]
         if any(importlib.util.find_spec(m) is None for m in modules)
     ]
@@ -72,12 +72,12 @@ def check(cfg) -> None:
         raise UserError(
             f"logger={names} needs {names}, which is not installed: pip install {pips}; all trackers: {EXTRA}"
         )
-    mode = cfg_get(cfg, "logger.wandb.mode")
+    mode = logger.wandb.mode
     if mode not in (None, *WANDB_MODES):
         raise UserError(f"logger.wandb.mode={mode} is not an option; choose one of: {', '.join(WANDB_MODES)}, null")
-    if report_to(cfg) and not str(cfg_get(cfg, "logger.project", "") or "").strip():
+    if report_to(logger) and not str(logger.project or "").strip():
         raise UserError("logger.project is empty: name the project the trackers file this run under")
-    if "wandb" in report_to(cfg):
+    if "wandb" in report_to(logger):
         _check_wandb_login(mode)
 
 
@@ -146,9 +146,9 @@ def stack_overrides(overrides: list[str] | None) -> list[str]:
     return [o for o in overrides or [] if not o.lstrip("+~").startswith(NOT_THE_STACK)]
 
 
-def run_name(cfg, run_dir: Path) -> str:
+def run_name(logger: LoggerConfig, run_dir: Path) -> str:
     """logger.run_name, or the run dir's last two parts and the overrides that shape the stack."""
-    chosen = cfg_get(cfg, "logger.run_name")
+    chosen = logger.run_name
     if chosen:
         return str(chosen)
     run_dir = Path(run_dir).resolve()
@@ -175,19 +175,19 @@ class Tracking:
                 log.warning("logger=%s: could not close its run: %s", name, err)
 
 
-def start(cfg, run_dir: Path) -> Tracking:
+def start(logger: LoggerConfig, run_dir: Path) -> Tracking:
     """Open the W&B and MLflow runs in the run dir (main rank only; the callbacks on other ranks do
     nothing). A backend that cannot start (no W&B login, an unreachable server) is one UserError line.
     Their run ids are kept in RUN/trackers.json, so a resumed run goes on in the same tracker runs."""
-    tracking = Tracking(report_to(cfg))
-    name = run_name(cfg, run_dir)
+    tracking = Tracking(report_to(logger))
+    name = run_name(logger, run_dir)
     ids = _saved_ids(Path(run_dir))
     for backend in tracking.backends:
         opener = _OPEN.get(backend)
         if opener is None:
             continue
         try:
-            where, ids[backend] = opener(cfg, Path(run_dir), name, ids.get(backend))
+            where, ids[backend] = opener(logger, Path(run_dir), name, ids.get(backend))
         except UserError:
             raise
         except Exception as err:  # each library raises its own types; the first line says what failed
@@ -198,7 +198,7 @@ def start(cfg, run_dir: Path) -> Tracking:
     if tracking.opened:
         (Path(run_dir) / IDS_FILE).write_text(json.dumps(ids, indent=2) + "\n")
     if "trackio" in tracking.backends:
-        log.info("logger=trackio: run %r in project %s (trackio show)", name, cfg.logger.project)
+        log.info("logger=trackio: run %r in project %s (trackio show)", name, logger.project)
     return tracking
 
 
@@ -216,12 +216,12 @@ def _saved_ids(run_dir: Path) -> dict:
     return {k: str(v) for k, v in saved.items() if isinstance(v, str)} if isinstance(saved, dict) else {}
 
 
-def _open_wandb(cfg, run_dir: Path, name: str, run_id: str | None) -> tuple[str, str]:
+def _open_wandb(logger: LoggerConfig, run_dir: Path, name: str, run_id: str | None) -> tuple[str, str]:
     import wandb
 
-    w = cfg.logger.wandb
+    w = logger.wandb
     run = wandb.init(
-        project=cfg.logger.project,
+        project=logger.project,
         entity=w.entity,
         name=name,
         dir=str(run_dir),
@@ -233,25 +233,25 @@ def _open_wandb(cfg, run_dir: Path, name: str, run_id: str | None) -> tuple[str,
     return f"{run.settings.mode} in {Path(run.dir).parent}", run.id
 
 
-def _open_mlflow(cfg, run_dir: Path, name: str, run_id: str | None) -> tuple[str, str]:
+def _open_mlflow(logger: LoggerConfig, run_dir: Path, name: str, run_id: str | None) -> tuple[str, str]:
     import os
 
     import mlflow
 
-    uri = cfg.logger.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    uri = logger.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:  # MLflow 3 keeps a file store only on request; its sqlite store is one file in the run dir
         run_dir.mkdir(parents=True, exist_ok=True)
         uri = f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
     mlflow.set_tracking_uri(uri)
     if mlflow.active_run() is not None:
         mlflow.end_run()  # an earlier job of this process left one open
-    experiment = mlflow.set_experiment(cfg.logger.project)
+    experiment = mlflow.set_experiment(logger.project)
     earlier = _mlflow_run(mlflow, run_id) if run_id else None
     if earlier is not None and earlier.info.experiment_id == experiment.experiment_id:
         run = mlflow.start_run(run_id=run_id)  # a resumed run goes on in its MLflow run
     else:
         run = mlflow.start_run(run_name=name)
-    return f"experiment {cfg.logger.project} at {uri}", run.info.run_id
+    return f"experiment {logger.project} at {uri}", run.info.run_id
 
 
 def _mlflow_run(mlflow, run_id: str):

@@ -10,19 +10,18 @@ peft.modules_to_save naming modules the model has (the planner's inventory of it
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
-from omegaconf import DictConfig
-
+from ..config.schema import ModelConfig, TrainConfig
 from ..errors import UserError
-from ..units import cfg_get
 
 log = logging.getLogger("train")
 
 
-def check_model_dir(model) -> None:
+def check_model_dir(model: ModelConfig) -> None:
     """A local model dir: config.json readable with sane figures, safetensors weights complete. No torch."""
-    path = str(cfg_get(model, "name_or_path") or "")
+    path = str(model.name_or_path or "")
     local = Path(path).expanduser()
     where = f"model.name_or_path={path}"
     if not path.strip():
@@ -118,7 +117,7 @@ def _check_safetensors(path: Path) -> None:
         raise UserError(f"{path}: corrupt or truncated weights ({problem}); fetch or save the model again")
 
 
-def validate_model(cfg: DictConfig) -> None:
+def validate_model(cfg: TrainConfig) -> None:
     """What needs transformers or the model's module names: a model_type transformers knows, and peft's
     target_modules / modules_to_save naming modules the model has. Before anything is written."""
     local = Path(str(cfg.model.name_or_path)).expanduser()
@@ -135,17 +134,17 @@ def validate_model(cfg: DictConfig) -> None:
     _check_target_names(cfg)
 
 
-def _check_target_names(cfg: DictConfig) -> None:
+def _check_target_names(cfg: TrainConfig) -> None:
     from ..planner.figures import inventory, model_figures
 
-    targets, to_save = cfg_get(cfg, "peft.target_modules"), cfg_get(cfg, "peft.modules_to_save") or []
+    targets, to_save = cfg.peft.target_modules, cfg.peft.modules_to_save or []
     fig = model_figures(cfg.model)
     blocks = inventory(fig)
     linears = [lin.name for b in blocks for lin in b.linears]
     names = linears + [e[0] for b in blocks for e in b.embeddings]
     modules = names + [b.name for b in blocks] + [p[0].rpartition(".")[0] for b in blocks for p in b.params]
     layers = ", ".join(sorted({n.rpartition(".")[2] for n in linears if n != "lm_head"}))
-    for t in targets if isinstance(targets, list) else []:
+    for t in [] if isinstance(targets, str) or not isinstance(targets, Sequence) else targets:
         if not any(n == t or n.endswith("." + t) for n in names):
             raise UserError(
                 f"peft.target_modules: {t!r} is no layer of this {fig.architecture} model (its linear layers: {layers}); "
@@ -156,12 +155,12 @@ def _check_target_names(cfg: DictConfig) -> None:
             raise UserError(f"peft.modules_to_save: {t!r} is no module of this {fig.architecture} model; e.g. lm_head")
 
 
-def is_hub_id(model) -> bool:
+def is_hub_id(model: ModelConfig) -> bool:
     """model.name_or_path names a hub repo (check_model_dir has refused what looks like a missing path)."""
-    return not Path(str(cfg_get(model, "name_or_path") or "")).expanduser().is_dir()
+    return not Path(str(model.name_or_path or "")).expanduser().is_dir()
 
 
-def check_hub_model(model) -> None:
+def check_hub_model(model: ModelConfig) -> None:
     """A hub id, before anything asks the hub for it: the hub answers, or the model is in the local
     cache (then offline mode for this process, so loading reads the cache instead of retrying the
     network for a minute), or one line saying how to use a local dir. One short probe, no retries."""
@@ -169,7 +168,7 @@ def check_hub_model(model) -> None:
         return
     from huggingface_hub import constants, try_to_load_from_cache
 
-    repo, revision = str(model.name_or_path), cfg_get(model, "revision")
+    repo, revision = str(model.name_or_path), model.revision
     cached = isinstance(try_to_load_from_cache(repo, "config.json", revision=revision), str)
     if constants.HF_HUB_OFFLINE:
         if cached:

@@ -6,8 +6,8 @@ import warnings
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 
+from ..config.schema import DistConfig, ModelConfig, OffloadConfig, TrainConfig
 from ..errors import UserError
 from ..units import torch_dtype
 from .families import traits
@@ -24,9 +24,9 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if on_gpu() else "cpu"
 
 
-def _source(cfg: DictConfig) -> dict:
+def _source(model: ModelConfig) -> dict:
     """from_pretrained's source arguments: a local dir if one exists, else a hub id."""
-    path = cfg.model.name_or_path
+    path = model.name_or_path
     local = Path(path).expanduser()
     if not local.is_dir() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
         raise UserError(
@@ -34,43 +34,43 @@ def _source(cfg: DictConfig) -> dict:
         )
     return {
         "pretrained_model_name_or_path": str(local) if local.is_dir() else path,
-        "trust_remote_code": cfg.model.trust_remote_code,
-        "revision": cfg.model.revision,
+        "trust_remote_code": model.trust_remote_code,
+        "revision": model.revision,
     }
 
 
-def _load_failed(cfg: DictConfig, what: str, err: Exception) -> UserError:
+def _load_failed(model: ModelConfig, what: str, err: Exception) -> UserError:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return UserError(
-        f"could not load the {what} of model.name_or_path={cfg.model.name_or_path} ({first}); "
+        f"could not load the {what} of model.name_or_path={model.name_or_path} ({first}); "
         "offline, point model.name_or_path at a local dir in the HF layout"
     )
 
 
-def load_tokenizer(cfg: DictConfig):
+def load_tokenizer(model: ModelConfig):
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(**_source(cfg))
+        tokenizer = AutoTokenizer.from_pretrained(**_source(model))
     except (OSError, ValueError) as err:
-        raise _load_failed(cfg, "tokenizer", err) from None
+        raise _load_failed(model, "tokenizer", err) from None
     if tokenizer.pad_token is None:  # Llama-style tokenizers ship without one
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def device_map(cfg: DictConfig):
-    if cfg.dist.strategy in ("fsdp", "zero3"):
+def device_map(dist: DistConfig, offload: OffloadConfig):
+    if dist.strategy in ("fsdp", "zero3"):
         # Sharded strategies place the weights themselves (accelerate's cpu_ram_efficient_loading:
         # rank 0 reads, the others start on meta); a device map would pin a full copy per rank.
         return None
-    if cfg.offload.device_map is None:
+    if offload.device_map is None:
         # One device: this rank's GPU under torchrun, else GPU 0, else the CPU.
         return {"": int(os.environ.get("LOCAL_RANK", 0))} if on_gpu() else {"": "cpu"}
-    return cfg.offload.device_map
+    return offload.device_map
 
 
-def _planned_placement(cfg: DictConfig, max_memory: dict | None) -> tuple[dict | None, dict | None]:
+def _planned_placement(cfg: TrainConfig, max_memory: dict | None) -> tuple[dict | None, dict | None]:
     """(device map, max_memory) for from_pretrained when layers may be offloaded: the planner's map,
     passed as an explicit dict. Two reasons not to pass "auto": transformers 5 quantizes before it
     infers an "auto" map, so `llm_int8_enable_fp32_cpu_offload` cannot keep the offloaded layers
@@ -104,26 +104,26 @@ _ATTENTION_WORDS = (
 )
 
 
-def _model_class(cfg: DictConfig):
+def _model_class(model: ModelConfig):
     """The transformers causal-LM class model.name_or_path loads as, or None when its config cannot be
     read here (a hub id offline: loading reports that itself)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
-        config = AutoConfig.from_pretrained(**_source(cfg))
+        config = AutoConfig.from_pretrained(**_source(model))
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except Exception:  # unreachable hub, unknown model type, remote code: from_pretrained says what is wrong
         return None
 
 
-def attention_for(cfg: DictConfig) -> str:
+def attention_for(model: ModelConfig) -> str:
     """The attention implementation to load with: model.attn_implementation, except that the sdpa
     default becomes eager for a family that has no sdpa path (logged)."""
-    requested = str(cfg.model.attn_implementation)
+    requested = str(model.attn_implementation)
     if requested != "sdpa":
         return requested
-    cls = _model_class(cfg)
+    cls = _model_class(model)
     if cls is None:
         return requested
     family = getattr(getattr(cls, "config_class", None), "model_type", "")  # the dir's own, not model.architecture
@@ -142,23 +142,23 @@ def _attention_error(err: Exception) -> bool:
     return any(word in text for word in _ATTENTION_WORDS)
 
 
-def _attention_failed(cfg: DictConfig, attn: str, err: Exception) -> UserError:
+def _attention_failed(model: ModelConfig, attn: str, err: Exception) -> UserError:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     first = first if len(first) <= 240 else first[:237] + "..."
     return UserError(
-        f"model.attn_implementation={attn}: {cfg.model.name_or_path} cannot load with this attention ({first}); "
+        f"model.attn_implementation={attn}: {model.name_or_path} cannot load with this attention ({first}); "
         "set model.attn_implementation=eager (any model, any device) or sdpa where the model supports it"
     )
 
 
-def load_model(cfg: DictConfig, run_dir: Path, max_memory: dict | None = None):
+def load_model(cfg: TrainConfig, run_dir: Path, max_memory: dict | None = None):
     """The base as the run trains it. `max_memory` is the planner's resolved budget map
     (planner.loader_max_memory); without one, offloading stacks plan it here."""
     from transformers import AutoModelForCausalLM
 
-    attn = attention_for(cfg)
+    attn = attention_for(cfg.model)
     planned_map, budgets = _planned_placement(cfg, max_memory)
-    quantization = bnb_config(cfg)
+    quantization = bnb_config(cfg.quant, cfg.offload, cfg.model)
     if quantization is not None and planned_map is not None:
         # transformers leaves every module the map puts on "cpu" or "disk" unquantized under this flag,
         # the whole model for {"": "cpu"}: only a map that really offloads gets it
@@ -168,7 +168,7 @@ def load_model(cfg: DictConfig, run_dir: Path, max_memory: dict | None = None):
     kwargs = dict(
         quantization_config=quantization,
         dtype=torch_dtype(cfg.precision.dtype),
-        device_map=planned_map if planned_map is not None else device_map(cfg),
+        device_map=planned_map if planned_map is not None else device_map(cfg.dist, cfg.offload),
         max_memory=budgets,
         use_safetensors=True,
         attn_implementation=attn,
@@ -177,13 +177,13 @@ def load_model(cfg: DictConfig, run_dir: Path, max_memory: dict | None = None):
         folder = Path(cfg.offload.folder)
         kwargs["offload_folder"] = str(folder if folder.is_absolute() else run_dir / folder)
     try:
-        model = AutoModelForCausalLM.from_pretrained(**_source(cfg), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(**_source(cfg.model), **kwargs)
     except (OSError, ValueError, ImportError) as err:
         if _attention_error(err):
-            raise _attention_failed(cfg, attn, err) from None
+            raise _attention_failed(cfg.model, attn, err) from None
         if isinstance(err, ImportError):
             raise
-        raise _load_failed(cfg, "weights", err) from None
+        raise _load_failed(cfg.model, "weights", err) from None
     model.config.use_cache = False  # the KV cache only costs memory while training
     head = model.get_output_embeddings()
     if head is not None and head.weight.device.type == "meta":
@@ -207,7 +207,7 @@ def _keep_4bit_layout_trainable(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def make_trainable(cfg: DictConfig, model):
+def make_trainable(cfg: TrainConfig, model):
     """prepare_model_for_kbit_training for quantized bases (unless precision.upcast_frozen=false),
     then the adapters from `peft`."""
     from peft import get_peft_model, prepare_model_for_kbit_training
@@ -228,10 +228,10 @@ def make_trainable(cfg: DictConfig, model):
     try:
         with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-            model = get_peft_model(model, lora_config(cfg))
+            model = get_peft_model(model, lora_config(cfg.peft))
     except ValueError as err:  # e.g. target modules not found in the base
         raise UserError(f"peft: {str(err).splitlines()[0]} (check peft.target_modules)") from None
-    _adapters_off_meta(cfg, model)
+    _adapters_off_meta(cfg.offload, model)
     _trainable_in_fp32(model)
     _disk_layers_as_host_layers(model)
     return model
@@ -262,7 +262,7 @@ def _execution_device(module):
     return None
 
 
-def _adapters_off_meta(cfg: DictConfig, model) -> None:
+def _adapters_off_meta(offload: OffloadConfig, model) -> None:
     """Trainable adapters of offloaded layers as real tensors on the layer's execution device.
 
     A layer offloaded to host RAM or disk keeps its weights on `meta`; accelerate's per-module hook
@@ -290,7 +290,7 @@ def _adapters_off_meta(cfg: DictConfig, model) -> None:
             if layer.use_dora.get(adapter):
                 # DoRA reads the base weight itself (its norm, every step), outside the hook's onload
                 raise UserError(
-                    f"peft=dora cannot train {name}: the layer is offloaded (offload={'disk' if cfg.offload.folder else 'cpu'}) "
+                    f"peft=dora cannot train {name}: the layer is offloaded (offload={'disk' if offload.folder else 'cpu'}) "
                     "and DoRA reads its base weight outside the forward that onloads it; use peft=lora or offload=none"
                 )
             for part in parts:

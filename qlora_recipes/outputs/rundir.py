@@ -136,7 +136,7 @@ def run_tokenizer(cfg: TrainConfig, run_dir: Path):
     try:
         return AutoTokenizer.from_pretrained(str(run_dir / "adapter"))
     except (OSError, ValueError):
-        return loading.load_tokenizer(cfg)
+        return loading.load_tokenizer(cfg.model)
 
 
 def adapter_config(adapter_dir: Path) -> dict:

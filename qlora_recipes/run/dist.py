@@ -17,45 +17,44 @@ import datetime as _dt
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 from ..config import devices as _dev
+from ..config.schema import DistConfig, HardwareConfig, TrainConfig
 from ..errors import UserError
 from ..integrations import cluster as _cluster
 
 
-def fsdp_config(cfg: Any) -> dict:
+def fsdp_config(dist: DistConfig) -> dict:
     """TrainingArguments.fsdp_config for FSDP2 + QLoRA; the same settings as
     launch/accelerate/fsdp_qlora.yaml (tests/test_dist.py checks they agree)."""
-    d = cfg.dist
     return {
         "version": 2,
         "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # decoder layers: the model's _no_split_modules
         "reshard_after_forward": True,  # FULL_SHARD
-        "cpu_offload": bool(d.offload_params),
-        "cpu_ram_efficient_loading": bool(d.cpu_ram_efficient_loading),
-        "state_dict_type": str(d.state_dict_type),
+        "cpu_offload": bool(dist.offload_params),
+        "cpu_ram_efficient_loading": bool(dist.cpu_ram_efficient_loading),
+        "state_dict_type": str(dist.state_dict_type),
         # trainer.gradient_checkpointing does the recomputation; FSDP's own would be a second one
         "activation_checkpointing": False,
     }
 
 
-def strategy_kwargs(cfg: Any, world_size: int | None = None) -> dict:
-    """Extra SFTConfig keywords for dist.strategy (merged into stack.sft_config's call)."""
-    strategy = cfg.dist.strategy
+def strategy_kwargs(dist: DistConfig, world_size: int | None = None) -> dict:
+    """Extra SFTConfig keywords for dist.strategy (merged into trainer_args.sft_config's call)."""
+    strategy = dist.strategy
     ws = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1") or 1)
     if strategy == "ddp" or (strategy == "none" and ws > 1):
         # LoRA leaves most parameters frozen and checkpointing re-enters forward: no search for
         # unused parameters (it fails with reentrant checkpointing and costs a pass otherwise).
         return {"ddp_find_unused_parameters": False}
     if strategy == "fsdp":
-        return {"fsdp": True, "fsdp_config": fsdp_config(cfg)}
+        return {"fsdp": True, "fsdp_config": fsdp_config(dist)}
     if strategy in ("zero2", "zero3"):
-        return {"deepspeed": str(cfg.dist.deepspeed_config)}
+        return {"deepspeed": str(dist.deepspeed_config)}
     return {}
 
 
-def _rendezvous(cfg: Any) -> tuple[int, str, str]:
+def _rendezvous(hardware: HardwareConfig) -> tuple[int, str, str]:
     """(node rank, master address, master port) for a multi-node run, from the environment."""
     addr = os.environ.get("MASTER_ADDR")
     rank = os.environ.get("NODE_RANK", os.environ.get("SLURM_NODEID"))
@@ -63,7 +62,7 @@ def _rendezvous(cfg: Any) -> tuple[int, str, str]:
         return _cluster.slurm_rendezvous()
     if not addr or rank is None:
         raise UserError(
-            f"hardware.nodes={cfg.hardware.nodes}: set MASTER_ADDR (the first node's address) and NODE_RANK "
+            f"hardware.nodes={hardware.nodes}: set MASTER_ADDR (the first node's address) and NODE_RANK "
             "(0, 1, ...) on every node, then run the same command on each"
         )
     return int(rank), addr, os.environ.get("MASTER_PORT", "29500")
@@ -124,7 +123,7 @@ def shared_run_dir(argv: list[str], now: _dt.datetime | None = None) -> list[str
     return [f"hydra.run.dir={agreed}"]
 
 
-def launch_command(cfg: Any, recipe: str, overrides: list[str], python: str | None = None) -> list[str]:
+def launch_command(cfg: TrainConfig, recipe: str, overrides: list[str], python: str | None = None) -> list[str]:
     """The command that trains `recipe` with `overrides` on this node: `qlora train` as a module, so
     it runs the same from a checkout or an installed wheel, from any directory."""
     python = python or sys.executable
@@ -138,7 +137,7 @@ def launch_command(cfg: Any, recipe: str, overrides: list[str], python: str | No
     if d.launcher == "torchrun":
         cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(hw.gpus)]
         if hw.nodes > 1:
-            rank, addr, port = _rendezvous(cfg)
+            rank, addr, port = _rendezvous(hw)
             cmd += ["--nnodes", str(hw.nodes), "--node_rank", str(rank), "--master_addr", addr, "--master_port", port]
         else:
             cmd += ["--standalone"]
@@ -159,7 +158,7 @@ def launch_command(cfg: Any, recipe: str, overrides: list[str], python: str | No
         str(hw.nodes),
     ]
     if hw.nodes > 1:
-        rank, addr, port = _rendezvous(cfg)
+        rank, addr, port = _rendezvous(hw)
         cmd += ["--machine_rank", str(rank), "--main_process_ip", addr, "--main_process_port", port]
     if d.strategy == "fsdp":
         cmd += ["--fsdp_offload_params", "true" if d.offload_params else "false"]
@@ -183,14 +182,14 @@ def _world_size() -> int:
         return 1
 
 
-def prepare_ranks(cfg: Any, on_gpu: bool) -> None:
+def prepare_ranks(dist: DistConfig, on_gpu: bool) -> None:
     """Before the trainer is built. On CPU ranks (no GPU, several processes, gloo) the sharded
     strategies take the same trainer path as on GPUs: DeepSpeed gets its CPU accelerator
     (DS_ACCELERATOR=cpu; it talks over the gloo group accelerate opens), and FSDP goes through
     accelerate's FSDP branch (`admit_fsdp_on_cpu`). Nothing changes on GPUs or in one process."""
-    if on_gpu or _world_size() <= 1 or cfg.dist.strategy not in SHARDED:
+    if on_gpu or _world_size() <= 1 or dist.strategy not in SHARDED:
         return
-    if cfg.dist.strategy in ("zero2", "zero3"):
+    if dist.strategy in ("zero2", "zero3"):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     else:
         admit_fsdp_on_cpu()

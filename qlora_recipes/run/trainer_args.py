@@ -4,14 +4,12 @@ import logging
 import warnings
 from pathlib import Path
 
-from omegaconf import DictConfig
-
-from ..units import cfg_get
+from ..config.schema import OptimConfig, TrainConfig
 
 log = logging.getLogger("train")
 
 
-def sft_config(cfg: DictConfig, run_dir: Path, data_format: str, on_gpu: bool, has_eval: bool):
+def sft_config(cfg: TrainConfig, run_dir: Path, data_format: str, on_gpu: bool, has_eval: bool):
     """TRL's SFTConfig: the one place it is built, from the trainer, optim and precision groups, the
     data format's loss masking and packing, and the dist strategy's keywords."""
     from trl import SFTConfig
@@ -59,15 +57,15 @@ def sft_config(cfg: DictConfig, run_dir: Path, data_format: str, on_gpu: bool, h
         greater_is_better=False if steps_eval and t.save_steps > 0 else None,
         logging_nan_inf_filter=False,  # a NaN loss must show, not be averaged away
         # the logger group's trackers (training attaches TensorBoard itself, with the memory timeline)
-        report_to=trackers.report_to(cfg),
-        run_name=trackers.run_name(cfg, run_dir),
-        project=cfg_get(cfg, "logger.project", "qlora-recipes"),  # trackio's project
+        report_to=trackers.report_to(cfg.logger),
+        run_name=trackers.run_name(cfg.logger, run_dir),
+        project=cfg.logger.project,  # trackio's project
         disable_tqdm=not t.progress_bar,
         seed=cfg.seed,
         data_seed=cfg.seed,
         dataloader_num_workers=0,
         **data.format_kwargs(cfg.data, data_format),
-        **dist.strategy_kwargs(cfg),
+        **dist.strategy_kwargs(cfg.dist),
     )
 
 
@@ -75,11 +73,11 @@ def sft_config(cfg: DictConfig, run_dir: Path, data_format: str, on_gpu: bool, h
 _PAGED_ON_CPU = r"Paged optimizers are not supported on CPU"
 
 
-def note_optimizer_fallback(cfg: DictConfig, on_gpu: bool) -> None:
+def note_optimizer_fallback(optim: OptimConfig, on_gpu: bool) -> None:
     """Paging moves optimizer state through CUDA unified memory; on CPU bitsandbytes runs the same
     optimizer unpaged (identical updates) and warns about it. Expected here: one line of ours, and
     exactly that warning silenced."""
-    if on_gpu or not str(cfg.optim.name).startswith("paged_"):
+    if on_gpu or not str(optim.name).startswith("paged_"):
         return
-    log.info("optim: %s runs unpaged on this CPU (paging needs CUDA; the updates are the same)", cfg.optim.name)
+    log.info("optim: %s runs unpaged on this CPU (paging needs CUDA; the updates are the same)", optim.name)
     warnings.filterwarnings("ignore", message=_PAGED_ON_CPU, category=UserWarning)

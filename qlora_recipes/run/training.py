@@ -82,7 +82,7 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
         return done.metrics
 
     set_seed(cfg.seed)
-    tokenizer = loading.load_tokenizer(cfg)
+    tokenizer = loading.load_tokenizer(cfg.model)
     train_ds, eval_ds, data_stats = data.load_splits(cfg.data, tokenizer, cfg.trainer.seq_len, cfg.seed)
     _write_run_files(cfg, run_dir, choices, plan, on_write)  # every check has passed
     model = loading.make_trainable(cfg, loading.load_model(cfg, run_dir, planner.loader_max_memory(plan)))
@@ -93,8 +93,8 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
     pairs = data.generation_pairs(eval_ds, data_stats["format"], cfg.data.metric_examples) if want_em else []
     em_before = _exact_match(cfg, model, tokenizer, pairs)
 
-    tb = _tensorboard(run_dir) if "tensorboard" in trackers.enabled(cfg) else None
-    tracking = trackers.start(cfg, run_dir) if _main_rank() else None  # the logger group's W&B / MLflow runs
+    tb = _tensorboard(run_dir) if "tensorboard" in trackers.enabled(cfg.logger) else None
+    tracking = trackers.start(cfg.logger, run_dir) if _main_rank() else None  # the logger group's W&B / MLflow runs
     finished = False
     try:
         splits = (train_ds, eval_ds)
@@ -179,9 +179,9 @@ def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan,
     def make_trainer(c: TrainConfig):
         tb_callback = TensorBoardCallback(tb_writer=tb)
         tb_callback.logging_dir = str(run_dir / "tb")  # where it reopens after train() closes it
-        tb_callbacks = [tb_callback] if "tensorboard" in trackers.enabled(c) else []  # logger=none: no tb/
+        tb_callbacks = [tb_callback] if "tensorboard" in trackers.enabled(c.logger) else []  # logger=none: no tb/
         memory_log = MemoryLogger(run_dir, c.trainer.memory_log_steps, tb, tracker, planned)
-        dist.prepare_ranks(c, gpu)
+        dist.prepare_ranks(c.dist, gpu)
         trainer = lifecycle.GuardedTrainer(
             model=model,
             args=trainer_args.sft_config(c, run_dir, data_format, gpu, eval_ds is not None),
@@ -193,7 +193,7 @@ def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan,
         trainer.adapter_sha256_step0 = dist.sync_adapters(model)  # every rank starts from rank 0's adapters
         return trainer
 
-    trainer_args.note_optimizer_fallback(cfg, gpu)
+    trainer_args.note_optimizer_fallback(cfg.optim, gpu)
     started = time.time()
     preemption.install()
     try:

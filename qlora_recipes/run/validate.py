@@ -35,7 +35,7 @@ def check_config(cfg: TrainConfig) -> None:
     from ..data.chat import check_template_option
 
     check_template_option(cfg.data.chat_template)
-    check_trackers(cfg)  # the logger group: each tracker's package importable, its options valid
+    check_trackers(cfg.logger)  # the logger group: each tracker's package importable, its options valid
     check_model_dir(cfg.model)
 
 

@@ -1,4 +1,4 @@
-"""Units every room shares: sizes (80GB, 75GiB), dtype names and widths, and reading a config node.
+"""Units every room shares: sizes (80GB, 75GiB), dtype names and widths.
 
 The one place each of these is defined; nothing here imports torch or Hydra at import time.
 Sizes follow accelerate's convention: "80GB" is 80e9 bytes, "75GiB" is 75 * 2**30 bytes, a bare
@@ -8,8 +8,6 @@ number is bytes.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
 
 from .errors import UserError
 
@@ -81,34 +79,3 @@ def torch_dtype(name: str):
     import torch
 
     return getattr(torch, dtype_name(name))
-
-
-def cfg_get(node: Any, key: str, default: Any = None) -> Any:
-    """Read a dotted `key` from a DictConfig, dict or dataclass; missing or MISSING ('???') -> default.
-
-    Config nodes come back as plain containers, so callers never hold a live DictConfig.
-    """
-    for part in key.split("."):
-        node = _get_one(node, part)
-        if node is _ABSENT:
-            return default
-    return node
-
-
-_ABSENT = object()
-
-
-def _get_one(node: Any, key: str) -> Any:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-    except ImportError:  # pragma: no cover - omegaconf is a hard dependency
-        DictConfig = ()  # noqa: N806
-    if DictConfig and isinstance(node, DictConfig):
-        if key not in node or OmegaConf.is_missing(node, key):
-            return _ABSENT
-        value = node[key]
-        return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-    if isinstance(node, Mapping):
-        value = node.get(key, _ABSENT)
-        return _ABSENT if value == "???" else value
-    return getattr(node, key, _ABSENT)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, compose_cfg
+from conftest import REPO, SMOKE, compose_cfg
 from safetensors.torch import load_file
 from transformers import Trainer
 
@@ -28,21 +28,11 @@ from qlora_recipes.run.resume import AlreadyComplete, resume_checkpoint
 from qlora_recipes.run.training import train
 
 BASE = [
-    "trainer=smoke",
-    "data.metric=null",
+    *SMOKE,
     "trainer.logging_steps=1",
     "trainer.micro_batch_size=4",
     "trainer.grad_accum=1",
 ]
-
-
-@pytest.fixture
-def small(tmp_path) -> list[str]:
-    """64 training rows and 8 eval rows of the shipped sample: loading and the final eval stay short."""
-    for name, keep in (("train", 64), ("eval", 8)):
-        rows = (REPO / f"assets/data/order/{name}.jsonl").read_text().splitlines()[:keep]
-        (tmp_path / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
-    return [f"data.path={tmp_path / 'train.jsonl'}", f"data.eval_path={tmp_path / 'eval.jsonl'}"]
 
 
 def state(checkpoint) -> dict:
@@ -61,12 +51,14 @@ def preempt(run_dir, monkeypatch, at: int, *overrides: str) -> None:
 
 
 # ---------------------------------------------------------------- 1. quant.skip_modules
-def test_skip_modules_keep_the_output_head_unquantized(small, tmp_path):
+def test_skip_modules_keep_the_output_head_unquantized(small_data, tmp_path):
     import bitsandbytes as bnb
 
-    cfg = compose_cfg(*BASE, *small, "quant.skip_modules=[down_proj]", "trainer.max_steps=2", "trainer.save_steps=0")
+    cfg = compose_cfg(
+        *BASE, *small_data, "quant.skip_modules=[down_proj]", "trainer.max_steps=2", "trainer.save_steps=0"
+    )
     assert {"down_proj", "lm_head"} <= set(hf_configs.bnb_config(cfg).llm_int8_skip_modules)
-    assert hf_configs.bnb_config(compose_cfg(*BASE, *small)).llm_int8_skip_modules is None  # transformers' default
+    assert hf_configs.bnb_config(compose_cfg(*BASE, *small_data)).llm_int8_skip_modules is None  # transformers' default
     model = loading.load_model(cfg, tmp_path)
     assert type(model.lm_head) is torch.nn.Linear
     mlp = model.model.layers[0].mlp
@@ -77,12 +69,14 @@ def test_skip_modules_keep_the_output_head_unquantized(small, tmp_path):
 
 
 # ---------------------------------------------------------------- 2. LR schedule across a resume
-def test_a_resume_with_a_longer_total_continues_the_lr_schedule_without_going_back_up(small, tmp_path, monkeypatch):
+def test_a_resume_with_a_longer_total_continues_the_lr_schedule_without_going_back_up(
+    small_data, tmp_path, monkeypatch
+):
     from transformers.optimization import get_scheduler
 
     run_dir = tmp_path / "run"
-    preempt(run_dir, monkeypatch, 2, *small, "trainer.max_steps=4", "trainer.save_steps=2")  # step 2 of 4
-    m = train(compose_cfg(*BASE, *small, "trainer.max_steps=8", "trainer.save_steps=2", "resume=auto"), run_dir)
+    preempt(run_dir, monkeypatch, 2, *small_data, "trainer.max_steps=4", "trainer.save_steps=2")  # step 2 of 4
+    m = train(compose_cfg(*BASE, *small_data, "trainer.max_steps=8", "trainer.save_steps=2", "resume=auto"), run_dir)
     assert m["steps"] == 8 and m["resumed_from"].endswith("checkpoint-2")
 
     final = run_dir / "checkpoints" / "checkpoint-8"
@@ -90,7 +84,7 @@ def test_a_resume_with_a_longer_total_continues_the_lr_schedule_without_going_ba
     assert sorted(logged) == list(range(1, 9))
     # The documented policy (schedule.continue_schedule): the original schedule (cosine over 4 steps,
     # 1 warmup step) up to the resume step, then its rest stretched over the new remaining steps.
-    lr = compose_cfg(*BASE, *small).optim.lr
+    lr = compose_cfg(*BASE, *small_data).optim.lr
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     original = get_scheduler("cosine", probe, num_warmup_steps=1, num_training_steps=4).lr_lambdas[0]
     for step in range(1, 9):  # step N runs at the LR the scheduler gives after N - 1 steps
@@ -104,15 +98,17 @@ def test_a_resume_with_a_longer_total_continues_the_lr_schedule_without_going_ba
     # The finished run resumed without more steps: already complete. More steps after a cosine
     # schedule has ended run at LR 0, and the run says so.
     with pytest.raises(AlreadyComplete):
-        resume_checkpoint(compose_cfg(*BASE, *small, "trainer.max_steps=8", "resume=auto"), run_dir)
+        resume_checkpoint(compose_cfg(*BASE, *small_data, "trainer.max_steps=8", "resume=auto"), run_dir)
     caught = []
     monkeypatch.setattr(resume.log, "warning", lambda msg, *a: caught.append(msg % a))
-    assert resume_checkpoint(compose_cfg(*BASE, *small, "trainer.max_steps=10", "resume=auto"), run_dir).endswith("-8")
+    assert resume_checkpoint(compose_cfg(*BASE, *small_data, "trainer.max_steps=10", "resume=auto"), run_dir).endswith(
+        "-8"
+    )
     assert any("learning rate is 0" in line for line in caught), caught
 
 
 # ---------------------------------------------------------------- 3. best checkpoint across a resume
-def test_the_best_checkpoint_survives_resume_and_rotation(small, tmp_path, monkeypatch):
+def test_the_best_checkpoint_survives_resume_and_rotation(small_data, tmp_path, monkeypatch):
     losses = {1: 2.0, 2: 1.0}  # best at step 2, worse after
 
     def scripted_evaluate(self, *args, **kwargs):
@@ -121,17 +117,17 @@ def test_the_best_checkpoint_survives_resume_and_rotation(small, tmp_path, monke
     monkeypatch.setattr(GuardedTrainer, "evaluate", scripted_evaluate)
     run_dir = tmp_path / "run"
     keys = ["trainer.max_steps=6", "trainer.save_steps=1", "trainer.eval_steps=1", "trainer.save_total_limit=2"]
-    preempt(run_dir, monkeypatch, 2, *small, *keys)  # stops where the best checkpoint is the newest
+    preempt(run_dir, monkeypatch, 2, *small_data, *keys)  # stops where the best checkpoint is the newest
     best = run_dir / "checkpoints" / "checkpoint-2"
     assert state(best)["best_model_checkpoint"] == str(best)  # the final path, not the staging dir's
 
-    m = train(compose_cfg(*BASE, *small, *keys, "resume=auto"), run_dir)
+    m = train(compose_cfg(*BASE, *small_data, *keys, "resume=auto"), run_dir)
     assert m["steps"] == 6
     assert checkpoints(run_dir) == ["checkpoint-2", "checkpoint-6"]  # newest 2 ... plus the best
     assert state(run_dir / "checkpoints" / "checkpoint-6")["best_model_checkpoint"] == str(best)
 
 
-def test_save_total_limit_1_keeps_the_newest_checkpoint_beside_the_best(small, tmp_path, monkeypatch):
+def test_save_total_limit_1_keeps_the_newest_checkpoint_beside_the_best(small_data, tmp_path, monkeypatch):
     losses = {1: 1.0}
 
     def scripted_evaluate(self, *args, **kwargs):
@@ -139,18 +135,18 @@ def test_save_total_limit_1_keeps_the_newest_checkpoint_beside_the_best(small, t
 
     monkeypatch.setattr(GuardedTrainer, "evaluate", scripted_evaluate)
     keys = ["trainer.max_steps=3", "trainer.save_steps=1", "trainer.eval_steps=1", "trainer.save_total_limit=1"]
-    train(compose_cfg(*BASE, *small, *keys), tmp_path / "run")
+    train(compose_cfg(*BASE, *small_data, *keys), tmp_path / "run")
     # transformers deletes all but the best at the end with limit 1; the newest must stay for resume.
     assert checkpoints(tmp_path / "run") == ["checkpoint-1", "checkpoint-3"]
     with pytest.raises(AlreadyComplete):
-        resume_checkpoint(compose_cfg(*BASE, *small, *keys, "resume=auto"), tmp_path / "run")
+        resume_checkpoint(compose_cfg(*BASE, *small_data, *keys, "resume=auto"), tmp_path / "run")
 
 
 # ---------------------------------------------------------------- 4. OOM restart
-def test_an_oom_restart_before_any_checkpoint_resets_every_trainable_tensor(small, tmp_path, monkeypatch):
+def test_an_oom_restart_before_any_checkpoint_resets_every_trainable_tensor(small_data, tmp_path, monkeypatch):
     keys = ["peft.modules_to_save=[lm_head]", "trainer.max_steps=4", "trainer.save_steps=0"]
     straight = train(
-        compose_cfg(*BASE, *small, *keys, "trainer.micro_batch_size=2", "trainer.grad_accum=2"), tmp_path / "a"
+        compose_cfg(*BASE, *small_data, *keys, "trainer.micro_batch_size=2", "trainer.grad_accum=2"), tmp_path / "a"
     )
 
     # Micro-batch 4 runs steps 1-2 (step 1 is the warmup step at LR 0; at step 2 the adapters and the
@@ -163,7 +159,7 @@ def test_an_oom_restart_before_any_checkpoint_resets_every_trainable_tensor(smal
         return real_step(self, *args, **kwargs)
 
     monkeypatch.setattr(GuardedTrainer, "training_step", oom_at_step_3)
-    retried = train(compose_cfg(*BASE, *small, *keys), tmp_path / "b")
+    retried = train(compose_cfg(*BASE, *small_data, *keys), tmp_path / "b")
     assert (retried["micro_batch_size"], retried["grad_accum"], retried["steps"]) == (2, 2, 4)
     assert json.loads((tmp_path / "b" / "oom.json").read_text())["attempts"][0]["step"] == 2
 
@@ -176,23 +172,23 @@ def test_an_oom_restart_before_any_checkpoint_resets_every_trainable_tensor(smal
 
 
 # ---------------------------------------------------------------- 5. resume that never lies
-def test_resuming_a_finished_run_is_already_complete_and_changes_nothing(small, tmp_path, monkeypatch):
+def test_resuming_a_finished_run_is_already_complete_and_changes_nothing(small_data, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     keys = ["trainer.max_steps=4", "trainer.save_steps=2", "optim.scheduler=constant_with_warmup"]
-    train(compose_cfg(*BASE, *small, *keys), run_dir)
+    train(compose_cfg(*BASE, *small_data, *keys), run_dir)
     first = json.loads((run_dir / "metrics.json").read_text())
     watched = [run_dir / "metrics.json", *sorted((run_dir / "adapter").iterdir())]
     before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in watched}
     listing = checkpoints(run_dir)
 
-    again = train(compose_cfg(*BASE, *small, *keys, "resume=auto"), run_dir)
+    again = train(compose_cfg(*BASE, *small_data, *keys, "resume=auto"), run_dir)
     assert again == first  # the finished run's metrics, not a new run's
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in watched} == before
     assert checkpoints(run_dir) == listing  # no extra step, no new checkpoint
 
     # The command line: exit 0 and one line saying so.
     proc = subprocess.run(
-        [sys.executable, "train.py", *BASE, *small, *keys, "resume=auto", f"hydra.run.dir={run_dir}"],
+        [sys.executable, "train.py", *BASE, *small_data, *keys, "resume=auto", f"hydra.run.dir={run_dir}"],
         cwd=REPO,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         capture_output=True,
@@ -204,16 +200,16 @@ def test_resuming_a_finished_run_is_already_complete_and_changes_nothing(small, 
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in watched} == before
 
     # More steps: it goes on from the last checkpoint (constant schedule: at the final LR).
-    more = compose_cfg(*BASE, *small, *keys, "trainer.max_steps=6", "resume=auto")
+    more = compose_cfg(*BASE, *small_data, *keys, "trainer.max_steps=6", "resume=auto")
     assert resume_checkpoint(more, run_dir).endswith("checkpoint-4")
 
 
-def test_a_run_stopped_at_its_last_step_finishes_without_an_extra_step(small, tmp_path, monkeypatch):
+def test_a_run_stopped_at_its_last_step_finishes_without_an_extra_step(small_data, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     keys = ["trainer.max_steps=2", "trainer.save_steps=1"]
-    preempt(run_dir, monkeypatch, 2, *small, *keys)  # SIGTERM during the last step: saved, no adapter yet
+    preempt(run_dir, monkeypatch, 2, *small_data, *keys)  # SIGTERM during the last step: saved, no adapter yet
     last = run_dir / "checkpoints" / "checkpoint-2"
-    m = train(compose_cfg(*BASE, *small, *keys, "resume=auto"), run_dir)
+    m = train(compose_cfg(*BASE, *small_data, *keys, "resume=auto"), run_dir)
     assert m["steps"] == 2 and m["resumed_from"] == str(last) and len(m["train_losses"]) == 2
     assert checkpoints(run_dir) == ["checkpoint-1", "checkpoint-2"]  # transformers alone trains a step 3
     saved = load_file(str(last / "adapter_model.safetensors"))
@@ -221,26 +217,26 @@ def test_a_run_stopped_at_its_last_step_finishes_without_an_extra_step(small, tm
     assert sorted(saved) == sorted(final) and all(torch.equal(saved[k], final[k]) for k in saved)
 
 
-def test_resume_refuses_changed_data_under_the_same_path(small, tmp_path, monkeypatch):
-    data = tmp_path / "train.jsonl"  # the `small` fixture's
+def test_resume_refuses_changed_data_under_the_same_path(small_data, tmp_path, monkeypatch):
+    data = tmp_path / "train.jsonl"  # the `small_data` fixture's
     rows = data.read_text().splitlines()
     keys = ["trainer.max_steps=4", "trainer.save_steps=1"]
     run_dir = tmp_path / "run"
-    preempt(run_dir, monkeypatch, 1, *small, *keys)
-    assert resume_checkpoint(compose_cfg(*BASE, *small, *keys, "resume=auto"), run_dir).endswith("checkpoint-1")
+    preempt(run_dir, monkeypatch, 1, *small_data, *keys)
+    assert resume_checkpoint(compose_cfg(*BASE, *small_data, *keys, "resume=auto"), run_dir).endswith("checkpoint-1")
 
     rows[0], rows[1] = rows[1], rows[0]  # same bytes, other order: the saved position means other rows
     data.write_text("\n".join(rows) + "\n")
     with pytest.raises(UserError, match=r"training data .*train\.jsonl changed since checkpoint-1.*allow_changes"):
-        resume_checkpoint(compose_cfg(*BASE, *small, *keys, "resume=auto"), run_dir)
-    accepted = compose_cfg(*BASE, *small, *keys, "resume=auto", "resume.allow_changes=true")
+        resume_checkpoint(compose_cfg(*BASE, *small_data, *keys, "resume=auto"), run_dir)
+    accepted = compose_cfg(*BASE, *small_data, *keys, "resume=auto", "resume.allow_changes=true")
     assert resume_checkpoint(accepted, run_dir).endswith("checkpoint-1")
 
 
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(small, tmp_path, monkeypatch, caplog):
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(small_data, tmp_path, monkeypatch, caplog):
     run_dir = tmp_path / "run"
     keys = ["trainer.max_steps=6", "trainer.save_steps=2"]
-    preempt(run_dir, monkeypatch, 4, *small, *keys)
+    preempt(run_dir, monkeypatch, 4, *small_data, *keys)
     assert checkpoints(run_dir) == ["checkpoint-2", "checkpoint-4"]
     weights = run_dir / "checkpoints" / "checkpoint-4" / "adapter_model.safetensors"
     blob = bytearray(weights.read_bytes())
@@ -249,7 +245,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(small, tmp_p
     assert "sha256" in checkpoint_problem(weights.parent, deep=True)
 
     with caplog.at_level(logging.WARNING, logger="qlora_recipes.run.resume"):
-        m = train(compose_cfg(*BASE, *small, *keys, "resume=auto"), run_dir)
+        m = train(compose_cfg(*BASE, *small_data, *keys, "resume=auto"), run_dir)
     assert m["resumed_from"].endswith("checkpoint-2") and m["steps"] == 6
     lines = [r.getMessage() for r in caplog.records if "corrupt" in r.getMessage()]
     assert len(lines) == 1 and "checkpoint-4" in lines[0] and "falling back to checkpoint-2" in lines[0]
@@ -260,7 +256,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(small, tmp_p
     assert find_checkpoint(run_dir / "checkpoints").endswith("checkpoint-4")
 
 
-def test_checkpoint_files_are_fsynced_before_the_rename(small, tmp_path, monkeypatch):
+def test_checkpoint_files_are_fsynced_before_the_rename(small_data, tmp_path, monkeypatch):
     events = []
     real_fsync, real_replace = os.fsync, os.replace
 
@@ -274,7 +270,7 @@ def test_checkpoint_files_are_fsynced_before_the_rename(small, tmp_path, monkeyp
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    train(compose_cfg(*BASE, *small, "trainer.max_steps=2", "trainer.save_steps=2"), tmp_path)
+    train(compose_cfg(*BASE, *small_data, "trainer.max_steps=2", "trainer.save_steps=2"), tmp_path)
     final = tmp_path / "checkpoints" / "checkpoint-2"
     at = next(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(final))
     staged = events[at][1]
@@ -287,7 +283,7 @@ def test_checkpoint_files_are_fsynced_before_the_rename(small, tmp_path, monkeyp
 
 
 # ---------------------------------------------------------------- 6. run-dir lock
-def test_a_busy_run_dir_is_refused_and_a_dead_owners_lock_taken_over(small, tmp_path, caplog):
+def test_a_busy_run_dir_is_refused_and_a_dead_owners_lock_taken_over(small_data, tmp_path, caplog):
     run_dir = tmp_path / "run"
     holder = subprocess.Popen(
         [
@@ -303,7 +299,7 @@ def test_a_busy_run_dir_is_refused_and_a_dead_owners_lock_taken_over(small, tmp_
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        cfg = compose_cfg(*BASE, *small, "trainer.max_steps=1", "trainer.save_steps=0")
+        cfg = compose_cfg(*BASE, *small_data, "trainer.max_steps=1", "trainer.save_steps=0")
         with pytest.raises(UserError, match=rf"run dir .* is in use by process {holder.pid} on "):
             train(cfg, run_dir)
         assert sorted(p.name for p in run_dir.iterdir()) == ["run.lock"]  # the refused run wrote nothing
@@ -318,14 +314,14 @@ def test_a_busy_run_dir_is_refused_and_a_dead_owners_lock_taken_over(small, tmp_
     assert not (run_dir / "run.lock").exists()  # released at the end
 
 
-def test_a_lock_file_naming_a_live_process_is_respected(small, tmp_path):
+def test_a_lock_file_naming_a_live_process_is_respected(small_data, tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         run_dir = tmp_path / "run"
         run_dir.mkdir()
         (run_dir / "run.lock").write_text(f"{sleeper.pid}\n")  # no flock held: the pid alone counts
         with pytest.raises(UserError, match=rf"in use by process {sleeper.pid}\b"):
-            train(compose_cfg(*BASE, *small, "trainer.max_steps=1"), run_dir)
+            train(compose_cfg(*BASE, *small_data, "trainer.max_steps=1"), run_dir)
     finally:
         sleeper.kill()
         sleeper.wait()
@@ -334,7 +330,7 @@ def test_a_lock_file_naming_a_live_process_is_respected(small, tmp_path):
 
 
 # ---------------------------------------------------------------- 7. disk full during a save
-def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(small, tmp_path, monkeypatch):
+def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(small_data, tmp_path, monkeypatch):
     real = Trainer._save_optimizer_and_scheduler
 
     def disk_full_at_step_4(self, output_dir):
@@ -345,7 +341,7 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(s
     monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", disk_full_at_step_4)
     started = time.time()
     with pytest.raises(UserError, match=r"disk full while saving checkpoint-4 .*checkpoint-2\) is intact") as err:
-        train(compose_cfg(*BASE, *small, "trainer.max_steps=6", "trainer.save_steps=2"), tmp_path)
+        train(compose_cfg(*BASE, *small_data, "trainer.max_steps=6", "trainer.save_steps=2"), tmp_path)
     assert "\n" not in str(err.value)
     assert checkpoints(tmp_path) == ["checkpoint-2"]  # no checkpoint-4, no .partial
     assert checkpoint_problem(tmp_path / "checkpoints" / "checkpoint-2", deep=True) is None

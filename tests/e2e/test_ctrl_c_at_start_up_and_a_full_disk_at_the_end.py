@@ -1,4 +1,4 @@
-"""Issue 12's leftovers: Ctrl-C at any moment of start-up is one line and exit 130 (imports
+"""Ctrl-C at any moment of start-up is one line and exit 130 (imports
 included, before our handlers exist), and a full disk while the final adapter is written is one
 line, with no adapter.partial left and the checkpoints intact."""
 
@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, compose_cfg
+from conftest import REPO, SMOKE, compose_cfg
 from transformers import Trainer
 
 from qlora_recipes.errors import UserError
@@ -62,16 +62,7 @@ def test_ctrl_c_at_any_moment_of_start_up_is_one_line_and_exit_130(tmp_path):
         assert not any(p.is_file() for p in cwd.rglob("*")), where  # nothing written, no empty run dir left
 
 
-@pytest.fixture
-def small(tmp_path) -> list[str]:
-    """64 training rows and 8 eval rows of the shipped sample: loading and the final eval stay short."""
-    for name, keep in (("train", 64), ("eval", 8)):
-        rows = (REPO / f"assets/data/order/{name}.jsonl").read_text().splitlines()[:keep]
-        (tmp_path / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
-    return [f"data.path={tmp_path / 'train.jsonl'}", f"data.eval_path={tmp_path / 'eval.jsonl'}"]
-
-
-def test_disk_full_while_saving_the_adapter_is_one_line_and_leaves_no_partial(small, tmp_path, monkeypatch):
+def test_disk_full_while_saving_the_adapter_is_one_line_and_leaves_no_partial(small_data, tmp_path, monkeypatch):
     real = Trainer.save_model
 
     def disk_full_in_the_adapter(self, output_dir=None, _internal_call=False):
@@ -82,7 +73,7 @@ def test_disk_full_while_saving_the_adapter_is_one_line_and_leaves_no_partial(sm
 
     monkeypatch.setattr(Trainer, "save_model", disk_full_in_the_adapter)
     run_dir = tmp_path / "run"
-    overrides = ["trainer=smoke", "data.metric=null", "trainer.max_steps=2", "trainer.save_steps=1", *small]
+    overrides = [*SMOKE, "trainer.max_steps=2", "trainer.save_steps=1", *small_data]
     with pytest.raises(UserError, match=r"disk full while saving the adapter in .*checkpoints are intact") as err:
         train(compose_cfg(*overrides), run_dir)
     assert "\n" not in str(err.value) and "resume=auto hydra.run.dir=" in str(err.value)

@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, SMOKE
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 
@@ -61,7 +61,7 @@ def test_installed_wheel_trains_the_default_from_outside_the_repo(wheel, tmp_pat
     assert str(venv) in where.stdout and str(REPO) not in where.stdout
     run_dir = elsewhere / "run"
     proc = subprocess.run(
-        [str(venv / "bin" / "qlora"), "train", "trainer=smoke", "data.metric=null", f"hydra.run.dir={run_dir}"],
+        [str(venv / "bin" / "qlora"), "train", *SMOKE, f"hydra.run.dir={run_dir}"],
         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -22,23 +22,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, compose_cfg
+from conftest import REPO, compose_cfg, train_smoke
 
 from qlora_recipes.errors import UserError
 
 ENV_EXTRA = {"HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _train(run_dir: Path, *overrides: str) -> Path:
-    from qlora_recipes.run.training import train
-
-    train(compose_cfg("trainer=smoke", "data.metric=null", *overrides), run_dir)
-    return run_dir
-
-
 @pytest.fixture(scope="module")
 def nf4_run(tmp_path_factory) -> Path:
-    return _train(tmp_path_factory.mktemp("nf4") / "run")
+    return train_smoke(tmp_path_factory.mktemp("nf4") / "run")[1]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +67,9 @@ def generations(nf4_run, nf4_merged, tmp_path_factory):
 @pytest.fixture(scope="module")
 def dora_run(tmp_path_factory) -> Path:
     # No eval set (so no evaluation pass): merge then compares on the run's training prompts.
-    return _train(tmp_path_factory.mktemp("dora") / "run", "peft=dora", "data.eval_path=null", "data.eval_fraction=0")
+    return train_smoke(
+        tmp_path_factory.mktemp("dora") / "run", "peft=dora", "data.eval_path=null", "data.eval_fraction=0"
+    )[1]
 
 
 def _popen(script: str, *args: str, cwd: Path = REPO, stdin: Path | None = None) -> subprocess.Popen:
@@ -279,30 +274,6 @@ def test_generate_prints_for_a_run_dir_and_a_merged_dir(generations):
     assert raw[0]["generation"] == piped[0]["generation"]  # "fed" was wrapped into "order: fed\n"
 
 
-def test_prompts_are_rendered_as_the_run_data_was(tmp_path):
-    from transformers import AutoTokenizer
-
-    from qlora_recipes.data import alpaca_prompt
-    from qlora_recipes.outputs.prompts import Prompt, read_prompts, render
-
-    tokenizer = AutoTokenizer.from_pretrained(compose_cfg().model.name_or_path)
-    text, special = render(tokenizer, Prompt("text", "hi"), "chat")
-    assert text == "<s>user: hi\nassistant: " and special is False
-    assert render(tokenizer, Prompt("text", "hi"), "alpaca") == (alpaca_prompt("hi"), True)
-    assert render(tokenizer, Prompt("text", "hi"), "plain") == ("hi", True)
-
-    rows = tmp_path / "p.jsonl"
-    rows.write_text(
-        '"plain"\n{"prompt": "order: ab\\n", "completion": "ab"}\n'
-        '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n'
-        '{"instruction": "do", "output": "x"}\n'
-    )
-    got = read_prompts(rows)
-    assert [p.kind for p in got] == ["text", "formatted", "messages", "formatted"]
-    assert got[1].value == "order: ab\n" and got[2].value == [{"role": "user", "content": "q"}]
-    assert got[3].value == alpaca_prompt("do")
-
-
 # --------------------------------------------------------------------------------------------------
 # bad input: one line, exit 2, no traceback
 # --------------------------------------------------------------------------------------------------
@@ -366,24 +337,6 @@ def test_plain_prompts_are_wrapped_in_the_format_the_run_trained_on(nf4_run):
     assert plain == full
 
 
-def test_prompt_formats_of_alpaca_and_chat_runs(tmp_path):
-    from transformers import AutoTokenizer
-
-    from qlora_recipes.data import alpaca_prompt
-    from qlora_recipes.outputs.prompts import Prompt, PromptFormat, load_prompt_format, render
-
-    tokenizer = AutoTokenizer.from_pretrained(compose_cfg().model.name_or_path)
-    chat = PromptFormat(style="chat", system="be brief")
-    assert render(tokenizer, Prompt("text", "hi"), chat) == ("<s>system: be brief\nuser: hi\nassistant: ", False)
-    assert render(tokenizer, Prompt("text", "hi"), {"style": "alpaca"}) == (alpaca_prompt("hi"), True)
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.json").write_text(json.dumps({"data": {"prompt_format": {"style": "chat", "system": "s"}}}))
-    assert load_prompt_format(run, "chat") == PromptFormat(style="chat", system="s")
-    assert load_prompt_format(run, "plain") == PromptFormat(style="plain")  # --no-chat
-    assert load_prompt_format(tmp_path / "nothing", "alpaca") == PromptFormat(style="alpaca")
-
-
 SAMPLE_FORMAT = {"style": "plain", "prefix": "order: ", "suffix": "\n", "system": None}
 
 
@@ -394,7 +347,7 @@ def _copy_run(run: Path, to: Path) -> Path:
 
 def test_a_run_dir_from_before_the_prompt_format_record_is_wrapped_as_its_data_was(nf4_run, tmp_path, caplog):
     """An older run's metrics.json has no data.prompt_format: plain prompts used to go in bare (`qcab`
-    instead of `order: qcab\n`, the garbage issue 14 saw); the format now comes from its config.yaml's data."""
+    instead of `order: qcab\n`, the garbage once seen); the format now comes from its config.yaml's data."""
     import logging
 
     from qlora_recipes.outputs.generation import load_for_generation
@@ -439,57 +392,3 @@ def test_merge_records_the_prompt_format_and_a_moved_merged_dir_keeps_it(nf4_run
     batches, _ = compare_prompts(cfg, tokenizer, str(prompts), run_prompt_format(nf4_run, cfg, "plain"))
     expected = [tokenizer(t, return_tensors="pt")["input_ids"] for t in ("order: qcab\n", "order: fed\n")]
     assert [b["input_ids"].tolist() for b in batches] == [e.tolist() for e in expected]
-
-
-def _tiny_model():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = compose_cfg().model.name_or_path
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
-
-
-def test_generation_stops_at_every_eos_id_of_the_generation_config():
-    """Regression: generation used to pass eos_token_id=tokenizer.eos_token_id, replacing the model's
-    generation_config list (Llama 3 [128001, 128009], Gemma [1, 107]). A tiny model whose
-    generation_config lists two eos ids stops at the second one."""
-    from qlora_recipes.outputs.generation import generate, stop_token_ids
-    from qlora_recipes.outputs.prompts import Prompt
-
-    model, tokenizer = _tiny_model()
-    prompt = [Prompt("formatted", "copy: qwerty\n")]
-    free = generate(model, tokenizer, prompt, "plain", 12)[0]
-    assert len(free) >= 6 and len(set(free[:4])) == 4, free  # the base copies the letters
-    second = tokenizer.convert_tokens_to_ids(free[3])
-    model.generation_config.eos_token_id = [tokenizer.eos_token_id, second]
-    assert stop_token_ids(model, tokenizer) == [tokenizer.eos_token_id, second]
-    stopped = generate(model, tokenizer, prompt, "plain", 12)[0]
-    assert stopped == free[:4]  # up to and including the second eos id, not a token further
-
-    # batched, greedy or sampled: every row stops there
-    stopped = generate(model, tokenizer, prompt * 3, "plain", 12, batch_size=3)
-    assert stopped == [free[:4]] * 3
-
-    # the exact-match metric generates through the same loop: the model's own stop list decides
-    from qlora_recipes.run import metrics
-
-    pairs = [("copy: qwerty\n", free[:4])]
-    assert metrics.exact_match(model, tokenizer, pairs, 12) == 1.0
-    model.generation_config.eos_token_id = tokenizer.eos_token_id  # the tokenizer's EOS alone
-    assert metrics.exact_match(model, tokenizer, pairs, 12) == 0.0
-
-
-def test_stop_tokens_are_the_union_with_the_chat_end_of_turn():
-    from qlora_recipes.data.chat import CHATML
-    from qlora_recipes.outputs.generation import stop_strings, stop_token_ids
-    from qlora_recipes.outputs.prompts import PromptFormat
-
-    model, tokenizer = _tiny_model()
-    model.generation_config.eos_token_id = [2, 7]
-    tokenizer.chat_template = CHATML
-    chat = PromptFormat(style="chat")
-    # <|im_end|> is not a token of this tokenizer: stop on its text
-    assert stop_token_ids(model, tokenizer) == [2, 7] and stop_strings(tokenizer, chat) == ["<|im_end|>"]
-    assert stop_strings(tokenizer, PromptFormat()) == []
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert stop_token_ids(model, tokenizer) == [2, 7, end] and stop_strings(tokenizer, chat) == []

@@ -20,12 +20,11 @@ import math
 
 import pytest
 import torch
-from conftest import REPO, compose_cfg
+from conftest import REPO, compose_cfg, train_smoke
 
 from qlora_recipes import planner
 from qlora_recipes.errors import UserError
 from qlora_recipes.model import loading
-from qlora_recipes.run.training import train
 
 LAYER = "model.layers.1"
 
@@ -167,8 +166,7 @@ def test_train_py_with_a_layer_on_disk(tmp_path, monkeypatch, tiny8):
         return model
 
     monkeypatch.setattr(loading, "make_trainable", spy)
-    run_dir = tmp_path / "run"
-    m = train(compose_cfg("trainer=smoke", "data.metric=null", "trainer.max_steps=4", *disk_overrides(tiny8)), run_dir)
+    m, run_dir = train_smoke(tmp_path / "run", "trainer.max_steps=4", *disk_overrides(tiny8))
     assert m["steps"] == 4 and all(math.isfinite(x) for x in m["train_losses"]), m["train_losses"]
     after = _adapter(seen["model"])
     assert all(not torch.equal(seen["before"][n], p) for n, p in after.items() if "lora_B" in n)

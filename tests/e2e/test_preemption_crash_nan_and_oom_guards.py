@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, compose_cfg
+from conftest import REPO, SMOKE, compose_cfg
 from transformers import Trainer
 
 from qlora_recipes.errors import UserError
@@ -16,8 +16,7 @@ from qlora_recipes.run.resume import resume_checkpoint
 from qlora_recipes.run.training import train
 
 BASE = [
-    "trainer=smoke",
-    "data.metric=null",
+    *SMOKE,
     "trainer.max_steps=6",
     "trainer.save_steps=3",
     "trainer.logging_steps=1",

@@ -1,4 +1,4 @@
-"""Run dirs written before checkpoints recorded a data fingerprint resume with one line (issue 12).
+"""Run dirs written before checkpoints recorded a data fingerprint resume with one line.
 
 Such a run dir (made with the code of commit f4f13c7 and compared by hand) differs from a new one in
 three ways: its checkpoints carry no qlora_state.json (no manifest, no data fingerprint), its
@@ -11,23 +11,15 @@ import logging
 
 import pytest
 import yaml
-from conftest import REPO, compose_cfg
+from conftest import SMOKE, compose_cfg
 
 from qlora_recipes.errors import UserError
 from qlora_recipes.run.checkpoints import RECORD
 from qlora_recipes.run.resume import resume_checkpoint
 from qlora_recipes.run.training import train
 
-BASE = ["trainer=smoke", "data.metric=null", "trainer.save_steps=1", "trainer.micro_batch_size=4"]
+BASE = [*SMOKE, "trainer.save_steps=1", "trainer.micro_batch_size=4"]
 ADDED_SINCE = {"data": ("chat_template", "too_long"), "optim": ("warmup_steps",), None: ("logger", "hub")}
-
-
-@pytest.fixture
-def small(tmp_path) -> list[str]:
-    for name, keep in (("train", 64), ("eval", 8)):
-        rows = (REPO / f"assets/data/order/{name}.jsonl").read_text().splitlines()[:keep]
-        (tmp_path / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
-    return [f"data.path={tmp_path / 'train.jsonl'}", f"data.eval_path={tmp_path / 'eval.jsonl'}"]
 
 
 def age(run_dir) -> None:
@@ -42,16 +34,16 @@ def age(run_dir) -> None:
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
 
 
-def test_a_run_dir_from_before_fingerprints_resumes_saying_the_data_was_not_checked(small, tmp_path, caplog):
+def test_a_run_dir_from_before_fingerprints_resumes_saying_the_data_was_not_checked(small_data, tmp_path, caplog):
     run_dir = tmp_path / "run"
-    train(compose_cfg(*BASE, *small, "trainer.max_steps=2"), run_dir)
+    train(compose_cfg(*BASE, *small_data, "trainer.max_steps=2"), run_dir)
     age(run_dir)
 
     with pytest.raises(UserError, match=r"differs .* in peft\.r;"):  # a real change is still refused
-        resume_checkpoint(compose_cfg(*BASE, *small, "trainer.max_steps=3", "resume=auto", "peft.r=4"), run_dir)
+        resume_checkpoint(compose_cfg(*BASE, *small_data, "trainer.max_steps=3", "resume=auto", "peft.r=4"), run_dir)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="qlora_recipes.run.resume"):
-        m = train(compose_cfg(*BASE, *small, "trainer.max_steps=3", "resume=auto"), run_dir)
+        m = train(compose_cfg(*BASE, *small_data, "trainer.max_steps=3", "resume=auto"), run_dir)
     assert m["resumed_from"].endswith("checkpoint-2") and m["steps"] == 3
     lines = [r.getMessage() for r in caplog.records if r.name == "qlora_recipes.run.resume"]
     assert len(lines) == 1, lines

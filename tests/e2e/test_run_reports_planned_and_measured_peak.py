@@ -4,20 +4,15 @@ plan's cpu-device peak), each run's peak is its own within one process, memory.p
 
 import json
 import resource
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import compose_cfg
+from conftest import train_smoke
 from omegaconf import OmegaConf
 
 from qlora_recipes.integrations import sweep
-from qlora_recipes.run import memory
-from qlora_recipes.run.training import train
 
 GiB = 2**30
-SMOKE = ("trainer=smoke", "data.metric=null")
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +21,12 @@ def two_runs(tmp_path_factory):
     them: the footprint of a bigger job than the tiny model can make (its activations are a few MiB
     over a ~0.6 GiB interpreter baseline). ru_maxrss would hand that mark to the second job."""
     sweep_dir = tmp_path_factory.mktemp("sweep")
-    first = train(compose_cfg(*SMOKE), sweep_dir / "0")
+    first, _ = train_smoke(sweep_dir / "0")
     big = torch.ones(GiB // 4, dtype=torch.float32)  # 1 GiB, every page touched
     big.add_(1)
     del big  # a large block goes back to the OS: the process's RSS falls, ru_maxrss stays
     high_water = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
-    second = train(compose_cfg(*SMOKE, "peft.r=4"), sweep_dir / "1")
+    second, _ = train_smoke(sweep_dir / "1", "peft.r=4")
     for job, overrides in (("0", []), ("1", ["peft.r=4"])):
         (sweep_dir / job / ".hydra").mkdir()
         OmegaConf.save(OmegaConf.create(overrides), sweep_dir / job / ".hydra" / "overrides.yaml")
@@ -74,55 +69,3 @@ def test_second_run_in_a_process_reports_its_own_peak(two_runs):
     assert [r["peak_mem_gib"] for r in rows] == [first["peak_mem_gib"], second["peak_mem_gib"]]
     assert [r["plan_ratio"] for r in rows] == [first["plan_ratio"], second["plan_ratio"]]
     assert {r["peak_quantity"] for r in rows} == {"process RSS"}
-
-
-def test_tracker_peak_is_per_tracker_and_falls_back_to_the_plan_device():
-    if torch.cuda.is_available():
-        pytest.skip("the CPU sampler")
-    with memory.PeakTracker(gpu=False) as first:
-        held = torch.ones(GiB // 8)  # 512 MiB, touched
-        held.add_(1)
-        during = first.peak_gib()
-        del held
-    with memory.PeakTracker(gpu=False) as second:
-        after = second.peak_gib()
-    assert during > after + 0.4 and first.stop() >= during
-    assert memory.planned_peak_gib({"devices": [{"device": "cpu", "peak": GiB}], "peak_gib": 9.0}) == 1.0
-    gpu_plan = {"devices": [{"device": "cuda:0", "peak": 9 * GiB}], "peak_gib": 9.0, "peak_allocated_gib": 7.5}
-    assert memory.planned_peak_gib(gpu_plan) == 7.5 and memory.plan_on_gpu(gpu_plan)
-
-
-def test_cpu_peak_is_the_kernels_high_water_mark_and_sees_a_spike_no_sampler_would():
-    """A 256 MiB tensor that lives for microseconds: the tracker's peak has it (VmHWM, reset at
-    start), while the RSS before and after does not."""
-    if torch.cuda.is_available() or not memory.reset_rss_high_water_mark():
-        pytest.skip("Linux CPU: /proc/self/clear_refs")
-    with memory.PeakTracker(gpu=False, interval_s=3600) as tracker:  # a sampler this slow sees nothing
-        assert tracker.exact
-        before = memory.rss_bytes()
-        torch.ones(GiB // 16).add_(1)  # 256 MiB, touched, freed at once
-        spike = tracker.peak_gib() * GiB - before
-    assert spike > 0.9 * GiB / 4, spike / GiB
-
-
-def test_pinned_malloc_thresholds_give_freed_tensors_back():
-    """After pin_malloc_thresholds, freeing tensors of many sizes (which would raise glibc's dynamic
-    mmap threshold and leave them on the heap) returns their pages: RSS falls back to where it was.
-    In a fresh process each way, so no earlier test's heap is measured."""
-    code = """
-import sys, torch
-from qlora_recipes import peak
-if sys.argv[1] == "pin" and not memory.pin_malloc_thresholds():
-    print("unsupported"); raise SystemExit
-before = memory.rss_bytes()
-for mib in (2, 6, 16, 31, 10, 4, 24, 31, 8, 12):
-    torch.ones(mib * 2**18).add_(1)
-print((memory.rss_bytes() - before) / 2**20)
-"""
-    kept = {}
-    for mode in ("pin", "default"):
-        out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True).stdout
-        if out.strip() == "unsupported":
-            pytest.skip("glibc only")
-        kept[mode] = float(out.strip().splitlines()[-1])
-    assert kept["pin"] < 8 < 24 < kept["default"], kept  # MiB still resident after the frees

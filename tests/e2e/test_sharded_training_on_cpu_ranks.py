@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, SMOKE
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(
@@ -43,7 +43,6 @@ ENV = {
     "OMP_NUM_THREADS": "1",
     "CUDA_VISIBLE_DEVICES": "",
 }
-SMOKE = ("trainer=smoke", "data.metric=null")
 STRATEGIES = [pytest.param(s, marks=needs_deepspeed if s != "fsdp" else ()) for s in ("fsdp", "zero2", "zero3")]
 
 
@@ -214,7 +213,7 @@ def test_the_documented_command_runs_on_cpu(strategy, tmp_path):
 # One process on the same global batch: micro-batch 4 here, 2 per rank there (the distributed
 # sampler deals each rank every other batch of 2 of the same order). LoRA dropout off: its masks
 # are drawn per rank, so with dropout the gradients differ from one process by design.
-SAME_BATCH = ("trainer=smoke", "data.metric=null", "peft.dropout=0", "optim=adamw")
+SAME_BATCH = (*SMOKE, "peft.dropout=0", "optim=adamw")
 # fp32: the same math, summed in another order across ranks: bit-identical before the first
 # update, then within rel 1e-6 (seen: 1.2e-7). bf16: FSDP's MixedPrecisionPolicy(param_dtype=bf16)
 # and DeepSpeed's bf16 mode cast the weights k-bit prep keeps in fp32 (norms, embeddings,
@@ -326,7 +325,7 @@ def test_qlora_launch_starts_the_recipe_ranks_on_cpu(recipe, extra, strategy, tm
     """`scripts/launch.py --cpu RECIPE` (= `qlora launch --cpu`): the recipe's stack with the tiny
     model, started by `accelerate launch --config_file launch/accelerate/...` as on GPUs."""
     run = tmp_path / "run"
-    args = [recipe, *extra, "model=tiny", "data=order", "trainer=smoke", "data.metric=null", f"hydra.run.dir={run}"]
+    args = [recipe, *extra, "model=tiny", "data=order", *SMOKE, f"hydra.run.dir={run}"]
     proc = _run([sys.executable, str(REPO / "scripts" / "launch.py"), "--cpu", *args], tmp_path)
     assert "accelerate.commands.launch --config_file" in proc.stdout
     ranks = rank_metrics(run)

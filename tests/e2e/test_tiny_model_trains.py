@@ -17,7 +17,7 @@ def test_default_run_learns_and_writes_everything(run_dir):
     m = train(cfg, run_dir)
 
     # The same seed trains the same curve as before the architecture move (tests/expected/).
-    pinned = json.loads((Path(__file__).parent / "expected" / "default_run.json").read_text())
+    pinned = json.loads((Path(__file__).parents[1] / "expected" / "default_run.json").read_text())
     assert m["train_losses"] == pytest.approx(pinned["train_losses"], rel=1e-4)
     assert m["eval_exact_match_before"] == pinned["eval_exact_match_before"]
     assert m["eval_exact_match"] == pinned["eval_exact_match"]
@@ -62,13 +62,9 @@ def test_each_quant_option_loads_the_right_layer(quant, layer, run_dir):
     assert model.lm_head.weight.dtype == torch.bfloat16  # non-quantized parts in the precision dtype
 
 
-def _smoke(run_dir, *overrides):
-    return train(compose_cfg("trainer=smoke", "data.metric=null", *overrides), run_dir)
-
-
 @pytest.mark.parametrize("optim", ["paged8bit", "adamw8bit", "paged32bit", "adamw", "adafactor"])
-def test_each_optim_option_takes_steps(optim, run_dir):
-    m = _smoke(run_dir, f"optim={optim}")
+def test_each_optim_option_takes_steps(optim, smoke_run):
+    m, _ = smoke_run(f"optim={optim}")
     assert m["steps"] == 3 and m["train_loss_last"] > 0
 
 
@@ -85,7 +81,7 @@ def test_each_optim_option_takes_steps(optim, run_dir):
         ["trainer.gradient_checkpointing=false"],
     ],
 )
-def test_stack_variants_train(stack, run_dir):
-    m = _smoke(run_dir, *stack)
+def test_stack_variants_train(stack, run_dir, smoke_run):
+    m, _ = smoke_run(*stack)
     assert m["steps"] == 3
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()

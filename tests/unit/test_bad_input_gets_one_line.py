@@ -23,14 +23,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, SMOKE
 from hydra._internal.hydra import Hydra
 from hydra.core.global_hydra import GlobalHydra
 
 from qlora_recipes.cli import train as train_command
 
 TINY = REPO / "assets" / "tiny-llama"
-SMOKE = ["trainer=smoke", "data.metric=null"]
 GOOD_ROWS = "".join(
     json.dumps({"prompt": f"order: {w}\n", "completion": "".join(sorted(w))}) + "\n" for w in "cab dcba fed".split()
 )

@@ -1,7 +1,7 @@
 """A Ctrl-C never lands inside an import or a finalizer (qlora_recipes/interrupts.py): it waits until
 the import has finished, or the finalizer has returned, and is then a KeyboardInterrupt as usual.
 Each case runs in a child Python, with and without our handler: without it the import is left half
-done (the numpy failure of issue 12) or the Ctrl-C is lost."""
+done (numpy failed that way once) or the Ctrl-C is lost."""
 
 import re
 import signal

@@ -12,7 +12,7 @@ from qlora_recipes.config.schema import DataConfig
 from qlora_recipes.data import ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, format_kwargs, generation_pairs, load_splits
 from qlora_recipes.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "assets" / "tiny-llama"
 
 ROWS = {

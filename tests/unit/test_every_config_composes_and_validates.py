@@ -1,7 +1,7 @@
 """Every option file of every group and every recipe on disk composes and validates."""
 
 import pytest
-from conftest import GROUPS, REPO, compose_cfg, options
+from conftest import GROUPS, REPO, compose_cfg, compose_hydra_cfg, options
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
@@ -62,12 +62,7 @@ def test_option_composes_and_validates(group, option):
 
 @pytest.mark.parametrize("group,option", PRESETS, ids=[f"{g}={o}" for g, o in PRESETS])
 def test_sweep_and_launcher_presets_compose(group, option):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[f"{group}={option}"], return_hydra_config=True)
+    cfg = compose_hydra_cfg(f"{group}={option}")
     assert cfg.hydra.sweeper is not None and cfg.hydra.launcher is not None
 
 

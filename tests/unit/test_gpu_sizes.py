@@ -1,5 +1,5 @@
-"""devices.py: one rule for a GPU's size, whether a recipe's hardware node or `--gpus` names it
-(issue 14: `--gpus 24GB` planned 22.4 GiB while the 24 GB recipes plan 23.5 GiB)."""
+"""qlora_recipes/config/devices.py: one rule for a GPU's size, whether a recipe's hardware node or `--gpus` names it
+(once `--gpus 24GB` planned 22.4 GiB while the 24 GB recipes plan 23.5 GiB)."""
 
 import re
 

@@ -1,81 +1,21 @@
 """The lean options: `precision.upcast_frozen=false` (frozen embeddings, lm_head and norms in the
 compute dtype instead of k-bit prep's fp32) and `trainer.activation_offloading` (TRL: saved
-activations to pinned host RAM). Each trains on CPU or is refused in one line, and the plan moves
-by the bytes the option moves."""
-
-import math
+activations to pinned host RAM): what they leave trainable, what reaches SFTConfig, and the plan
+moving by the bytes the option moves. Training with them: e2e/test_lean_options_train.py."""
 
 import pytest
 import torch
-from conftest import compose_cfg, requires_gpu
+from conftest import compose_cfg
 
 from qlora_recipes import planner
 from qlora_recipes.errors import UserError
 from qlora_recipes.model import loading
 from qlora_recipes.planner.ladder import COSTS, LADDER_ORDER, _candidates
 from qlora_recipes.planner.peaks import device_peak
-from qlora_recipes.run.training import train
 from qlora_recipes.run.validate import validate
 
 GiB = 2**30
 HOST = 64 * GiB
-
-
-def _smoke(run_dir, *overrides):
-    return train(compose_cfg("trainer=smoke", "data.metric=null", *overrides), run_dir)
-
-
-def _spy_on_training_dtypes(monkeypatch) -> dict:
-    """Wrap loading.make_trainable: at each training forward, the dtypes the final norm sees."""
-    seen: dict = {}
-    real = loading.make_trainable
-
-    def spy(cfg, model):
-        model = real(cfg, model)
-        base = model.get_base_model()
-
-        def record(module, args):
-            if not (module.training and torch.is_grad_enabled()):
-                return
-            seen["lm_head"] = base.lm_head.weight.dtype
-            seen["embed_tokens"] = base.model.embed_tokens.weight.dtype
-            seen["norms"] = {m.weight.dtype for n, m in base.named_modules() if n.endswith("norm")}
-            seen["frozen"] = {p.dtype for p in base.parameters() if not p.requires_grad and p.is_floating_point()}
-            seen["lora"] = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
-            seen["trainable"] = {p.dtype for p in model.parameters() if p.requires_grad}
-            seen["residual"] = args[0].dtype
-
-        base.model.norm.register_forward_pre_hook(record)
-        return model
-
-    monkeypatch.setattr(loading, "make_trainable", spy)
-    return seen
-
-
-# ----------------------------------------------------------------------------------------------
-# precision.upcast_frozen
-# ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "quant,upcast",
-    [("nf4", False), ("fp4", False), ("int8", False), ("none", False), ("nf4", True)],
-)
-def test_frozen_parts_train_in_the_dtype_asked_for(quant, upcast, run_dir, monkeypatch):
-    seen = _spy_on_training_dtypes(monkeypatch)
-    m = _smoke(run_dir, f"quant={quant}", f"precision.upcast_frozen={str(upcast).lower()}")
-    assert m["steps"] == 3 and all(math.isfinite(x) for x in m["train_losses"]), m["train_losses"]
-    frozen = torch.float32 if upcast and quant != "none" else torch.bfloat16
-    assert seen["lm_head"] == seen["embed_tokens"] == frozen
-    assert seen["norms"] == seen["frozen"] == {frozen}
-    assert seen["residual"] == frozen  # the residual stream follows the embeddings
-    assert seen["lora"] == seen["trainable"] == {torch.float32}  # peft autocast_adapter_dtype
-
-
-def test_modules_to_save_copies_train_in_fp32_without_the_upcast(run_dir, monkeypatch):
-    """peft upcasts the adapters, not the modules_to_save copies: make_trainable does (as planned)."""
-    seen = _spy_on_training_dtypes(monkeypatch)
-    m = _smoke(run_dir, "precision.upcast_frozen=false", "peft.modules_to_save=[lm_head]")
-    assert all(math.isfinite(x) for x in m["train_losses"]), m["train_losses"]
-    assert seen["trainable"] == {torch.float32} and seen["frozen"] == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("upcast", [True, False])
@@ -90,26 +30,6 @@ def test_planned_other_params_are_what_make_trainable_leaves(upcast, run_dir):
     assert sum(plan["components"]["other_params"].values()) == sum(p.numel() * p.element_size() for p in frozen)
 
 
-# ----------------------------------------------------------------------------------------------
-# trainer.activation_offloading
-# ----------------------------------------------------------------------------------------------
-OFFLOAD_LINE = "trainer.activation_offloading=true needs a CUDA GPU"
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
-def test_activation_offloading_is_refused_in_one_line_on_cpu(run_dir):
-    with pytest.raises(UserError) as err:
-        _smoke(run_dir, "trainer.activation_offloading=true")
-    assert str(err.value).startswith(OFFLOAD_LINE) and "\n" not in str(err.value)
-    assert not (run_dir / "config.yaml").exists()  # refused before anything is written
-    # why: TRL's offloader asks torch for the accelerator, and there is none (an AttributeError
-    # from SFTTrainer's __init__ otherwise); when TRL runs here, this refusal can go
-    from trl.models import get_act_offloading_ctx_manager
-
-    with pytest.raises(AttributeError):
-        get_act_offloading_ctx_manager(torch.nn.Linear(2, 2))
-
-
 def test_activation_offloading_reaches_sft_config_and_passes_validation_with_a_gpu(tmp_path):
     from qlora_recipes.run import trainer_args
 
@@ -120,13 +40,6 @@ def test_activation_offloading_reaches_sft_config_and_passes_validation_with_a_g
         trainer_args.sft_config(compose_cfg(), tmp_path, "text", on_gpu=False, has_eval=False).activation_offloading
         is False
     )
-
-
-@pytest.mark.gpu
-@requires_gpu("TRL's activation offloading needs a CUDA GPU")
-def test_activation_offloading_trains_on_a_gpu(run_dir):
-    m = _smoke(run_dir, "trainer.activation_offloading=true")
-    assert m["steps"] == 3 and all(math.isfinite(x) for x in m["train_losses"])
 
 
 # ----------------------------------------------------------------------------------------------

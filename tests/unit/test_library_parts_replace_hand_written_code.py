@@ -1,4 +1,4 @@
-"""Library parts instead of hand-written ones (issue 13, deliverable 6), each with what users saw before.
+"""Library parts instead of hand-written ones, each with what users saw before.
 
 - checkpoint discovery: transformers' `get_last_checkpoint` / `sort_checkpoints` under our soundness check
 - dequantization: bitsandbytes' `dequantize_4bit` and peft's `dequantize_bnb_weight` / `get_bnb_param_type`

@@ -16,34 +16,23 @@ import warnings
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from conftest import REPO, compose_cfg
 
-REPO = Path(__file__).resolve().parents[1]
+from qlora_recipes import planner
+from qlora_recipes.config.devices import parse_gpus
+from qlora_recipes.errors import UserError
+from qlora_recipes.planner import components, constants, figures, placement
+from qlora_recipes.planner.ladder import LADDER_ORDER
+from qlora_recipes.planner.spec import spec_from_cfg
+from qlora_recipes.units import parse_size
 
-from qlora_recipes import planner  # noqa: E402
-from qlora_recipes.config.devices import parse_gpus  # noqa: E402
-from qlora_recipes.config.loader import register_schemas  # noqa: E402
-from qlora_recipes.errors import UserError  # noqa: E402
-from qlora_recipes.planner import components, constants, figures, placement  # noqa: E402
-from qlora_recipes.planner.ladder import LADDER_ORDER  # noqa: E402
-from qlora_recipes.planner.spec import spec_from_cfg  # noqa: E402
-from qlora_recipes.units import parse_size  # noqa: E402
-
-register_schemas()
 GiB = 2**30
 GB = 10**9
 HOST = 64 * GiB  # a declared host for plans that must not depend on this machine's RAM
 
 
-def cfg_for(*overrides: str):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
-
-
 def plan_for(*overrides: str, gpus=None, host_ram=HOST, ladder=True):
-    return planner.plan(cfg_for(*overrides), gpus=gpus, host_ram=host_ram, world_size=1, ladder=ladder)
+    return planner.plan(compose_cfg(*overrides), gpus=gpus, host_ram=host_ram, world_size=1, ladder=ladder)
 
 
 def total(plan: dict, component: str) -> int:
@@ -414,7 +403,7 @@ def test_layer_activation_tally_matches_what_autograd_keeps_on_cpu(tiny_models, 
         f"trainer.micro_batch_size={b}",
         f"trainer.seq_len={s}",
     )
-    st = spec_from_cfg(cfg_for(*overrides), world_size=1)
+    st = spec_from_cfg(compose_cfg(*overrides), world_size=1)
     layer_bytes = next(bb for blk, bb in components.block_bytes(st) if blk.name == "model.layers.1")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -516,7 +505,7 @@ def test_device_map_is_the_one_from_pretrained_builds(tiny_models, tmp_path, kin
 def test_single_device_shortcut_agrees_with_the_loaders_device_map(tiny_models, kind, quant):
     """infer_device_map skips the meta model when the whole model provably fits one device; on
     both sides of that boundary the loader's own _get_device_map gives the same answer."""
-    st = spec_from_cfg(cfg_for(f"model.name_or_path={tiny_models[kind]}", f"quant={quant}", "offload=cpu"), 1)
+    st = spec_from_cfg(compose_cfg(f"model.name_or_path={tiny_models[kind]}", f"quant={quant}", "offload=cpu"), 1)
     bbs = components.block_bytes(st)
     sizes = [bb.placed_bytes for _, bb in bbs]
     factor = constants.BNB_MAX_MEMORY_FACTOR if st.quantized else 1.0
@@ -546,7 +535,7 @@ FAST_MODELS = ("llama2-70b", "llama3.1-8b", "mistral-7b", "qwen2.5-7b", "gemma2-
 )
 def test_analytic_inventory_matches_the_transformers_module_tree(option):
     """The figure-based parameter inventory equals the modules transformers builds from the figures."""
-    cfg = cfg_for(f"model={option}")
+    cfg = compose_cfg(f"model={option}")
     fig = planner.model_figures(cfg.model)
     if fig.architecture not in constants.KNOWN_ARCHITECTURES:
         pytest.skip(f"{fig.architecture} is planned from the meta model only")

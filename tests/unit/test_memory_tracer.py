@@ -80,14 +80,15 @@ def test_suite_covers_every_single_gpu_recipe_and_lean_option():
 
 
 def test_slices_for_offloading_cover_trls_forward_stash():
+    from conftest import compose_cfg
+
     from bench.trace.run import slice_layers
-    from qlora_recipes.config.loader import compose
     from qlora_recipes.planner.constants import TRL_OFFLOAD_FWD_STASH
 
-    assert slice_layers(compose(["recipe=llama3.1-8b-24gb"])) == (2, 3)
-    k, _ = slice_layers(compose(["recipe=llama3.1-8b-24gb", "trainer.activation_offloading=true"]))
+    assert slice_layers(compose_cfg("recipe=llama3.1-8b-24gb")) == (2, 3)
+    k, _ = slice_layers(compose_cfg("recipe=llama3.1-8b-24gb", "trainer.activation_offloading=true"))
     assert k > TRL_OFFLOAD_FWD_STASH
-    assert slice_layers(compose([])) is None  # the 2-layer tiny model is traced whole
+    assert slice_layers(compose_cfg()) is None  # the 2-layer tiny model is traced whole
 
 
 def test_split_extrapolation_is_affine_in_both_counts():

@@ -1,4 +1,4 @@
-"""Fail fast offline (issue 14.3): the cause a user can fix is named first (a missing data file
+"""Fail fast offline: the cause a user can fix is named first (a missing data file
 before the model is looked up), and a hub model id with no hub is one line within seconds, not a
 minute of "Retrying" lines. Hermetic: the hub endpoint is a closed port on this machine."""
 
@@ -16,7 +16,7 @@ from huggingface_hub import constants
 from qlora_recipes.errors import UserError
 from qlora_recipes.model.check import check_hub_model
 
-README_COMMAND = ["model=llama3.1-8b", "trainer=standard", "data.path=my.jsonl"]  # issue 14's example
+README_COMMAND = ["model=llama3.1-8b", "trainer=standard", "data.path=my.jsonl"]  # the README's example
 
 
 def closed_port() -> int:

@@ -1,11 +1,9 @@
-"""Own data: `python train.py data.path=FILE` alone. The format is detected from the rows, the eval split is
+"""Own data: `data.path=FILE` alone. The format is detected from the rows, the eval split is
 held out of that file, the metric is eval loss; the shipped sample's eval file, exact-match metric and
 generation length stay with the sample (conf/data/order.yaml ties them to its path). Evaluation stays
 bounded whatever the eval rows hold."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -100,33 +98,6 @@ def test_own_file_of_each_format_is_detected_and_split(tmp_path, tok, caplog, fm
     assert "18 train rows, 2 eval held out (data.eval_fraction=0.1); metric: eval loss" in lines[0]
 
 
-def test_python_train_py_with_only_data_path(tmp_path):
-    """The issue's case: a prompt/completion file trained with nothing else set used to evaluate on the
-    shipped sample's eval file with its exact-match metric. Now: split from the file, eval loss."""
-    path = write_jsonl(tmp_path / "pc.jsonl", own_rows("prompt_completion", 30))
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), f"data.path={path}", "trainer=smoke", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("data: ")]
-    assert lines == [
-        f"data: {path}: prompt_completion rows (detected from the fields); 27 train rows, "
-        "3 eval held out (data.eval_fraction=0.1); metric: eval loss"
-    ]
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["status"] == "ok" and metrics["eval_loss"] is not None
-    assert metrics["eval_exact_match"] is None and metrics["eval_exact_match_before"] is None
-    assert metrics["data"]["eval_source"] == f"0.1 of {path} (seed 0)"
-    assert "order" not in json.dumps(metrics["data"])  # nothing of the sample
-    assert metrics["data"]["prompt_format"] == {"style": "plain", "prefix": "sort: ", "suffix": "\n"}
-
-
 # --------------------------------------------------------------------------------------------------
 # Bounded evaluation: prompts cut to seq_len, at most max_new_tokens, whatever the eval rows hold
 # --------------------------------------------------------------------------------------------------
@@ -179,36 +150,3 @@ def test_exact_match_prompts_are_cut_to_seq_len(monkeypatch, tok):
     recorder.calls.clear()
     metrics.exact_match(model, tok, pairs[:1], max_new_tokens=5, max_batch_tokens=128)
     assert recorder.calls[0][0][1] <= 128 - 5
-
-
-def test_eval_file_with_100k_character_rows_runs_within_bounds(tmp_path, run_dir, monkeypatch):
-    """A real run whose eval file holds 100k-character rows: eval loss on rows truncated to seq_len (and
-    counted), exact match on prompts cut to seq_len, generating at most max_new_tokens."""
-    from qlora_recipes.run.training import train
-
-    train_path = write_jsonl(tmp_path / "train.jsonl", own_rows("prompt_completion", 16))
-    long_rows = [{"prompt": "z" * 100_000 + f"\nsort: {w}\n", "completion": "".join(sorted(w))} for w in _words(3)]
-    eval_path = write_jsonl(tmp_path / "eval.jsonl", long_rows + own_rows("prompt_completion", 2))
-    assert eval_path.stat().st_size > 300_000
-    recorder = GenerateRecorder(monkeypatch)
-    out = train(
-        compose_cfg(
-            f"data.path={train_path}",
-            f"data.eval_path={eval_path}",
-            "data.metric=exact_match",
-            "data.max_new_tokens=6",
-            "trainer=smoke",
-            "trainer.eval_batch_size=1",
-        ),
-        run_dir,
-    )
-    assert out["status"] == "ok" and out["eval_loss"] is not None and out["eval_exact_match"] is not None
-    data = out["data"]
-    assert (
-        data["over_seq_len"] == {"train": 0, "eval": 3}
-        and data["truncated"]["eval"] + data["dropped_by_truncation"]["eval"] == 3
-    )
-    assert data["max_tokens"]["eval"] > 100_000
-    assert sum(rows for (rows, _), _, _ in recorder.calls) == 2 * 5  # before and after training, every eval row
-    for (_, positions), new, (_, out_positions) in recorder.calls:
-        assert positions <= 64 and new == 6 and out_positions <= 64 + 6

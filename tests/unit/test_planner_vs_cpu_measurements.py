@@ -1,5 +1,5 @@
-"""The planner against the CPU (bench/planner_cpu.py): the committed results cover the suite the
-issue asks for, every measured case is within 10 % of its plan, and the planned figures in the
+"""The planner against the CPU (bench/planner_cpu.py): the committed results span sizes, families
+and stacks, every measured case is within 10 % of its plan, and the planned figures in the
 file are what the planner says today (a planner change must re-score them: `python -m bench
 planner-cpu --replan`). The measuring itself is a benchmark, not a test."""
 

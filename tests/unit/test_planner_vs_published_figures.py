@@ -3,15 +3,12 @@ entry's stack, composed from our config and planned for the peer's hardware, lan
 the published figure; every entry names its source and stack, and says why when it cannot be
 expressed. Pure arithmetic: no GPU, no weights."""
 
-from pathlib import Path
-
 import pytest
 import yaml
+from conftest import REPO, compose_cfg
 
 from qlora_recipes import planner
-from qlora_recipes.config.loader import compose
 
-REPO = Path(__file__).resolve().parents[1]
 ENTRIES = yaml.safe_load((REPO / "bench" / "published.yaml").read_text())["entries"]
 TOLERANCE = 0.15
 UNITS = {"GB": 1e9, "GiB": 2**30}
@@ -21,7 +18,7 @@ COMPARE = ("peak_allocated_gib", "peak_reserved_gib", "peak_gib")
 def planned_gib(entry: dict) -> float:
     """The plan figure `entry['compare']` names, in GiB, for the entry's stack on its hardware."""
     hw = entry["hardware"]
-    cfg = compose(entry["stack"])
+    cfg = compose_cfg(*entry["stack"])
     p = planner.plan(cfg, gpus=hw["gpus"], host_ram=hw["host_ram"], world_size=hw["world_size"], ladder=False)
     if entry["compare"] == "peak_reserved_gib":  # max_memory_reserved: the device peak less the CUDA context
         dev = p["devices"][0]["device"]

@@ -28,7 +28,7 @@ ENV = {
     "PYTHONWARNINGS": "ignore",
 }
 GiB = 2**30
-# Recipes the issue asks for; more may be added, none may disappear.
+# The recipes the README promises; more may be added, none may disappear.
 REQUIRED = {
     "llama2-70b-a100", "llama3.1-70b-48gb", "llama3.1-8b-24gb", "llama2-7b-16gb", "mistral-7b-12gb",
     "qwen2.5-72b-a100", "llama3.1-70b-2x24gb", "llama3.1-405b-8xa100", "llama2-70b-24gb-disk", "tiny-cpu",
@@ -212,7 +212,7 @@ def test_make_plan_target_prints_the_plan_for_the_declared_hardware():
 
 
 def test_make_test_args_stay_with_pytest():
-    """`make test ARGS='-x -q ...'` (issue 14): the pytest arguments must not reach the `make plan-...`
+    """`make test ARGS='-x -q ...'`: the pytest arguments must not reach the `make plan-...`
     the selected test starts, neither through MAKEFLAGS nor the environment; here the outer make
     runs with this test's own environment, as a user's shell would."""
     selected = "tests/test_recipes.py::test_make_plan_target_prints_the_plan_for_the_declared_hardware"
@@ -244,7 +244,7 @@ def test_lean_recipes_meet_their_allocated_targets(name, target_gib):
 
 
 def test_the_install_shows_its_progress():
-    """Issue 14: `make train` / `make test` on a fresh clone installed for minutes with no output
+    """`make train` / `make test` on a fresh clone installed for minutes with no output
     (pip -q). The requirements install says what it does and shows pip's own progress."""
     out = run("make", "-n", "-B", ".venv/.installed").stdout
     install = [ln for ln in out.splitlines() if "pip install" in ln and "requirements.txt" in ln]

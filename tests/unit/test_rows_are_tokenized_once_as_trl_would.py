@@ -1,4 +1,4 @@
-"""Tokenize once (issue 13): load_splits hands TRL's SFTTrainer already-tokenized rows (`input_ids` plus
+"""Tokenize once: load_splits hands TRL's SFTTrainer already-tokenized rows (`input_ids` plus
 TRL's `completion_mask` / `assistant_masks`), and TRL does not tokenize them again. For every format the
 ids and the loss mask TRL trains on are exactly those TRL's own tokenization of the same rows gives, the
 truncation counts of the run summary are those the count-then-retokenize pipeline printed, and a large
@@ -14,7 +14,7 @@ from qlora_recipes.config.schema import DataConfig
 from qlora_recipes.data import format_kwargs, load_splits
 from qlora_recipes.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "assets" / "tiny-llama"
 
 # Rows of every format, some fitting, some truncated, some left with no trained token within SEQ_LEN.

@@ -1,7 +1,6 @@
-"""What a run prints (issue 14.4, 14.7): the run dir first, a short summary table and the next
+"""What a run prints: the run dir first, a short summary table and the next
 commands at the end, a launcher that cannot start as one line, and no warnings our calls cause."""
 
-import json
 import logging
 import os
 import re
@@ -100,7 +99,7 @@ def test_a_slurm_launcher_without_slurm_is_one_line(tmp_path):
     assert "hydra/launcher=local" in proc.stderr  # what to do instead
 
 
-# ---------------------------------------------------------------- 14.7: no warnings we can avoid
+# ---------------------------------------------------------------------- no warnings we can avoid
 def test_sft_config_uses_the_transformers_5_checkpointing_names(tmp_path):
     cfg = compose_cfg("trainer=smoke")
     with warnings.catch_warnings():
@@ -133,27 +132,3 @@ def test_a_paged_optimizer_on_cpu_is_one_line_of_ours_and_no_library_warning(cap
     assert not any("Paged optimizers" in m for m in other)
     notes = [r.getMessage() for r in caplog.records if "unpaged" in r.getMessage()]
     assert notes == ["optim: paged_adamw_8bit runs unpaged on this CPU (paging needs CUDA; the updates are the same)"]
-
-
-def test_the_default_smoke_run_prints_no_warnings_and_ends_with_the_summary_and_next_commands(tmp_path):
-    """`python train.py trainer=smoke` as a user runs it: no Warning line at all, the run dir at
-    the start, the table and the commands with that run dir at the end; metrics.json as before."""
-    run_dir = tmp_path / "runs" / "smoke"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "trainer=smoke", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    warned = [ln for ln in (proc.stderr + proc.stdout).splitlines() if re.search(r"warning", ln, re.IGNORECASE)]
-    assert warned == []
-    out = proc.stdout.splitlines()
-    assert out.index("run dir: runs/smoke") < out.index("stack recipe=-")  # where it writes, first
-    assert "optim: paged_adamw_8bit runs unpaged on this CPU" in proc.stdout
-    assert "done: runs/smoke  (adapter/, metrics.json)" in out
-    assert re.search(r"^  merge +python scripts/merge.py runs/smoke$", proc.stdout, re.MULTILINE)
-    assert "trainer=smoke resume=auto hydra.run.dir=runs/smoke trainer.max_steps=6" in proc.stdout
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["status"] == "ok" and f"{metrics['train_loss_first']:.4g} -> " in proc.stdout

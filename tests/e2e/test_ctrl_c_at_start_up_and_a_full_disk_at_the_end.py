@@ -38,7 +38,7 @@ def _sigint_as_in_a_terminal() -> None:
 # The fresh-check of 2026-11-23 saw a SIGINT 0.82 s in land inside numpy's lazy `np.dtypes` import
 # (reached from accelerate via transformers): numpy was left half-imported and the KeyboardInterrupt
 # became a RecursionError traceback. interrupts.py now holds a Ctrl-C until the import under way is
-# done (tests/test_interrupts.py pins that on its own).
+# done (unit/test_ctrl_c_waits_for_imports_and_finalizers.py pins that on its own).
 def test_ctrl_c_at_any_moment_of_start_up_is_one_line_and_exit_130(tmp_path):
     base = 1.5 * interpreter_start_s()
     # dense over the first tenths (our package's imports: a traceback there before), then sparse

@@ -177,7 +177,8 @@ def test_valid_distributed_stacks_pass():
         cfg = compose_cfg(f"recipe={name}")
         validate(cfg, gpu_available=True, world_size=devices.ranks(cfg))
     validate(compose_cfg("dist=ddp"), gpu_available=False, world_size=2)  # DDP on CPU (gloo) is fine
-    for option in ("fsdp", "zero2", "zero3"):  # and so are the sharded strategies (tests/test_sharded.py)
+    # and so are the sharded strategies (e2e/test_sharded_training_on_cpu_ranks.py)
+    for option in ("fsdp", "zero2", "zero3"):
         if option == "fsdp" or _has_deepspeed():
             validate(compose_cfg(f"dist={option}"), gpu_available=False, world_size=2)
 

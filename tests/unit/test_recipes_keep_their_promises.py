@@ -215,7 +215,7 @@ def test_make_test_args_stay_with_pytest():
     """`make test ARGS='-x -q ...'`: the pytest arguments must not reach the `make plan-...`
     the selected test starts, neither through MAKEFLAGS nor the environment; here the outer make
     runs with this test's own environment, as a user's shell would."""
-    selected = "tests/test_recipes.py::test_make_plan_target_prints_the_plan_for_the_declared_hardware"
+    selected = "tests/unit/test_recipes_keep_their_promises.py::test_make_plan_target_prints_the_plan_for_the_declared_hardware"
     outer = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = run(*MAKE, "test", f"ARGS=-x -q -p no:cacheprovider {selected}", env=outer)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

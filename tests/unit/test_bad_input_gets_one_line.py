@@ -552,7 +552,7 @@ def test_the_real_command_refuses_bad_data_in_one_line(tmp_path):
 
 def test_config_checks_run_before_torch_is_imported():
     code = (
-        "import sys; from qlora_recipes.config.schema import compose; from qlora_recipes.run.validate import check_config; "
+        "import sys; from qlora_recipes.config.loader import compose; from qlora_recipes.run.validate import check_config; "
         "check_config(compose(['trainer=smoke'])); assert 'torch' not in sys.modules, 'torch imported'"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)

@@ -1,5 +1,5 @@
-"""The command line as a user meets it, real processes that train: a smoke run from another directory,
-Ctrl-C while loading and while training, a multirun with its summary."""
+"""The command line as a user meets it, real processes that train: Ctrl-C while loading and while
+training, a multirun with its summary. The plain smoke command: test_the_smoke_command_as_a_user_runs_it.py."""
 
 import csv
 import json
@@ -19,15 +19,6 @@ def run(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600
     )
-
-
-def test_smoke_run_from_another_directory_writes_a_run_dir(tmp_path):
-    out = tmp_path / "run"
-    proc = run(*SMOKE, f"hydra.run.dir={out}", cwd=tmp_path)  # repo paths resolve from any cwd
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((out / "metrics.json").read_text())["steps"] == 3
-    assert (out / ".hydra" / "config.yaml").is_file() and (out / "adapter" / "adapter_config.json").is_file()
-    assert "quant = nf4" in proc.stdout  # the composed stack printed as a tree
 
 
 def _interrupt_when(marker: str, run_dir, *args: str) -> tuple[subprocess.Popen, str]:

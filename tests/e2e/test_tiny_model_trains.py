@@ -3,12 +3,9 @@
 import json
 from pathlib import Path
 
-import bitsandbytes as bnb
 import pytest
-import torch
 from conftest import compose_cfg
 
-from qlora_recipes.model import loading
 from qlora_recipes.run.training import train
 
 
@@ -47,22 +44,8 @@ def test_default_run_learns_and_writes_everything(run_dir):
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
 
 
-@pytest.mark.parametrize(
-    "quant,layer",
-    [("nf4", bnb.nn.Linear4bit), ("fp4", bnb.nn.Linear4bit), ("int8", bnb.nn.Linear8bitLt), ("none", torch.nn.Linear)],
-)
-def test_each_quant_option_loads_the_right_layer(quant, layer, run_dir):
-    cfg = compose_cfg(f"quant={quant}")
-    model = loading.load_model(cfg, run_dir)
-    q_proj = model.model.layers[0].self_attn.q_proj
-    assert type(q_proj) is layer
-    if quant in ("nf4", "fp4"):
-        assert q_proj.weight.quant_type == quant
-        assert q_proj.weight.quant_state.nested  # double quantization on
-    assert model.lm_head.weight.dtype == torch.bfloat16  # non-quantized parts in the precision dtype
-
-
-@pytest.mark.parametrize("optim", ["paged8bit", "adamw8bit", "paged32bit", "adamw", "adafactor"])
+# paged8bit is the default: every smoke run of the suite takes its steps with it.
+@pytest.mark.parametrize("optim", ["adamw8bit", "paged32bit", "adamw", "adafactor"])
 def test_each_optim_option_takes_steps(optim, smoke_run):
     m, _ = smoke_run(f"optim={optim}")
     assert m["steps"] == 3 and m["train_loss_last"] > 0
@@ -73,7 +56,8 @@ def test_each_optim_option_takes_steps(optim, smoke_run):
     [
         ["quant=fp4"],
         ["quant=int8"],
-        ["quant=none"],
+        # quant=none: test_frozen_parts_train_in_the_dtype_asked_for[none-False] trains it (without
+        # quantization there is no k-bit prep for precision.upcast_frozen to turn off: the same run)
         ["peft=dora"],
         ["peft=rslora"],
         ["precision=fp32"],

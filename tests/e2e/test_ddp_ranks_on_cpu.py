@@ -44,7 +44,7 @@ _LATE_RANK = """
 import os, sys, time
 if os.environ["RANK"] == "1":
     time.sleep(1.5)
-from qlora_recipes import dist
+from qlora_recipes.run import dist
 print("RUN_DIR", os.environ["RANK"], dist.shared_run_dir(sys.argv[1:])[0], flush=True)
 """
 

@@ -146,7 +146,7 @@ PartialState(cpu=True)  # what TrainingArguments(use_cpu=True) sets up on CPU ra
 acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
 out["plain"] = [str(acc.distributed_type), getattr(AcceleratorState(), "fsdp_plugin", None) is not None]
 AcceleratorState._reset_state(reset_partial_state=True)
-from qlora_recipes import dist
+from qlora_recipes.run import dist
 dist.admit_fsdp_on_cpu()
 PartialState(cpu=True)
 acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=True))

@@ -199,7 +199,7 @@ def merged(trained) -> dict:
 PUSH_RECORDING = """
 import json, sys
 from types import SimpleNamespace
-from qlora_recipes import hub
+from qlora_recipes.integrations import hub
 from qlora_recipes.cli import push
 
 quiet = hub.quiet_but_upload_progress

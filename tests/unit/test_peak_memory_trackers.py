@@ -47,7 +47,7 @@ def test_pinned_malloc_thresholds_give_freed_tensors_back():
     In a fresh process each way, so no earlier test's heap is measured."""
     code = """
 import sys, torch
-from qlora_recipes import peak
+from qlora_recipes.run import memory
 if sys.argv[1] == "pin" and not memory.pin_malloc_thresholds():
     print("unsupported"); raise SystemExit
 before = memory.rss_bytes()

@@ -27,6 +27,10 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> s
     return errors[0]
 
 
+# slow: each case is also in test_bad_input_gets_one_line.py's catalog (in-process, the same
+# one-line, exit-2, nothing-written checks), whose test_the_real_command_* tests cover the real
+# process; here every case pays an interpreter start and the imports (~10 s).
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,needles",
     [
@@ -48,6 +52,7 @@ def test_bad_input_gets_one_line(args, needles, tmp_path):
     assert "Error executing job" not in proc.stderr
 
 
+@pytest.mark.slow  # test_bad_input_gets_one_line.py: test_the_real_command_refuses_bad_data_in_one_line
 def test_malformed_data_row_names_file_row_and_field(tmp_path):
     bad = tmp_path / "train.jsonl"
     bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n')

@@ -4,7 +4,7 @@
     python -m bench planner-sharded --only 'llama-1m/*' --resume
 
 Every case is `torchrun --standalone --nproc_per_node 2 train.py dist=S ...` (gloo, the trainer's
-DDP / FSDP2 / DeepSpeed path as tests/test_sharded.py runs it) of two optimizer steps on one of
+DDP / FSDP2 / DeepSpeed path as tests/e2e/test_sharded_training_on_cpu_ranks.py runs it) of two optimizer steps on one of
 bench/planner_cpu.py's locally built models (its builder, job overrides and shapes are reused
 here): 1 M, 50 M and 300 M parameters, the last also at micro-batch 4 x 256 (SHAPES). Each rank records its own peak (peak.py: the kernel's RSS high-water mark from the run's
 start, loading included) in metrics.json (rank 0) or metrics.rank{N}.json; the planned figure is

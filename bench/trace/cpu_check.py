@@ -14,7 +14,7 @@ on the loader's path (from_pretrained with a device map and an offload folder, t
 modeling.make_trainable), peft moved the adapters of an offloaded layer to the device of its base
 weight, which accelerate's offload hook keeps on `meta`, and the first backward failed ("expected
 device meta but got cpu"). modeling._adapters_off_meta re-creates them on the execution device;
-the repro records where they are and that backward runs (tests/test_offload.py trains them).
+the repro records where they are and that backward runs (tests/e2e/test_offloaded_layers_train_and_save.py trains them).
 """
 
 from __future__ import annotations

@@ -183,5 +183,5 @@ def make_trainable(cfg: Any, model, quantizer):
 
 
 # SFTTrainer.__init__ (TRL 1.16): add_fused_lm_head(..., outputs=("log_probs", "entropy", "is_top1"));
-# tests/test_trace.py checks the source still says so.
+# tests/unit/test_memory_tracer.py checks the source still says so.
 SFT_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")

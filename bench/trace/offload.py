@@ -16,7 +16,7 @@ tensors (here already fp32: the GPU receives the same fp32 copies), replaced by 
 accelerate hook on each module that holds them (never on the adapters). The onloaded copies are
 labelled `offload_staging`. Disk and host RAM are the same to the GPU (the hook onloads from
 either), so "disk" blocks are traced as host-RAM blocks; what the host side holds (params x the
-load dtype's bytes, tests/test_offload.py) is not compared.
+load dtype's bytes, tests/e2e/test_offloaded_layers_train_and_save.py) is not compared.
 
 A model whose layers are split between the GPU and the host is not one repeated layer, so it is
 traced as three slices (k GPU layers + m offloaded, k + 1 + m, k + m + 1) and each phase is

@@ -11,7 +11,7 @@ everything else whole: embeddings, vocabulary, sequence, batch, optimizer) and e
 phase's peak and components exactly: x(L) = x(k) + (L - k) * (x(k + 1) - x(k)). The smallest k is 2,
 and with TRL's activation offloading 1 + TRL_OFFLOAD_FWD_STASH (its forward stash keeps the inputs of
 the last five layers on the GPU, so fewer layers would not yet show the per-layer step).
-tests/test_trace.py checks a sliced trace against a full one.
+tests/unit/test_memory_tracer.py checks a sliced trace against a full one.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def _brief(r: dict) -> dict:
 
 def plan_for(overrides: list[str], gpus: list[int] | None = None) -> dict:
     """The plan of one process of the stack, for its recipe's declared hardware (GPU memory, host
-    RAM: as tests/test_recipes.py plans a recipe) or the GPU given; without the ladder."""
+    RAM: as tests/unit/test_recipes_keep_their_promises.py plans a recipe) or the GPU given; without the ladder."""
     from qlora_recipes import planner
     from qlora_recipes.config import devices
     from qlora_recipes.config.loader import load

@@ -1,0 +1,92 @@
+"""The lean options in training: `precision.upcast_frozen=false` (frozen embeddings, lm_head and norms in the
+compute dtype instead of k-bit prep's fp32) trains in the dtype asked for; `trainer.activation_offloading`
+(TRL: saved activations to pinned host RAM) is refused in one line on CPU and trains on a GPU."""
+
+import math
+
+import pytest
+import torch
+from conftest import requires_gpu
+
+from qlora_recipes.errors import UserError
+from qlora_recipes.model import loading
+
+
+def _spy_on_training_dtypes(monkeypatch) -> dict:
+    """Wrap loading.make_trainable: at each training forward, the dtypes the final norm sees."""
+    seen: dict = {}
+    real = loading.make_trainable
+
+    def spy(cfg, model):
+        model = real(cfg, model)
+        base = model.get_base_model()
+
+        def record(module, args):
+            if not (module.training and torch.is_grad_enabled()):
+                return
+            seen["lm_head"] = base.lm_head.weight.dtype
+            seen["embed_tokens"] = base.model.embed_tokens.weight.dtype
+            seen["norms"] = {m.weight.dtype for n, m in base.named_modules() if n.endswith("norm")}
+            seen["frozen"] = {p.dtype for p in base.parameters() if not p.requires_grad and p.is_floating_point()}
+            seen["lora"] = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
+            seen["trainable"] = {p.dtype for p in model.parameters() if p.requires_grad}
+            seen["residual"] = args[0].dtype
+
+        base.model.norm.register_forward_pre_hook(record)
+        return model
+
+    monkeypatch.setattr(loading, "make_trainable", spy)
+    return seen
+
+
+# ----------------------------------------------------------------------------------------------
+# precision.upcast_frozen
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "quant,upcast",
+    [("nf4", False), ("fp4", False), ("int8", False), ("none", False), ("nf4", True)],
+)
+def test_frozen_parts_train_in_the_dtype_asked_for(quant, upcast, monkeypatch, smoke_run):
+    seen = _spy_on_training_dtypes(monkeypatch)
+    m, _ = smoke_run(f"quant={quant}", f"precision.upcast_frozen={str(upcast).lower()}")
+    assert m["steps"] == 3 and all(math.isfinite(x) for x in m["train_losses"]), m["train_losses"]
+    frozen = torch.float32 if upcast and quant != "none" else torch.bfloat16
+    assert seen["lm_head"] == seen["embed_tokens"] == frozen
+    assert seen["norms"] == seen["frozen"] == {frozen}
+    assert seen["residual"] == frozen  # the residual stream follows the embeddings
+    assert seen["lora"] == seen["trainable"] == {torch.float32}  # peft autocast_adapter_dtype
+
+
+def test_modules_to_save_copies_train_in_fp32_without_the_upcast(monkeypatch, smoke_run):
+    """peft upcasts the adapters, not the modules_to_save copies: make_trainable does (as planned)."""
+    seen = _spy_on_training_dtypes(monkeypatch)
+    m, _ = smoke_run("precision.upcast_frozen=false", "peft.modules_to_save=[lm_head]")
+    assert all(math.isfinite(x) for x in m["train_losses"]), m["train_losses"]
+    assert seen["trainable"] == {torch.float32} and seen["frozen"] == {torch.bfloat16}
+
+
+# ----------------------------------------------------------------------------------------------
+# trainer.activation_offloading
+# ----------------------------------------------------------------------------------------------
+OFFLOAD_LINE = "trainer.activation_offloading=true needs a CUDA GPU"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_activation_offloading_is_refused_in_one_line_on_cpu(run_dir, smoke_run):
+    with pytest.raises(UserError) as err:
+        smoke_run("trainer.activation_offloading=true")
+    assert str(err.value).startswith(OFFLOAD_LINE) and "\n" not in str(err.value)
+    assert not (run_dir / "config.yaml").exists()  # refused before anything is written
+    # why: TRL's offloader asks torch for the accelerator, and there is none (an AttributeError
+    # from SFTTrainer's __init__ otherwise); when TRL runs here, this refusal can go
+    from trl.models import get_act_offloading_ctx_manager
+
+    with pytest.raises(AttributeError):
+        get_act_offloading_ctx_manager(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.gpu
+@requires_gpu("TRL's activation offloading needs a CUDA GPU")
+def test_activation_offloading_trains_on_a_gpu(smoke_run):
+    m, _ = smoke_run("trainer.activation_offloading=true")
+    assert m["steps"] == 3 and all(math.isfinite(x) for x in m["train_losses"])

@@ -1,0 +1,124 @@
+"""Own data trains: `python train.py data.path=FILE` alone, and an eval file of 100k-character rows stays
+within its bounds."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO, compose_cfg
+
+LETTERS = "abcdefghij"
+
+
+def _words(n: int) -> list[str]:
+    import random
+
+    rng = random.Random(0)
+    return ["".join(rng.sample(LETTERS, 4)) for _ in range(n)]
+
+
+def own_rows(fmt: str, n: int = 20) -> list[dict]:
+    rows = []
+    for w in _words(n):
+        s = "".join(sorted(w))
+        rows.append(
+            {
+                "alpaca": {"instruction": "Sort.", "input": w, "output": s},
+                "prompt_completion": {"prompt": f"sort: {w}\n", "completion": s},
+                "messages": {
+                    "messages": [{"role": "user", "content": f"sort: {w}"}, {"role": "assistant", "content": s}]
+                },
+                "sharegpt": {"conversations": [{"from": "human", "value": f"sort: {w}"}, {"from": "gpt", "value": s}]},
+                "text": {"text": f"sort: {w}\n{s}"},
+            }[fmt]
+        )
+    return rows
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_python_train_py_with_only_data_path(tmp_path):
+    """The case users met: a prompt/completion file trained with nothing else set used to evaluate on the
+    shipped sample's eval file with its exact-match metric. Now: split from the file, eval loss."""
+    path = write_jsonl(tmp_path / "pc.jsonl", own_rows("prompt_completion", 30))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), f"data.path={path}", "trainer=smoke", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("data: ")]
+    assert lines == [
+        f"data: {path}: prompt_completion rows (detected from the fields); 27 train rows, "
+        "3 eval held out (data.eval_fraction=0.1); metric: eval loss"
+    ]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["status"] == "ok" and metrics["eval_loss"] is not None
+    assert metrics["eval_exact_match"] is None and metrics["eval_exact_match_before"] is None
+    assert metrics["data"]["eval_source"] == f"0.1 of {path} (seed 0)"
+    assert "order" not in json.dumps(metrics["data"])  # nothing of the sample
+    assert metrics["data"]["prompt_format"] == {"style": "plain", "prefix": "sort: ", "suffix": "\n"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Bounded evaluation: prompts cut to seq_len, at most max_new_tokens, whatever the eval rows hold
+# --------------------------------------------------------------------------------------------------
+
+
+class GenerateRecorder:
+    """Wraps GenerationMixin.generate: records (prompt positions, max_new_tokens, output positions)."""
+
+    def __init__(self, monkeypatch):
+        from transformers.generation.utils import GenerationMixin
+
+        self.calls = []
+        original = GenerationMixin.generate
+
+        def recording(model, *args, **kwargs):
+            out = original(model, *args, **kwargs)
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            self.calls.append((tuple(ids.shape), kwargs.get("max_new_tokens"), tuple(out.shape)))
+            return out
+
+        monkeypatch.setattr(GenerationMixin, "generate", recording)
+
+
+def test_eval_file_with_100k_character_rows_runs_within_bounds(tmp_path, run_dir, monkeypatch):
+    """A real run whose eval file holds 100k-character rows: eval loss on rows truncated to seq_len (and
+    counted), exact match on prompts cut to seq_len, generating at most max_new_tokens."""
+    from qlora_recipes.run.training import train
+
+    train_path = write_jsonl(tmp_path / "train.jsonl", own_rows("prompt_completion", 16))
+    long_rows = [{"prompt": "z" * 100_000 + f"\nsort: {w}\n", "completion": "".join(sorted(w))} for w in _words(3)]
+    eval_path = write_jsonl(tmp_path / "eval.jsonl", long_rows + own_rows("prompt_completion", 2))
+    assert eval_path.stat().st_size > 300_000
+    recorder = GenerateRecorder(monkeypatch)
+    out = train(
+        compose_cfg(
+            f"data.path={train_path}",
+            f"data.eval_path={eval_path}",
+            "data.metric=exact_match",
+            "data.max_new_tokens=6",
+            "trainer=smoke",
+            "trainer.eval_batch_size=1",
+        ),
+        run_dir,
+    )
+    assert out["status"] == "ok" and out["eval_loss"] is not None and out["eval_exact_match"] is not None
+    data = out["data"]
+    assert (
+        data["over_seq_len"] == {"train": 0, "eval": 3}
+        and data["truncated"]["eval"] + data["dropped_by_truncation"]["eval"] == 3
+    )
+    assert data["max_tokens"]["eval"] > 100_000
+    assert sum(rows for (rows, _), _, _ in recorder.calls) == 2 * 5  # before and after training, every eval row
+    for (_, positions), new, (_, out_positions) in recorder.calls:
+        assert positions <= 64 and new == 6 and out_positions <= 64 + 6

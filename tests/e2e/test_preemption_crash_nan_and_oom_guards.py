@@ -1,0 +1,141 @@
+"""Checkpoints, resume, preemption, NaN and OOM guards, memory timeline — through train()."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, SMOKE, compose_cfg
+from transformers import Trainer
+
+from qlora_recipes.errors import UserError
+from qlora_recipes.run.checkpoints import find_checkpoint
+from qlora_recipes.run.lifecycle import Preempted
+from qlora_recipes.run.resume import resume_checkpoint
+from qlora_recipes.run.training import train
+
+BASE = [
+    *SMOKE,
+    "trainer.max_steps=6",
+    "trainer.save_steps=3",
+    "trainer.logging_steps=1",
+    "trainer.micro_batch_size=4",
+    "trainer.grad_accum=1",
+]
+
+
+def step_losses(run_dir, step):
+    state = json.loads((run_dir / "checkpoints" / f"checkpoint-{step}" / "trainer_state.json").read_text())
+    return {e["step"]: e["loss"] for e in state["log_history"] if "loss" in e}
+
+
+def test_preempted_then_resumed_run_matches_an_uninterrupted_one(tmp_path, monkeypatch):
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    train(compose_cfg(*BASE), straight)
+
+    monkeypatch.setenv("QLORA_RECIPES_FAULTS", "sigterm_at_step=4")  # SIGTERM lands during step 4
+    with pytest.raises(Preempted) as stop:
+        train(compose_cfg(*BASE), interrupted)
+    assert stop.value.step == 4 and stop.value.checkpoint.endswith("checkpoint-4")
+    assert json.loads((interrupted / "metrics.json").read_text())["status"] == "preempted"
+    monkeypatch.delenv("QLORA_RECIPES_FAULTS")
+
+    m = train(compose_cfg(*BASE, "resume=auto"), interrupted)
+    assert m["resumed_from"].endswith("checkpoint-4") and m["steps"] == 6
+    expected, got = step_losses(straight, 6), step_losses(interrupted, 6)
+    assert sorted(got) == sorted(expected) == [1, 2, 3, 4, 5, 6]
+    for step in expected:
+        assert abs(got[step] - expected[step]) <= 1e-5, (step, got[step], expected[step])
+
+
+def test_a_crash_during_a_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    real = Trainer._save_optimizer_and_scheduler
+
+    def crash_at_step_6(self, output_dir):
+        if self.state.global_step == 6:
+            raise RuntimeError("simulated crash mid-save")
+        return real(self, output_dir)
+
+    monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", crash_at_step_6)
+    with pytest.raises(RuntimeError, match="mid-save"):
+        train(compose_cfg(*BASE), tmp_path)
+    assert find_checkpoint(tmp_path / "checkpoints").endswith("checkpoint-3")
+    assert not (tmp_path / "checkpoints" / "checkpoint-6").exists()
+    monkeypatch.undo()
+    m = train(compose_cfg(*BASE, "resume=auto"), tmp_path)
+    assert m["resumed_from"].endswith("checkpoint-3") and m["steps"] == 6
+
+
+def test_resume_refuses_a_different_stack(tmp_path):
+    train(compose_cfg(*BASE, "trainer.max_steps=3"), tmp_path)
+    with pytest.raises(UserError, match=r"differs .* in peft\.r, quant\.method.*allow_changes"):
+        resume_checkpoint(compose_cfg(*BASE, "resume=auto", "peft.r=8", "quant=fp4"), tmp_path)
+    # The effective batch kept (4 x 1 == 2 x 2) and more steps: the same stack.
+    same = compose_cfg(*BASE, "resume=auto", "trainer.micro_batch_size=2", "trainer.grad_accum=2")
+    assert resume_checkpoint(same, tmp_path).endswith("checkpoint-3")
+    allowed = compose_cfg(*BASE, "resume=auto", "peft.r=8", "resume.allow_changes=true")
+    assert resume_checkpoint(allowed, tmp_path).endswith("checkpoint-3")
+
+
+def test_resume_rejects_an_incomplete_checkpoint(tmp_path):
+    partial = tmp_path / "checkpoint-7"
+    partial.mkdir()
+    with pytest.raises(UserError, match="not a complete checkpoint"):
+        resume_checkpoint(compose_cfg(*BASE, f"resume.checkpoint={partial}"), tmp_path)
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("QLORA_RECIPES_FAULTS", "nan_at_step=5")
+    with pytest.raises(UserError, match=r"became nan at step 5.*checkpoint-3"):
+        train(compose_cfg(*BASE), tmp_path)
+    assert find_checkpoint(tmp_path / "checkpoints").endswith("checkpoint-3")
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_oom_halves_the_micro_batch_and_keeps_the_effective_batch(tmp_path, monkeypatch):
+    monkeypatch.setenv("QLORA_RECIPES_FAULTS", "oom_above_micro_batch=1")  # only micro-batch 1 "fits"
+    m = train(compose_cfg(*BASE), tmp_path)
+    assert (m["micro_batch_size"], m["grad_accum"], m["steps"]) == (1, 4, 6)
+    record = json.loads((tmp_path / "oom.json").read_text())
+    assert [a["next"] for a in record["attempts"]] == [
+        "trainer.micro_batch_size=2 trainer.grad_accum=2",
+        "trainer.micro_batch_size=1 trainer.grad_accum=4",
+    ]
+    assert record["fit"]["trainer.micro_batch_size"] == 1
+
+
+def test_oom_turns_on_checkpointing_then_stops_with_overrides(tmp_path, monkeypatch):
+    monkeypatch.setenv("QLORA_RECIPES_FAULTS", "oom_above_micro_batch=0")  # nothing fits
+    with pytest.raises(UserError, match="out of memory at step 0 even with micro-batch 1 and gradient checkpointing"):
+        train(compose_cfg(*BASE, "trainer.micro_batch_size=2", "trainer.gradient_checkpointing=false"), tmp_path)
+    record = json.loads((tmp_path / "oom.json").read_text())
+    assert [a["next"] for a in record["attempts"]] == [
+        "trainer.micro_batch_size=1 trainer.grad_accum=2",
+        "trainer.gradient_checkpointing=true",
+        None,
+    ]
+
+
+def test_memory_timeline_is_written(tmp_path):
+    train(compose_cfg(*BASE, "trainer.memory_log_steps=2"), tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "memory.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4, 6, 6] and all(r["peak_gib"] > 0 for r in rows)
+    assert (tmp_path / "memory.png").stat().st_size > 1000
+
+
+def test_sigterm_from_outside_prints_how_to_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "QLORA_RECIPES_FAULTS": "sigterm_at_step=2"}
+    proc = subprocess.run(
+        [sys.executable, "train.py", *BASE, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("stopped by SIGTERM at step 2")]
+    assert line and f"resume=auto hydra.run.dir={run_dir}" in line[0]
+    assert find_checkpoint(run_dir / "checkpoints").endswith("checkpoint-2")

@@ -1,0 +1,51 @@
+"""`python train.py trainer=smoke` as a user runs it, from a directory that is not the repository: it
+prints no warnings, the run dir first and the summary and next commands at the end, and writes a
+whole run dir. One run, shared by the tests of this module."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def smoke_command(tmp_path_factory):
+    """(the finished process, its run dir): started in a fresh directory, so repo paths must resolve
+    from any cwd."""
+    cwd = tmp_path_factory.mktemp("elsewhere")
+    run_dir = cwd / "runs" / "smoke"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "trainer=smoke", f"hydra.run.dir={run_dir}"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, run_dir
+
+
+def test_the_default_smoke_run_prints_no_warnings_and_ends_with_the_summary_and_next_commands(smoke_command):
+    """No Warning line at all, the run dir at the start, the table and the commands with that run
+    dir at the end; metrics.json as before."""
+    proc, run_dir = smoke_command
+    warned = [ln for ln in (proc.stderr + proc.stdout).splitlines() if re.search(r"warning", ln, re.IGNORECASE)]
+    assert warned == []
+    out = proc.stdout.splitlines()
+    assert out.index("run dir: runs/smoke") < out.index("stack recipe=-")  # where it writes, first
+    assert "optim: paged_adamw_8bit runs unpaged on this CPU" in proc.stdout
+    assert "done: runs/smoke  (adapter/, metrics.json)" in out
+    assert re.search(r"^  merge +python scripts/merge.py runs/smoke$", proc.stdout, re.MULTILINE)
+    assert "trainer=smoke resume=auto hydra.run.dir=runs/smoke trainer.max_steps=6" in proc.stdout
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["status"] == "ok" and f"{metrics['train_loss_first']:.4g} -> " in proc.stdout
+
+
+def test_smoke_run_from_another_directory_writes_a_run_dir(smoke_command):
+    proc, out = smoke_command
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 3
+    assert (out / ".hydra" / "config.yaml").is_file() and (out / "adapter" / "adapter_config.json").is_file()
+    assert "quant = nf4" in proc.stdout  # the composed stack printed as a tree

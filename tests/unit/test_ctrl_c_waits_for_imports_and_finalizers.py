@@ -1,0 +1,97 @@
+"""A Ctrl-C never lands inside an import or a finalizer (qlora_recipes/interrupts.py): it waits until
+the import has finished, or the finalizer has returned, and is then a KeyboardInterrupt as usual.
+Each case runs in a child Python, with and without our handler: without it the import is left half
+done (numpy failed that way once) or the Ctrl-C is lost."""
+
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import REPO
+
+INTERRUPTED_IN_AN_IMPORT = """
+    import signal, time
+    signal.raise_signal(signal.SIGINT)  # Ctrl-C in the middle of this module's import
+    time.sleep(0.2)
+    import json  # the import goes on importing
+    DONE = True
+"""
+CHILD = """
+    import sys, time
+    if {ours}:
+        from qlora_recipes import interrupts
+        interrupts.install()
+    class Finalized:
+        def __del__(self):
+            import signal
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C while a finalizer runs
+    try:
+        {action}
+        time.sleep(5)
+        print("not interrupted")
+    except KeyboardInterrupt:
+        module = sys.modules.get("slow_module")
+        print("interrupted" + (", slow_module imported in full" if getattr(module, "DONE", False) else ""))
+"""
+IMPORT = "import slow_module"
+FINALIZER = "x = Finalized(); del x"
+
+
+def _as_in_a_terminal() -> None:
+    """A suite started in the background passes SIGINT on as ignored; a terminal's child gets it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _python(code: str, cwd) -> str:
+    """What a child Python running `code` prints (its stderr too, after it, for the failure message)."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=60, preexec_fn=_as_in_a_terminal
+    )
+    return done.stdout.strip() + ("\n" + done.stderr if done.stderr else "")
+
+
+def _child(tmp_path, action: str, ours: bool) -> str:
+    (tmp_path / "slow_module.py").write_text(textwrap.dedent(INTERRUPTED_IN_AN_IMPORT))
+    return _python(textwrap.dedent(CHILD).format(ours=ours, action=action), tmp_path).splitlines()[0]
+
+
+@pytest.mark.parametrize("ours", [False, True], ids=["python's-handler", "ours"])
+def test_ctrl_c_inside_an_import_waits_for_the_import_to_finish(tmp_path, ours):
+    expected = "interrupted, slow_module imported in full" if ours else "interrupted"  # Python's: left half done
+    assert _child(tmp_path, IMPORT, ours) == expected
+
+
+@pytest.mark.parametrize("ours", [False, True], ids=["python's-handler", "ours"])
+def test_ctrl_c_inside_a_finalizer_is_delivered_after_it(tmp_path, ours):
+    expected = "interrupted" if ours else "not interrupted"  # Python's own: printed as ignored, then lost
+    assert _child(tmp_path, FINALIZER, ours) == expected
+
+
+def test_a_handler_installed_before_is_kept():
+    code = (
+        "import signal; from qlora_recipes import interrupts\n"
+        "mine = lambda s, f: None; signal.signal(signal.SIGINT, mine); interrupts.install()\n"
+        "print(signal.getsignal(signal.SIGINT) is mine)"
+    )
+    assert _python(code, REPO) == "True"
+
+
+def test_a_second_ctrl_c_while_the_first_waits_is_not_held(tmp_path):
+    (tmp_path / "stuck_module.py").write_text(
+        "import os, signal, time\n"
+        "signal.raise_signal(signal.SIGINT)  # held: the import is under way\n"
+        "time.sleep(0.5)\n"
+        "signal.raise_signal(signal.SIGINT)  # the user insists\n"
+        "time.sleep(30)  # an import that would hang\n"
+    )
+    code = (
+        "import time; from qlora_recipes import interrupts\n"
+        "interrupts.install(); started = time.time()\n"
+        "try:\n    import stuck_module\nexcept KeyboardInterrupt:\n    print(f'interrupted after {time.time() - started:.0f} s')"
+    )
+    said = _python(code, tmp_path)
+    waited = re.match(r"interrupted after (\d+) s", said)
+    assert waited and int(waited.group(1)) < 25, said  # not the 30 s the import would hang

@@ -1,0 +1,211 @@
+"""The tracer (bench/trace): a real training step on fake tensors, counted by torch's MemTracker.
+
+Fast: the pieces that need no traced process, and one trace of the tiny model on the fake CUDA
+device (a child process, ~30 s on 2 cores). Slow (`make test-all`): layer slices scaled to a full
+trace, a small model's trace against its plan, and fake tensors against real ones on the CPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+import shutil
+
+import pytest
+
+from qlora_recipes.units import GiB
+
+SMALL = [  # a small Llama (yaml figures: the name is no local dir), 6 layers, GQA, 2 x 256 tokens
+    "model.name_or_path=trace-test-llama",
+    "model.hidden_size=256",
+    "model.num_layers=6",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.intermediate_size=688",
+    "model.vocab_size=4000",
+    "trainer.micro_batch_size=2",
+    "trainer.seq_len=256",
+]
+
+
+def test_fused_head_outputs_are_sfttrainers():
+    from trl import SFTTrainer
+
+    from bench.trace.model import SFT_FUSED_OUTPUTS
+
+    source = "".join(inspect.getsource(SFTTrainer.__init__).split())
+    assert "outputs=(" + ",".join(f'"{o}"' for o in SFT_FUSED_OUTPUTS) + ")" in source
+
+
+def test_preload_refuses_once_torch_is_imported():
+    import torch  # noqa: F401 - the point: torch is already here
+
+    from bench.trace import fakecuda
+
+    with pytest.raises(RuntimeError, match="before torch"):
+        fakecuda.preload()
+
+
+def test_extrapolation_is_affine_per_phase():
+    from bench.trace.run import extrapolate
+
+    def result(layers: int) -> dict:
+        static = {"quantized_weights": 100 + 10 * layers, "lora_weights": 2 * layers}
+        phases = {
+            "cuda:0|forward": {"total": 1000 + 50 * layers, "components": {"activations": 50 * layers}},
+            "cuda:0|backward": {
+                "total": 1400 + 55 * layers,
+                "components": {"layer_working": 400, "activations": 55 * layers},
+            },
+        }
+        return {"layers_traced": layers, "phases": phases, "static": {"cuda:0": static}}
+
+    out = extrapolate(result(2), result(3), 32)
+    assert out["phases"]["cuda:0|backward"]["total"] == 1400 + 55 * 32
+    assert out["phases"]["cuda:0|backward"]["components"] == {"layer_working": 400, "activations": 55 * 32}
+    assert out["peak"]["cuda:0"] == 1400 + 55 * 32 and out["peak_phase"]["cuda:0"] == "backward"
+    assert out["static"]["cuda:0"]["quantized_weights"] == 100 + 10 * 32
+
+
+def test_suite_covers_every_single_gpu_recipe_and_lean_option():
+    from bench.trace.suite import LEAN, LEAN_BASES, cases, single_gpu_recipes
+
+    names = [c["case"] for c in cases()]
+    recipes = single_gpu_recipes()
+    assert "llama3.1-8b-24gb" in recipes and "llama3.1-70b-2x24gb" not in recipes and "tiny-cpu" not in recipes
+    for r in recipes:
+        assert f"recipe {r}" in names
+    for base in LEAN_BASES:
+        for option in LEAN:
+            assert f"{base} + {option}" in names
+
+
+def test_slices_for_offloading_cover_trls_forward_stash():
+    from conftest import compose_cfg
+
+    from bench.trace.run import slice_layers
+    from qlora_recipes.planner.constants import TRL_OFFLOAD_FWD_STASH
+
+    assert slice_layers(compose_cfg("recipe=llama3.1-8b-24gb")) == (2, 3)
+    k, _ = slice_layers(compose_cfg("recipe=llama3.1-8b-24gb", "trainer.activation_offloading=true"))
+    assert k > TRL_OFFLOAD_FWD_STASH
+    assert slice_layers(compose_cfg()) is None  # the 2-layer tiny model is traced whole
+
+
+def test_split_extrapolation_is_affine_in_both_counts():
+    """Offloading recipes: three slices (k GPU + m offloaded layers, one more of each) give every
+    phase at G GPU and O offloaded layers exactly when each count adds its own bytes per layer."""
+    from bench.trace.offload import extrapolate_split
+
+    def result(g: int, o: int) -> dict:
+        comps = {"quantized_weights": 7 * g, "lora_weights": 3 * (g + o), "offload_staging": 900}
+        phases = {"cuda:0|backward": {"total": 2000 + 7 * g + 3 * (g + o) + 900, "components": comps}}
+        return {"offload_split": [g, o], "phases": phases, "static": {"cuda:0": {"lora_weights": 3 * (g + o)}}}
+
+    out = extrapolate_split(result(2, 1), result(3, 1), result(2, 2), 63, 21)
+    assert out["phases"]["cuda:0|backward"]["total"] == 2000 + 7 * 63 + 3 * 84 + 900
+    assert out["peak_components"]["cuda:0"] == {
+        "quantized_weights": 7 * 63,
+        "lora_weights": 3 * 84,
+        "offload_staging": 900,
+    }
+    assert out["static"]["cuda:0"]["lora_weights"] == 3 * 84
+
+
+def test_offloading_recipes_are_sliced_as_their_plan_places_them():
+    """llama3.1-70b-48gb offloads its last layers to host RAM: the slices keep that split, the LM
+    head on the GPU (the planner pins it: TRL's fused head reads its weight outside the offload hook)."""
+    from bench.trace.offload import offloaded_counts, slice_map
+    from bench.trace.run import plan_for, recipe_gpus
+
+    overrides = ["recipe=llama3.1-70b-48gb"]
+    plan = plan_for(overrides, recipe_gpus(overrides))
+    gpu, off = offloaded_counts(plan)
+    assert gpu + off == 80 and off > 0
+    assert plan["device_map"]["lm_head"] == 0 and plan["device_map"]["model.norm"] == "cpu"
+    dmap = slice_map(plan, 2, 1)
+    assert [dmap[f"model.layers.{i}"] for i in range(3)] == [0, 0, "cpu"]
+    assert dmap["lm_head"] == 0 and dmap["model.embed_tokens"] == 0 and dmap["model.norm"] == "cpu"
+
+
+def _can_build() -> bool:
+    from bench.trace import fakecuda
+
+    if fakecuda.library_path().is_file():
+        return True
+    return bool(shutil.which("c++") or shutil.which("g++")) and bool(shutil.which("ninja"))
+
+
+needs_fake_cuda = pytest.mark.skipif(
+    not _can_build(), reason="the fake CUDA device is built once with a C++ compiler and ninja"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_trace():
+    from bench.trace.run import run_child
+
+    return run_child({"overrides": ["trainer.micro_batch_size=4", "trainer.seq_len=32"], "device": "cuda"})
+
+
+@needs_fake_cuda
+def test_tiny_trace_on_the_fake_cuda_device(tiny_trace):
+    """The whole path on the tiny model: the static rows are exactly the plan's, every phase ran, and
+    the GPU's kernel choices were taken (SDPA without the math path, 4-bit matmuls, the compact head)."""
+    from bench.trace.run import compare, plan_for
+
+    r = tiny_trace
+    dev = "cuda:0"
+    assert r["device"] == "cuda" and r["fake"] and set(r["peak"]) == {dev}
+    assert {"forward", "loss", "backward", "optimizer"} <= {k.split("|")[1] for k in r["phases"]}
+    plan = plan_for(["trainer.micro_batch_size=4", "trainer.seq_len=32"], [24 * GiB])
+    static = r["static"][dev]
+    for row in ("other_params", "lora_weights"):
+        assert static[row] == plan["components"][row][dev], row
+    # the 4-bit rows: six tensors per linear (packed data, uint8 absmax, its fp32 absmax, offset, two
+    # codes), each rounded up to the CUDA allocator's 512-byte blocks (as memory_allocated counts them)
+    linears = 7 * 2
+    assert 0 <= static["quantized_weights"] - plan["components"]["quantized_weights"][dev] < 6 * 512 * linears
+    assert r["kernels"]["attention"] and "math" not in r["kernels"]["attention"]
+    assert r["kernels"]["ops"].get("gemm_4bit fused") and r["kernels"]["ops"].get("bool index")
+    assert r["optimizer"] == "AdamW"  # paged_adamw_8bit's state (bitsandbytes, unpaged for the trace)
+    assert r["peak"][dev] > sum(static.values())
+    cmp = compare(r, plan, dev)  # the tiny stack's plan peaks in eval (generation), which is not traced
+    assert 0.8 < cmp["traced_gib"] / cmp["planned_train_gib"] < 1.25, cmp
+
+
+@pytest.mark.slow
+@needs_fake_cuda
+def test_layer_slices_scale_exactly_to_a_full_trace():
+    from bench.trace.run import trace_stack
+
+    full = trace_stack(SMALL, layers="full")
+    sliced = trace_stack(SMALL, layers=2)
+    assert sliced["sliced"] and not full["sliced"]
+    for key, phase in full["phases"].items():
+        assert sliced["phases"][key]["total"] == phase["total"], key
+    assert sliced["peak"] == full["peak"]
+
+
+@pytest.mark.slow
+@needs_fake_cuda
+def test_small_model_trace_agrees_with_its_plan():
+    from bench.trace.run import compare, plan_for, trace_stack
+
+    result = trace_stack(SMALL)
+    cmp = compare(result, plan_for(SMALL, [24 * GiB]), "cuda:0")
+    # the default data evaluates (exact match), which the plan's peak includes and the trace does not
+    # run: compare the training phases, each and their largest
+    assert abs(cmp["traced_gib"] / cmp["planned_train_gib"] - 1) <= 0.10, cmp
+    for phase, row in cmp["phases"].items():
+        assert abs(row["traced_gib"] / row["planned_gib"] - 1) <= 0.10, (phase, row)
+
+
+@pytest.mark.slow
+def test_fake_tensors_count_what_real_ones_allocate_on_cpu():
+    from bench.trace.run import run_child
+
+    small = [*SMALL[:-2], "trainer.micro_batch_size=2", "trainer.seq_len=128"]
+    real = run_child({"overrides": small, "device": "cpu", "fake": False})
+    fake = run_child({"overrides": small, "device": "cpu", "fake": True})
+    assert fake["peak"]["cpu"] == pytest.approx(real["peak"]["cpu"], rel=0.01)
+    assert fake["peak_phase"] == real["peak_phase"]

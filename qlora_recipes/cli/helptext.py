@@ -1,5 +1,5 @@
 """`--help` text shared by the commands: the config groups and their options (read from conf/ on disk, so
-a new option file shows up by itself), the common overrides, and where the README explains more.
+a new option file shows up by itself), the common overrides, and where docs/ explains more.
 
 Help stays short (under 50 lines): no composed-config dump; `--cfg job` prints that, and
 `--hydra-help` Hydra's own page. `--help | head -3` ends quietly (`quiet_when_the_reader_goes`).
@@ -27,9 +27,24 @@ HYDRA_FLAGS = (
 )
 
 
+# The page of docs/ that holds each section a command's --help points at (tests/test_help.py checks
+# that each page a command names has that section, under that exact heading).
+DOCS_PAGES = {
+    "Running": "docs/running-and-outputs.md",
+    "After training": "docs/running-and-outputs.md",
+    "Your own data": "docs/data.md",
+    "The groups and their options": "docs/configuration.md",
+    "Planning a stack": "docs/memory-and-planner.md",
+    "Recipes": "docs/recipes.md",
+    "Multi-GPU": "docs/multi-gpu.md",
+    "Sweeps": "docs/sweeps-and-clusters.md",
+    "Benchmarks": "docs/benchmarks.md",
+}
+
+
 def readme_pointer(*sections: str) -> str:
-    """The README sections that explain a command (tests/test_help.py checks that each one exists)."""
-    return "more: README.md, " + ", ".join(f"section '{s}'" for s in sections)
+    """The docs sections that explain a command, each with its page: `more: docs/data.md ('Your own data')`."""
+    return "more: " + ", ".join(f"{DOCS_PAGES[s]} ('{s}')" for s in sections)
 
 
 def stack_groups() -> list[str]:
@@ -81,7 +96,7 @@ def recipes_help() -> str:
 
 def hydra_help(usage: str, flags: str = "", readme: tuple[str, ...] = ()) -> str:
     """The --help of a command that takes Hydra overrides: usage, groups, common overrides, its own
-    flags, Hydra's flags, and the README sections."""
+    flags, Hydra's flags, and the docs sections."""
     parts = [usage.strip(), "", groups_help(), "", COMMON_OVERRIDES, ""]
     if flags:
         parts += [flags.strip(), ""]

@@ -37,7 +37,7 @@ FLAGS = """flags:
   --host-ram SIZE  host RAM to plan with, e.g. 256GiB (env QLORA_PLAN_HOST_RAM); default: this machine's
   --check          exit 1 when the plan does not fit (0 otherwise; 2 on bad input)
   --longest-seq    also print the longest trainer.seq_len (a multiple of 64) at which the stack fits"""
-README_SECTIONS = ("Recipes", "The groups and their options")
+README_SECTIONS = ("Planning a stack", "The groups and their options")  # pages: helptext.DOCS_PAGES
 
 
 def _take_flag(argv: list[str], name: str) -> str | None:

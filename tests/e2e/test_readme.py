@@ -1,10 +1,11 @@
-"""README.md is tested from the README itself (issue 14): every command of its ```bash blocks runs
-here, as written, in a sandbox that a fresh clone after the README's set-up looks like, and ends
-with exit 0 or the one-line refusal this machine must give; every number it states is compared with
-a run or the planner.
+"""README.md and the pages of docs/ are tested from their own text (issue 14): every command of their
+```bash blocks runs here, as written, in a sandbox that a fresh clone after the README's set-up looks
+like, and ends with exit 0 or the one-line refusal this machine must give; every number they state is
+compared with a run or the planner; every link between them leads to a page and heading that exist.
 
-How each command runs is in REGISTRY, keyed by the command's text: a command added to the README
-without an entry fails `test_every_readme_command_has_a_registry_entry`. Each runs in a fresh bash
+How each command runs is in REGISTRY, keyed by the command's text (a command shown on several pages
+runs once): a command added to the README or to docs/*.md without an entry fails
+`test_every_documented_command_has_a_registry_entry`. Each runs in a fresh bash
 after the README's own `source .venv/bin/activate`, from a sandbox dir whose entries link to the
 checkout (so runs/, merged dirs and data files land in the sandbox, never in the checkout). Commands
 that train get `trainer=smoke data.metric_examples=8` appended (size only: 3 steps, and the
@@ -34,6 +35,8 @@ from qlora_recipes import planner
 from qlora_recipes.config import devices
 
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+SHELL_BLOCK = re.compile(r"```(?:bash|sh|shell)\n(.*?)```", re.S)
 GiB = 2**30
 SMOKE = ("trainer=smoke", "data.metric_examples=8")  # size only: 3 steps; exact match over 8 eval rows
 MAKE_VARIABLES = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "ARGS")
@@ -64,11 +67,14 @@ DEFAULT_RUN = "make train"
 SWEEP_4 = "python train.py -m peft.r=4,8 optim=paged8bit,adamw8bit"
 SWEEP_9 = "python train.py -m +sweep=rank_lr"
 REGISTRY: dict[str, How] = {
-    # set-up
+    # README: set-up
     "make train": How(creates=("RUN/metrics.json", "RUN/adapter"), timeout=1800),
     ACTIVATE: How(kind="setup"),
     "make test": How(kind="dry", expect=r"python -m pytest"),  # the suite itself: .ci/run runs it
-    # running
+    # README: first commands (and docs/memory-and-planner.md); `python train.py` is below
+    "make llama3.1-8b-24gb": How(kind="refuse", expect=r"needs 1 x 23.5 GiB GPU.*make plan-llama3.1-8b-24gb"),
+    "qlora plan --gpus 24GB model=llama3.1-8b trainer.seq_len=4096": How(expect=r"(?m)^(FITS|DOES NOT FIT): peak"),
+    # docs/running-and-outputs.md: running
     "python train.py": How(suffix=SMOKE),
     "python train.py quant=nf4 optim=paged8bit peft.r=64": How(suffix=SMOKE),
     "python train.py model=llama3.1-8b trainer=standard data.path=my.jsonl": How(
@@ -77,16 +83,16 @@ REGISTRY: dict[str, How] = {
     "python train.py recipe=tiny-cpu": How(suffix=(*SMOKE, "trainer.max_steps=3")),
     SWEEP_4: How(suffix=SMOKE, creates=("runs/multirun/DATE/TIME/summary.csv",), jobs=4, timeout=1800),
     "python train.py --cfg job": How(expect=r"(?m)^quant:$"),
-    # trackers and the hub
+    # docs/trackers-and-hub.md
     "python train.py logger=none": How(suffix=SMOKE),
     "python train.py hub.push=true hub.repo_id=me/llama-order-qlora": How(kind="refuse", expect=r"hub|token"),
-    # your own data
+    # docs/data.md
     "python train.py data.path=my.jsonl": How(suffix=SMOKE, files=("my.jsonl",)),
     "python train.py data.path=chats.jsonl data.chat_template=chatml": How(suffix=SMOKE, files=("chats.jsonl",)),
     "python train.py data.path=my.jsonl data.eval_path=held_out.jsonl data.metric=exact_match": How(
         suffix=SMOKE, files=("my.jsonl", "held_out.jsonl"), expect=r"exact match"
     ),
-    # after training: the walk, from the full default run
+    # docs/running-and-outputs.md: after training, the walk, from the full default run
     "python scripts/merge.py runs/DATE/TIME": How(
         needs=DEFAULT_RUN, creates=("runs/DATE/TIME/merged/merge_report.json", "runs/DATE/TIME/merged/config.json")
     ),
@@ -98,14 +104,14 @@ REGISTRY: dict[str, How] = {
     ),
     "cat prompts.txt | python scripts/generate.py RUN": How(needs=DEFAULT_RUN, files=("prompts.txt",), walk="abcq"),
     "python scripts/generate.py RUN --raw 'text as is'": How(needs=DEFAULT_RUN),
-    # make targets for recipes: this machine has no GPU
+    # docs/recipes.md (and docs/memory-and-planner.md): make targets for recipes; this machine has no GPU
     "make help": How(expect=r"llama2-70b-a100"),
     "make llama2-70b-a100": How(kind="refuse", expect=r"needs 1 x 79 GiB GPU.*make plan-llama2-70b-a100"),
     "make llama2-70b-a100 ARGS='trainer.max_steps=200'": How(
         kind="refuse", expect=r"needs 1 x 79 GiB GPU.*make plan-llama2-70b-a100"
     ),
     "make plan-llama2-70b-a100": How(expect=r"FITS"),
-    # sweeps
+    # docs/sweeps-and-clusters.md
     SWEEP_9: How(suffix=SMOKE, creates=("runs/multirun/DATE/TIME/summary.md",), jobs=9, timeout=1800),
     "python train.py -m +sweep=optuna": How(
         suffix=(*SMOKE, "hydra.sweeper.n_trials=3"),  # 3 of the study's 20 trials: its length, not its kind
@@ -148,16 +154,29 @@ def _fixture_files() -> dict[str, str]:
 FILES = _fixture_files()
 
 
-def readme_commands(text: str | None = None) -> list[str]:
-    """Every command of the README's ```bash blocks: comments dropped, spaces collapsed, in order."""
-    text = README.read_text() if text is None else text
+def pages() -> list[Path]:
+    """Where the commands a user copies live: README.md first, then every page of docs/."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def page_commands(text: str) -> list[str]:
+    """Every command of a page's ```bash blocks: comments dropped, spaces collapsed, in order."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+    for block in SHELL_BLOCK.findall(text):
         for line in block.splitlines():
             command = re.sub(r"\s+#.*$", "", line).strip()
             if command and not command.startswith("#"):
                 commands.append(" ".join(command.split()))
     return commands
+
+
+def documented_commands() -> dict[str, str]:
+    """Every command of README.md and docs/*.md, in reading order, each with the first page showing it."""
+    found: dict[str, str] = {}
+    for page in pages():
+        for command in page_commands(page.read_text()):
+            found.setdefault(command, page.relative_to(REPO).as_posix())
+    return found
 
 
 @dataclass
@@ -231,24 +250,25 @@ def sandbox(tmp_path_factory) -> Sandbox:
 
 def _params():
     seen = []
-    for command in dict.fromkeys(readme_commands()):
+    for command, page in documented_commands().items():
         how = REGISTRY.get(command)
         if how is None:
-            continue  # reported by test_every_readme_command_has_a_registry_entry
+            continue  # reported by test_every_documented_command_has_a_registry_entry
         marks = [pytest.mark.slow] if how.slow else []
-        seen.append(pytest.param(command, marks=marks, id=command[:60]))
+        seen.append(pytest.param(command, marks=marks, id=f"{page}: {command[:60]}"))
     return seen
 
 
-def test_every_readme_command_has_a_registry_entry():
-    commands = readme_commands()
-    missing = [c for c in commands if c not in REGISTRY]
-    assert not missing, f"README commands with no entry in tests/test_readme.py REGISTRY: {missing}"
+def test_every_documented_command_has_a_registry_entry():
+    commands = documented_commands()
+    missing = [f"{page}: {c}" for c, page in commands.items() if c not in REGISTRY]
+    assert not missing, f"commands with no entry in tests/test_readme.py REGISTRY: {missing}"
     stale = [c for c in REGISTRY if c not in commands]
-    assert not stale, f"REGISTRY entries no README command has any more: {stale}"
-    assert readme_commands("```bash\nmake x   # c\n  # more\npython a.py 'b c'\n```\n") == [
+    assert not stale, f"REGISTRY entries no page of README.md or docs/ shows any more: {stale}"
+    assert page_commands("```bash\nmake x   # c\n  # more\npython a.py 'b c'\n```\n```sh\nls\n```\n") == [
         "make x",
         "python a.py 'b c'",
+        "ls",
     ]
 
 
@@ -340,10 +360,10 @@ def test_default_run_figures_are_a_real_default_runs(sandbox):
 
 
 def test_merge_figures_are_the_default_runs_merge(sandbox):
-    """'saved in bf16, the default: max 2.4e-2 on logits up to 14': the walk's own merge report."""
-    stated = re.search(
-        r"bf16, the default: max ([0-9.e-]+) on logits up to ([0-9.]+)", " ".join(README.read_text().split())
-    )
+    """docs/running-and-outputs.md's 'saved in bf16, the default: max 1.8e-2 on logits up to 15': the
+    walk's own merge report."""
+    text = (DOCS / "running-and-outputs.md").read_text()
+    stated = re.search(r"bf16, the default: max ([0-9.e-]+) on logits up to ([0-9.]+)", " ".join(text.split()))
     assert stated
     max_diff, absmax = float(stated.group(1)), float(stated.group(2))
     out = sandbox.outcome("python scripts/merge.py runs/DATE/TIME")
@@ -409,6 +429,39 @@ def test_the_recipe_table_is_the_planners():
     assert not drift, "README's recipe table (run `make plan-<recipe>` and update it): " + "; ".join(drift)
 
 
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # a `# comment` in a block is no heading
+    return {_slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def test_every_link_between_the_pages_leads_somewhere():
+    """Each relative link of README.md and docs/*.md names a file that exists and, with #anchor, a
+    heading of that page; the README links every page of docs/ (the front page leads to them all)."""
+    broken = []
+    for page in pages():
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in _anchors(linked)):
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+    assert not broken, f"links to no file or heading: {broken}"
+    linked = set(re.findall(r"\]\((docs/[^)#\s]+)", README.read_text()))
+    unlinked = [p.relative_to(REPO).as_posix() for p in sorted(DOCS.glob("*.md"))]
+    unlinked = [p for p in unlinked if p not in linked]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
+    assert _slug("What a plan rests on: arithmetic, traces, and what needs a GPU") == (
+        "what-a-plan-rests-on-arithmetic-traces-and-what-needs-a-gpu"
+    )
+
+
 def test_every_module_is_named_where_the_readme_points():
     """The README's layout points to docs/ARCHITECTURE.md for the modules: its rooms name them all."""
     assert "docs/ARCHITECTURE.md names every module" in _section("Layout")
@@ -430,11 +483,12 @@ def test_every_module_is_named_where_the_readme_points():
     assert not missing, f"modules docs/ARCHITECTURE.md's rooms table does not name: {missing}"
 
 
-def test_the_offload_folder_refusal_the_readme_shows_is_reachable():
+def test_the_offload_folder_refusal_the_docs_show_is_reachable():
     from qlora_recipes.errors import UserError
     from qlora_recipes.run.validate import validate
 
-    assert "`offload=disk offload.folder=null`: `error: offload=disk needs an offload folder" in README.read_text()
+    shown = (DOCS / "errors.md").read_text()
+    assert "`offload=disk offload.folder=null`: `error: offload=disk needs an offload folder" in shown
     assert compose_cfg("offload=disk").offload.folder == "offload"  # offload=disk brings a folder
     with pytest.raises(UserError, match=r"^offload=disk needs an offload folder: set offload.folder=PATH"):
         validate(compose_cfg("offload=disk", "offload.folder=null"), gpu_available=False, world_size=1)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from ..errors import UserError
-from .helptext import quiet_when_the_reader_goes, readme_pointer
+from .helptext import docs_pointer, quiet_when_the_reader_goes
 from .runner import run_plain
 
 
@@ -35,7 +35,7 @@ def run(argv: list[str], prog: str = "qlora bench") -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
         code = subprocess.call([sys.executable, "-m", "bench", *argv], cwd=root, env=env)
         if code == 0 and any(a in ("-h", "--help") for a in argv):
-            print(readme_pointer("Benchmarks"))
+            print(docs_pointer("Benchmarks"))
         return code
 
     run_plain(bench)

@@ -18,12 +18,12 @@ import sys
 
 from ..console import quiet_libraries
 from ..errors import UserError
-from .helptext import quiet_when_the_reader_goes, readme_pointer
+from .helptext import docs_pointer, quiet_when_the_reader_goes
 from .runner import ArgumentParser, run_plain
 
 
 def _parser(prog: str) -> ArgumentParser:
-    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1], epilog=readme_pointer("After training"))
+    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1], epilog=docs_pointer("After training"))
     parser.add_argument("path", help="a run dir (config.yaml + adapter/) or a merged model dir")
     parser.add_argument("prompt", nargs="?", help="the prompt (\\n for a newline)")
     parser.add_argument("--file", help="more prompts: one per line, or JSON lines")

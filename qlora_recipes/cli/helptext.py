@@ -42,7 +42,7 @@ DOCS_PAGES = {
 }
 
 
-def readme_pointer(*sections: str) -> str:
+def docs_pointer(*sections: str) -> str:
     """The docs sections that explain a command, each with its page: `more: docs/data.md ('Your own data')`."""
     return "more: " + ", ".join(f"{DOCS_PAGES[s]} ('{s}')" for s in sections)
 
@@ -94,15 +94,15 @@ def recipes_help() -> str:
     return "\n".join(lines)
 
 
-def hydra_help(usage: str, flags: str = "", readme: tuple[str, ...] = ()) -> str:
+def hydra_help(usage: str, flags: str = "", sections: tuple[str, ...] = ()) -> str:
     """The --help of a command that takes Hydra overrides: usage, groups, common overrides, its own
     flags, Hydra's flags, and the docs sections."""
     parts = [usage.strip(), "", groups_help(), "", COMMON_OVERRIDES, ""]
     if flags:
         parts += [flags.strip(), ""]
     parts.append(HYDRA_FLAGS)
-    if readme:
-        parts.append(readme_pointer(*readme))
+    if sections:
+        parts.append(docs_pointer(*sections))
     return "\n".join(parts)
 
 

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 from ..config.loader import load
-from .helptext import groups_help, quiet_when_the_reader_goes, readme_pointer, recipes_help
+from .helptext import docs_pointer, groups_help, quiet_when_the_reader_goes, recipes_help
 from .runner import ArgumentParser, run_plain
 
 USAGE = """usage: qlora launch [--plan [--check] | --dry-run | --cpu] RECIPE [GROUP=OPTION ...] [GROUP.KEY=VALUE ...]
@@ -39,13 +39,13 @@ flags:
   --check    with --plan: exit 1 when the plan does not fit
   --dry-run  print the command it would run (accelerate or torchrun for several GPUs); start nothing
   --cpu      the recipe's ranks on this machine's CPU over gloo: its launcher and trainer path, no GPU"""
-README_SECTIONS = ("Recipes", "Multi-GPU")
+DOC_SECTIONS = ("Recipes", "Multi-GPU")
 
 
 def help_text() -> str:
     """Short: the flags, the recipes, the groups the overrides after RECIPE pick from."""
     overrides = "overrides after RECIPE: as for qlora train (its --help lists the common ones); " + groups_help()
-    return "\n".join([USAGE, "", recipes_help(), "", overrides, readme_pointer(*README_SECTIONS)])
+    return "\n".join([USAGE, "", recipes_help(), "", overrides, docs_pointer(*DOC_SECTIONS)])
 
 
 def plan(recipe: str, overrides: list[str], check: bool) -> int:

@@ -18,12 +18,12 @@ import logging
 
 from ..console import quiet_libraries
 from ..errors import UserError
-from .helptext import readme_pointer
+from .helptext import docs_pointer
 from .runner import ArgumentParser, run_plain
 
 
 def _parser(prog: str) -> ArgumentParser:
-    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1], epilog=readme_pointer("After training"))
+    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1], epilog=docs_pointer("After training"))
     parser.add_argument("run_dir", help="a run dir written by train (config.yaml + adapter/)")
     parser.add_argument("--out", help="where to write the merged model (default: RUN_DIR/merged)")
     parser.add_argument(

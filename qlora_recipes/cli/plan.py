@@ -37,7 +37,7 @@ FLAGS = """flags:
   --host-ram SIZE  host RAM to plan with, e.g. 256GiB (env QLORA_PLAN_HOST_RAM); default: this machine's
   --check          exit 1 when the plan does not fit (0 otherwise; 2 on bad input)
   --longest-seq    also print the longest trainer.seq_len (a multiple of 64) at which the stack fits"""
-README_SECTIONS = ("Planning a stack", "The groups and their options")  # pages: helptext.DOCS_PAGES
+DOC_SECTIONS = ("Planning a stack", "The groups and their options")  # pages: helptext.DOCS_PAGES
 
 
 def _take_flag(argv: list[str], name: str) -> str | None:
@@ -131,7 +131,7 @@ def plan_and_print(composed: DictConfig) -> None:
 @quiet_when_the_reader_goes()
 def run(argv: list[str], prog: str = "qlora plan") -> None:
     if any(a in ("-h", "--help") for a in argv):
-        print(hydra_help(USAGE, FLAGS, readme=README_SECTIONS))
+        print(hydra_help(USAGE, FLAGS, sections=DOC_SECTIONS))
         sys.exit(0)
     argv = list(argv)
     try:

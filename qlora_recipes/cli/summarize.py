@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UserError
-from .helptext import quiet_when_the_reader_goes, readme_pointer
+from .helptext import docs_pointer, quiet_when_the_reader_goes
 from .runner import ArgumentParser, run_plain
 
 
@@ -36,6 +36,6 @@ def summarize(sweep_dir: Path) -> int:
 
 @quiet_when_the_reader_goes()
 def run(argv: list[str], prog: str = "qlora summarize") -> None:
-    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1].strip(), epilog=readme_pointer("Sweeps"))
+    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1].strip(), epilog=docs_pointer("Sweeps"))
     parser.add_argument("sweep_dir", type=Path, help="a Hydra multirun dir, e.g. runs/multirun/DATE/TIME")
     run_plain(lambda: summarize(parser.parse_args(argv).sweep_dir))

@@ -40,7 +40,7 @@ TRL SFTTrainer -> eval -> adapter + metrics.json in the run dir (runs/DATE/TIME)
   qlora train -m peft.r=4,8 optim=paged8bit,adamw8bit    a sweep: one job per combination
 It trains on the GPUs it finds (none: the CPU). To plan a stack for GPUs you name, before renting
 them: qlora plan --gpus 24GB [the same overrides]; a recipe on its hardware: qlora launch RECIPE."""
-README_SECTIONS = ("Running", "Your own data", "The groups and their options")
+DOC_SECTIONS = ("Running", "Your own data", "The groups and their options")
 # Flags with which Hydra prints something and runs no job: their output stays Hydra's own.
 _NO_JOB_FLAGS = ("--cfg", "-c", "--info", "-i", "--hydra-help", "--shell-completion", "-sc")
 
@@ -179,7 +179,7 @@ def run(argv: list[str], prog: str = "qlora train") -> None:
     if any(a in ("-h", "--help") for a in argv):
         from .helptext import hydra_help
 
-        print(hydra_help(USAGE, readme=README_SECTIONS))
+        print(hydra_help(USAGE, sections=DOC_SECTIONS))
         sys.exit(0)
     if any(a == "--gpus" or a.startswith("--gpus=") for a in argv):  # Hydra would dump its whole usage
         print(

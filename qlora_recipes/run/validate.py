@@ -185,7 +185,7 @@ def validate_dist(cfg: TrainConfig, gpu_available: bool, world_size: int) -> Non
             + (" (FSDP moves shards to host RAM with dist.offload_params=true)" if s == "fsdp" else "")
         )
     # No GPU: FSDP and ZeRO run as CPU ranks over gloo (tests/test_sharded.py); what still needs
-    # GPUs is the kernels, NCCL and real device memory (README, Multi-GPU).
+    # GPUs is the kernels, NCCL and real device memory (docs/multi-gpu.md).
     four_bit = q.method in ("nf4", "fp4")
     if s in ("fsdp", "zero3") and q.method == "int8":
         # FSDP: "Must flatten tensors with uniform dtype but got torch.float16 and torch.int8"

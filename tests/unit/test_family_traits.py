@@ -82,12 +82,12 @@ def test_the_loader_asks_the_table(monkeypatch, caplog):
     from qlora_recipes.model import loading
 
     cfg = compose_cfg()
-    assert loading.attention_for(cfg) == "sdpa"
+    assert loading.attention_for(cfg.model) == "sdpa"
     monkeypatch.setitem(families.FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], attention="eager"))
     with caplog.at_level("INFO", logger="qlora_recipes.model.loading"):
-        assert loading.attention_for(cfg) == "eager"
+        assert loading.attention_for(cfg.model) == "eager"
     assert "attention: eager for LlamaForCausalLM" in caplog.text
-    assert loading.attention_for(compose_cfg("model.attn_implementation=flex_attention")) == "flex_attention"
+    assert loading.attention_for(compose_cfg("model.attn_implementation=flex_attention").model) == "flex_attention"
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))

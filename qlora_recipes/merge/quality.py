@@ -190,7 +190,7 @@ def original_logits(cfg, run_dir: Path, batches: list[dict], pad_id: int, dtype:
 
     from ..model import loading
 
-    original = AutoModelForCausalLM.from_pretrained(**loading._source(cfg.model), **_device_kwargs(dtype))
+    original = AutoModelForCausalLM.from_pretrained(**loading.source(cfg.model), **_device_kwargs(dtype))
     original = PeftModel.from_pretrained(original, str(run_dir / "adapter"), is_trainable=False).eval()
     logits = prompt_logits(original, batches, pad_id)
     original = None

@@ -132,7 +132,7 @@ def _checkpoint_files(cfg) -> tuple[Path, list[tuple[Path, list[str]]]]:
     """The original checkpoint's safetensors files and their keys, in file order (local dir or hub cache)."""
     from ..model import loading
 
-    source = loading._source(cfg.model)["pretrained_model_name_or_path"]
+    source = loading.source(cfg.model)["pretrained_model_name_or_path"]
     folder = Path(source)
     if not folder.is_dir():
         try:

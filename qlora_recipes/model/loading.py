@@ -24,7 +24,7 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if on_gpu() else "cpu"
 
 
-def _source(model: ModelConfig) -> dict:
+def source(model: ModelConfig) -> dict:
     """from_pretrained's source arguments: a local dir if one exists, else a hub id."""
     path = model.name_or_path
     local = Path(path).expanduser()
@@ -51,7 +51,7 @@ def load_tokenizer(model: ModelConfig):
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(**_source(model))
+        tokenizer = AutoTokenizer.from_pretrained(**source(model))
     except (OSError, ValueError) as err:
         raise _load_failed(model, "tokenizer", err) from None
     if tokenizer.pad_token is None:  # Llama-style tokenizers ship without one
@@ -111,7 +111,7 @@ def _model_class(model: ModelConfig):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
-        config = AutoConfig.from_pretrained(**_source(model))
+        config = AutoConfig.from_pretrained(**source(model))
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except Exception:  # unreachable hub, unknown model type, remote code: from_pretrained says what is wrong
         return None
@@ -177,7 +177,7 @@ def load_model(cfg: TrainConfig, run_dir: Path, max_memory: dict | None = None):
         folder = Path(cfg.offload.folder)
         kwargs["offload_folder"] = str(folder if folder.is_absolute() else run_dir / folder)
     try:
-        model = AutoModelForCausalLM.from_pretrained(**_source(cfg.model), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(**source(cfg.model), **kwargs)
     except (OSError, ValueError, ImportError) as err:
         if _attention_error(err):
             raise _attention_failed(cfg.model, attn, err) from None

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..config.fields import resume_safe_prefixes
@@ -45,7 +46,7 @@ def _flatten(node, prefix="") -> dict:
     return {prefix[:-1]: node}
 
 
-def stack_changes(saved: TrainConfig, current: TrainConfig, dropped: list[str] = ()) -> list[str]:
+def stack_changes(saved: TrainConfig, current: TrainConfig, dropped: Sequence[str] = ()) -> list[str]:
     """Keys whose change alters what is trained (micro-batch/accumulation may trade off when the
     effective batch is kept: the data position stays exact). A key the saved config lacked (added to
     the schema after that run) reads as its schema default, as the older code did; `dropped` are keys

@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import REPO, compose_cfg
-from omegaconf import OmegaConf
 
+from qlora_recipes.config.loader import to_yaml
 from qlora_recipes.data import load_splits
 
 SAMPLE_TRAIN = REPO / "assets/data/order/train.jsonl"
@@ -67,7 +68,7 @@ def test_sample_settings_do_not_carry_over_to_own_data():
     own = compose_cfg("data.path=/data/mine.jsonl").data
     assert own.eval_path is None and own.metric is None and own.max_new_tokens == 32
     assert own.format == "auto" and own.eval_fraction == 0.1  # split from the file, eval loss
-    written = OmegaConf.to_container(compose_cfg("data.path=/data/mine.jsonl"), resolve=True)["data"]
+    written = yaml.safe_load(to_yaml(compose_cfg("data.path=/data/mine.jsonl")))["data"]
     assert written["eval_path"] is None and written["metric"] is None  # config.yaml of the run says so
 
     chosen = compose_cfg("data.path=/data/mine.jsonl", "data.eval_path=/data/ev.jsonl", "data.metric=exact_match")

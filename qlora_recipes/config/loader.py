@@ -23,7 +23,7 @@ from ..errors import UserError
 from ..invocation import command
 from ..resources import shipped_path
 from .fields import is_section
-from .schema import TrainConfig
+from .schema import MODEL_FIGURES, TrainConfig
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -82,6 +82,9 @@ def to_typed(cfg: DictConfig) -> TrainConfig:
 
     try:
         OmegaConf.to_container(cfg, resolve=True)
+        for key in MODEL_FIGURES:  # `???`: unset, as null; the planner reads a model dir's config.json for it
+            if OmegaConf.is_missing(cfg.model, key):
+                cfg.model[key] = None
         extra = unknown_keys(cfg)
         if extra:
             raise UserError(

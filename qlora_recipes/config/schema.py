@@ -69,20 +69,22 @@ DIST_STRATEGIES = ("none", "ddp", "fsdp", "zero2", "zero3")
 DIST_LAUNCHERS = ("accelerate", "torchrun")
 FSDP_STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 FIGURE = "an architecture figure"  # the help of the figures a local config.json replaces
+MODEL_FIGURES = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
 
 
 @dataclass
 class ModelConfig:
-    # Figures describe the architecture so the planner can reason offline; a local config.json overrides them.
+    # Figures describe the architecture so the planner can reason offline; a local config.json overrides them
+    # (null or ???: unset, read from that config.json).
     name_or_path: str = option(MISSING, "where the weights are: a hub id or a local dir in the HF layout")
     hub_id: str | None = option(None, "the hub id of a local copy (model cards, the hub check)")
     architecture: str = option("llama", "the model family (llama, mistral, qwen2, gemma2, ...)")
-    hidden_size: int = option(MISSING, FIGURE, range=">= 1|null")
-    num_layers: int = option(MISSING, FIGURE, range=">= 1|null")
-    num_heads: int = option(MISSING, FIGURE, range=">= 1|null")
-    num_kv_heads: int = option(MISSING, FIGURE, range=">= 1|null")
-    intermediate_size: int = option(MISSING, FIGURE, range=">= 1|null")
-    vocab_size: int = option(MISSING, FIGURE, range=">= 1|null")
+    hidden_size: int | None = option(None, FIGURE, range=">= 1|null")
+    num_layers: int | None = option(None, FIGURE, range=">= 1|null")
+    num_heads: int | None = option(None, FIGURE, range=">= 1|null")
+    num_kv_heads: int | None = option(None, FIGURE, range=">= 1|null")
+    intermediate_size: int | None = option(None, FIGURE, range=">= 1|null")
+    vocab_size: int | None = option(None, FIGURE, range=">= 1|null")
     tie_embeddings: bool = option(False, "lm_head shares the embedding matrix")
     head_dim: int | None = option(None, "null: hidden_size / num_heads", range=">= 1|null")
     max_position_embeddings: int = option(4096, "the model's context length", range=">= 1")

@@ -45,11 +45,10 @@ TRL_OFFLOAD_MIN_BYTES = 1024
 BNB_MAX_MEMORY_FACTOR = 0.90
 
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
-COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 
-# transformers `optim` strings -> how the optimizer keeps state: the byte figures of components.py
-# and single.py are keyed by the kind. Every optimizer the schema accepts needs an entry
-# (tests/test_optimizer_figures.py checks).
+# optim.name -> how the optimizer keeps state: the byte figures of components.py and single.py are
+# keyed by the kind. The names are config/schema.py's OPTIMIZERS, the one list of accepted names
+# (tests/unit/test_optimizer_figures.py keeps the two equal).
 OPTIMIZERS = {
     "adamw_torch": "adam32_torch",
     "adamw_torch_fused": "adam32_torch_fused",
@@ -57,7 +56,6 @@ OPTIMIZERS = {
     "adamw_8bit": "adam8_bnb",
     "paged_adamw_8bit": "adam8_bnb_paged",
     "paged_adamw_32bit": "adam32_bnb_paged",
-    "paged_adamw": "adam32_bnb_paged",
     "adafactor": "adafactor",
     "sgd": "sgd",
 }

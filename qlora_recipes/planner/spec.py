@@ -9,10 +9,10 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..config.schema import PEFT_METHODS, QUANT_METHODS, padding_free_on
+from ..config.schema import padding_free_on
 from ..errors import UserError
-from ..units import DTYPE_BYTES, dtype_bytes, dtype_name
-from .constants import COMPUTE_DTYPES, DEVICE_MAP_STRATEGIES, OPTIMIZERS
+from ..units import DTYPE_BYTES, dtype_bytes
+from .constants import DEVICE_MAP_STRATEGIES
 from .figures import Figures, given, model_figures
 
 if TYPE_CHECKING:
@@ -144,24 +144,11 @@ def _methods(
     quant: QuantConfig, peft: PeftConfig, optim: OptimConfig, precision: PrecisionConfig
 ) -> tuple[str, str, str, str, int]:
     """(quant method, peft method, optimizer, compute dtype, bytes per quantized storage element).
-    The checks repeat validate.py's for the callers that plan without validating (`qlora plan`,
-    `qlora launch --plan`, bench): the byte tables below are keyed by these names."""
-    method = str(quant.method).lower()
-    if method not in QUANT_METHODS:
-        raise UserError(f"quant.method={method!r} is not one of {', '.join(QUANT_METHODS)}")
-    pmethod = str(peft.method).lower()
-    if pmethod not in PEFT_METHODS:
-        raise UserError(f"peft.method={pmethod!r} is not one of {', '.join(PEFT_METHODS)}")
-    oname = str(optim.name)
-    if oname not in OPTIMIZERS:
-        raise UserError(f"optim.name={oname!r}: the planner knows {', '.join(OPTIMIZERS)}; pick one of those")
+    The names are checked before any plan is made (config/checks.py: train, plan, launch and bench
+    all load through it); the byte tables here are keyed by them."""
+    method, pmethod, oname = str(quant.method).lower(), str(peft.method).lower(), str(optim.name)
     dtype = str(precision.dtype)
-    if dtype_name(dtype) not in COMPUTE_DTYPES:
-        raise UserError(f"precision.dtype={dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
-    storage = str(quant.storage_dtype)
-    storage_bytes = DTYPE_BYTES.get(storage)
-    if storage_bytes is None:
-        raise UserError(f"quant.storage_dtype={storage!r} is not one of uint8, bfloat16, float16, float32")
+    storage_bytes = DTYPE_BYTES[str(quant.storage_dtype)]
     return method, pmethod, oname, dtype, storage_bytes
 
 

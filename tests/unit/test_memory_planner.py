@@ -602,7 +602,6 @@ def test_budget_errors_are_one_line_user_errors():
             "no architecture figures",
         ),
         (("model.architecture=nosuchnet", "model.name_or_path=org/unknown"), [], "model.architecture='nosuchnet'"),
-        (("optim.name=lion",), [], "optim.name='lion'"),
         (("peft.target_modules=[nope]",), [], "matches no module"),
     ]
     for overrides, gpus, needle in cases:

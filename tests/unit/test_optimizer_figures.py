@@ -3,6 +3,7 @@ its state table lacks."""
 
 import dataclasses
 
+from qlora_recipes.config.schema import OPTIMIZERS as SCHEMA_OPTIMIZERS
 from qlora_recipes.config.schema import OptimConfig
 from qlora_recipes.planner.components import optimizer_bytes
 from qlora_recipes.planner.constants import OPTIMIZERS
@@ -10,20 +11,11 @@ from qlora_recipes.planner.constants import OPTIMIZERS
 KINDS = {"adam32_torch", "adam32_torch_fused", "adam8_bnb", "adam8_bnb_paged", "adam32_bnb_paged", "adafactor", "sgd"}
 
 
-def accepted_optimizers() -> tuple[str, ...]:
-    """optim.name's choices: the schema field's metadata, else validate.py's list (the older home)."""
-    field = {f.name: f for f in dataclasses.fields(OptimConfig)}["name"]
-    choices = field.metadata.get("choices")
-    if choices is None:
-        from qlora_recipes.run.validate import OPTIMIZERS as choices
-    return tuple(getattr(c, "value", c) for c in choices)
-
-
 def test_every_accepted_optimizer_has_a_byte_figure():
-    accepted = accepted_optimizers()
-    assert accepted and OptimConfig().name in accepted
-    missing = [name for name in accepted if name not in OPTIMIZERS]
-    assert not missing, f"add {missing} to planner/constants.py OPTIMIZERS"
+    field = {f.name: f for f in dataclasses.fields(OptimConfig)}["name"]
+    accepted = field.metadata["choices"]
+    assert accepted == SCHEMA_OPTIMIZERS and OptimConfig().name in accepted
+    assert set(OPTIMIZERS) == set(accepted), "planner/constants.py OPTIMIZERS: one kind per accepted name"
     assert set(OPTIMIZERS.values()) <= KINDS
 
 

@@ -87,18 +87,18 @@ def cpu_check(log_dir: Path | None = None) -> dict:
 _REPRO = r"""
 import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-from qlora_recipes.config.schema import compose
-from qlora_recipes import modeling
+from qlora_recipes.config.loader import load
+from qlora_recipes.model import loading
 import tempfile
 folder = tempfile.mkdtemp()
-cfg = compose(["offload=disk", f"offload.folder={folder}"])
+cfg = load(["offload=disk", f"offload.folder={folder}"])
 q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                        bnb_4bit_compute_dtype=torch.bfloat16, llm_int8_enable_fp32_cpu_offload=True)
 dm = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
       "model.rotary_emb": "cpu", "lm_head": "cpu"}
 m = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, quantization_config=q, dtype=torch.bfloat16,
                                          device_map=dm, offload_folder=folder)
-m = modeling.make_trainable(cfg, m)
+m = loading.make_trainable(cfg, m)
 lora = m.base_model.model.model.layers[1].self_attn.q_proj.lora_A["default"].weight
 print("ADAPTER_DEVICE", lora.device)
 x = torch.randint(0, 99, (2, 16))

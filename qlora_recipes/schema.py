@@ -11,6 +11,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from .devices import auto_precision_value
 from .resources import shipped_path
 from .units import cfg_get
 
@@ -118,6 +119,8 @@ class OffloadConfig:
 
 @dataclass
 class PrecisionConfig:
+    # bf16 | fp16 | fp32; precision=auto (the default) picks one of them for the hardware
+    # (devices.auto_precision) before anything reads it, and the run says in one line which and why.
     name: str = "bf16"
     dtype: str = "bfloat16"  # compute dtype and the dtype non-quantized weights load in
     # A quantized base: true keeps prepare_model_for_kbit_training's fp32 copy of the frozen
@@ -164,7 +167,10 @@ class HardwareConfig:
     gpu_memory_gib: float | None = None  # usable memory of each GPU (torch's total_memory), GiB
     nodes: int = 1
     host_ram_gib: int | None = None  # host RAM the plan assumes (offload, FSDP loading); SLURM mem
-    bf16: bool = True  # False for pre-Ampere GPUs (T4, V100): precision must be fp16
+    # False for pre-Ampere GPUs (T4, V100): precision must be fp16. precision=auto reads it: planning
+    # for GPUs (this node's, or `qlora plan --gpus` with no such node: true) it picks bf16 when true,
+    # fp16 when false; on a machine it never picks bf16 when false.
+    bf16: bool = True
     timeout_min: int = 1440  # wall time a scheduler grants the job (hydra/launcher=slurm)
 
 
@@ -253,12 +259,15 @@ class TrainConfig:
 
 
 def register_schemas() -> None:
-    """Register the schema and the `${shipped:rel/path}` resolver (shipped files, from any cwd)."""
+    """Register the schema and the resolvers: `${shipped:rel/path}` (shipped files, from any cwd),
+    `${if_data_path:...}` and `${auto_precision:...}` (precision=auto on this machine)."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     if not OmegaConf.has_resolver("shipped"):
         OmegaConf.register_new_resolver("shipped", shipped_path)
     if not OmegaConf.has_resolver("if_data_path"):
         OmegaConf.register_new_resolver("if_data_path", if_data_path)
+    if not OmegaConf.has_resolver("auto_precision"):  # conf/precision/auto.yaml
+        OmegaConf.register_new_resolver("auto_precision", auto_precision_value)
 
 
 def if_data_path(path: str, value: Any, otherwise: Any = None, *, _parent_: Any) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import data, dist, hub, lifecycle, metrics, modeling, planner, stack, trackers
+from . import data, devices, dist, hub, lifecycle, metrics, modeling, planner, stack, trackers
 from .checkpoints import _disk_full, find_checkpoint
 from .cli import command, sigint_deferred, task_overrides
 from .console import next_commands, print_stack, print_summary, shown_path
@@ -71,6 +71,9 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict | None, tracker: PeakTr
 
     started = time.time()
     gpu = modeling.on_gpu()
+    chosen = devices.resolve_auto_precision(cfg)  # pinned before validation and planning: one precision from here on
+    if chosen and _main_rank():
+        log.info("%s", chosen)
     try:
         plan, resume_from = _check_and_plan(cfg, run_dir, choices, gpu, on_write)
     except AlreadyComplete as done:  # resume=auto on a finished run: nothing to do, exit 0

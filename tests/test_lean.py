@@ -52,7 +52,7 @@ def _spy_on_training_dtypes(monkeypatch) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# precision.upcast_frozen
+# precision.upcast_frozen (a 16-bit precision: fp32 has nothing to upcast)
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "quant,upcast",
@@ -60,7 +60,7 @@ def _spy_on_training_dtypes(monkeypatch) -> dict:
 )
 def test_frozen_parts_train_in_the_dtype_asked_for(quant, upcast, run_dir, monkeypatch):
     seen = _spy_on_training_dtypes(monkeypatch)
-    m = _smoke(run_dir, f"quant={quant}", f"precision.upcast_frozen={str(upcast).lower()}")
+    m = _smoke(run_dir, f"quant={quant}", "precision=bf16", f"precision.upcast_frozen={str(upcast).lower()}")
     assert m["steps"] == 3 and all(math.isfinite(x) for x in m["train_losses"]), m["train_losses"]
     frozen = torch.float32 if upcast and quant != "none" else torch.bfloat16
     assert seen["lm_head"] == seen["embed_tokens"] == frozen
@@ -72,7 +72,7 @@ def test_frozen_parts_train_in_the_dtype_asked_for(quant, upcast, run_dir, monke
 def test_modules_to_save_copies_train_in_fp32_without_the_upcast(run_dir, monkeypatch):
     """peft upcasts the adapters, not the modules_to_save copies: make_trainable does (as planned)."""
     seen = _spy_on_training_dtypes(monkeypatch)
-    m = _smoke(run_dir, "precision.upcast_frozen=false", "peft.modules_to_save=[lm_head]")
+    m = _smoke(run_dir, "precision=bf16", "precision.upcast_frozen=false", "peft.modules_to_save=[lm_head]")
     assert all(math.isfinite(x) for x in m["train_losses"]), m["train_losses"]
     assert seen["trainable"] == {torch.float32} and seen["frozen"] == {torch.bfloat16}
 
@@ -81,7 +81,7 @@ def test_modules_to_save_copies_train_in_fp32_without_the_upcast(run_dir, monkey
 def test_planned_other_params_are_what_make_trainable_leaves(upcast, run_dir):
     """The tiny default, NF4: the frozen non-quantized params as make_trainable leaves them, byte
     for byte (fp32 after k-bit prep, bf16 without its upcast)."""
-    cfg = compose_cfg(f"precision.upcast_frozen={str(upcast).lower()}")
+    cfg = compose_cfg("precision=bf16", f"precision.upcast_frozen={str(upcast).lower()}")
     plan = planner.plan(cfg, gpus=[], host_ram=HOST, world_size=1, ladder=False)
     model = modeling.make_trainable(cfg, modeling.load_model(cfg, run_dir))
     frozen = [p for n, p in model.named_parameters() if "lora_" not in n and p.is_floating_point()]
@@ -237,7 +237,9 @@ def test_ladder_leaves_out_lean_rungs_that_cannot_help():
     gpu, cpu = devices.hardware([24 * GiB], HOST), devices.hardware([], HOST)
 
     def offered(kind, hw, *overrides):
-        st = spec_from_cfg(compose_cfg(*THIRTY_3B, *overrides), 1)
+        cfg = compose_cfg(*THIRTY_3B, *overrides)
+        devices.resolve_auto_precision(cfg, list(hw.gpus))  # precision=auto as it picks on hw
+        st = spec_from_cfg(cfg, 1)
         return [ov for _, ov in _candidates(kind, st, hw, {})]
 
     assert offered("frozen_dtype", gpu) == [{"precision.upcast_frozen": "false"}]

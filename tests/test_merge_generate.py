@@ -38,7 +38,7 @@ def _train(run_dir: Path, *overrides: str) -> Path:
 
 @pytest.fixture(scope="module")
 def nf4_run(tmp_path_factory) -> Path:
-    return _train(tmp_path_factory.mktemp("nf4") / "run")
+    return _train(tmp_path_factory.mktemp("nf4") / "run", "precision=bf16")  # the figures above: a bf16 run
 
 
 @pytest.fixture(scope="module")

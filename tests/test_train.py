@@ -10,10 +10,13 @@ from conftest import compose_cfg
 
 from qlora_recipes import modeling
 from qlora_recipes.training import train
+from qlora_recipes.units import torch_dtype
 
 
 def test_default_run_learns_and_writes_everything(run_dir):
-    cfg = compose_cfg()
+    # In bf16, as pinned (recorded when bf16 was the default; precision=auto picks fp32 on CPUs without
+    # native bf16), so the pin holds on every CPU the same stack ran on.
+    cfg = compose_cfg("precision=bf16")
     m = train(cfg, run_dir)
 
     # The same seed trains the same curve as before the architecture move (tests/expected/).
@@ -59,7 +62,7 @@ def test_each_quant_option_loads_the_right_layer(quant, layer, run_dir):
     if quant in ("nf4", "fp4"):
         assert q_proj.weight.quant_type == quant
         assert q_proj.weight.quant_state.nested  # double quantization on
-    assert model.lm_head.weight.dtype == torch.bfloat16  # non-quantized parts in the precision dtype
+    assert model.lm_head.weight.dtype == torch_dtype(cfg.precision.dtype)  # non-quantized parts in the precision dtype
 
 
 def _smoke(run_dir, *overrides):

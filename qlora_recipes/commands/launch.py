@@ -52,9 +52,12 @@ def plan(recipe: str, overrides: list[str], check: bool) -> int:
     from .. import devices, planner
 
     cfg = compose([f"recipe={recipe}", *overrides])
+    chosen = devices.resolve_auto_precision(cfg, devices.declared_gpus(cfg))  # auto on the recipe's hardware
     result = planner.plan(cfg, gpus=devices.declared_gpus(cfg), host_ram=devices.declared_host_ram(cfg))
     path = planner.write_plan(result, Path("runs") / "plans" / recipe)
     print(f"recipe {recipe}: planned for {devices.describe(cfg)}, {devices.ranks(cfg)} rank(s)")
+    if chosen:
+        print(chosen)
     print(planner.render_table(result))
     print(f"plan: {path}")
     return 1 if check and not result["fits"] else 0
@@ -70,6 +73,8 @@ def launch(recipe: str, overrides: list[str], dry_run: bool, cpu: bool = False) 
     gpus_here = [] if cpu else devices.detect_gpus()
     if not dry_run and not cpu:
         devices.check_hardware_here(cfg, recipe, gpus_here)
+    # precision=auto as the ranks will pick it (and say so): on these GPUs, else on the recipe's (--dry-run)
+    devices.resolve_auto_precision(cfg, [] if cpu else (None if gpus_here else devices.declared_gpus(cfg)))
     ranks = devices.ranks(cfg)
     gpu = not cpu and (bool(gpus_here) or (dry_run and cfg.hardware.gpus > 0))
     validate(cfg, gpu_available=gpu, world_size=ranks)

@@ -103,11 +103,12 @@ def main(cfg: DictConfig) -> None:
 
 
 def plan_and_print(cfg: DictConfig) -> None:
-    from .. import planner
+    from .. import devices, planner
 
     started = time.perf_counter()
     try:
         gpus, host_ram, planned_for = hardware_to_plan(cfg)
+        chosen = devices.resolve_auto_precision(cfg, gpus)  # what auto picks on the hardware planned for
         plan = planner.plan(cfg, gpus=gpus, host_ram=host_ram)  # one rank's share under FSDP / ZeRO-3
     except UserError as err:  # here, not in cli.run: Hydra would add its own "Error executing job" line
         print(f"error: {err}", file=sys.stderr)
@@ -115,6 +116,8 @@ def plan_and_print(cfg: DictConfig) -> None:
     plan_s = time.perf_counter() - started
     path = planner.write_plan(plan, HydraConfig.get().runtime.output_dir)
     print(f"planned for: {planned_for}")
+    if chosen:
+        print(chosen)
     print(planner.render_table(plan))
     print(f"plan: {path}  (planned in {plan_s:.2f} s, {time.perf_counter() - _STARTED:.2f} s since start)")
     _RESULT["fits"] = plan["fits"]

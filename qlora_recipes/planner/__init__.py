@@ -14,6 +14,7 @@ metric), placement (device map, max_memory), peaks (phases, pressure, the alloca
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -55,9 +56,13 @@ def plan(
     WORLD_SIZE, else the recipe's GPUs x nodes). A plan holds a full replica per GPU (one process,
     DDP, ZeRO-2); under FSDP / ZeRO-3 the parameters are sharded across `world_size` ranks. Without
     GPUs, several ranks of dist=ddp|fsdp|zero2|zero3 are CPU processes (gloo): the plan is one
-    rank process's (sharded.plan_cpu_rank).
+    rank process's (sharded.plan_cpu_rank). A stack still on precision=auto is planned in what auto
+    picks on those devices (devices.auto_precision).
     Returns the plan.json dict.
     """
+    if gpus is not None and _dev.is_auto_precision(cfg):  # planned as auto picks on these GPUs (cfg left as is)
+        cfg = copy.deepcopy(cfg)
+        _dev.resolve_auto_precision(cfg, gpus)
     strategy = cfg.dist.strategy
     if world_size is None:
         env_ws = int(os.environ.get("WORLD_SIZE", "0") or 0)

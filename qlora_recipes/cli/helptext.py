@@ -21,7 +21,7 @@ COMMON_OVERRIDES = """common overrides:
   data.path=FILE          your own data (.jsonl/.json/.csv/.parquet, a dir or a hub name; format detected)
   model.name_or_path=DIR  a local HF model dir or hub id (with model=FAMILY for its architecture figures)
   trainer.max_steps=N trainer.seq_len=N trainer.micro_batch_size=N trainer.grad_accum=N peft.r=N optim.lr=X
-  quant=nf4|int8|none offload=cpu precision=fp16 (GPUs without bf16)  resume=auto hydra.run.dir=RUN (go on)"""
+  quant=nf4|int8|none offload=cpu precision=bf16|fp16|fp32 (default auto)  resume=auto hydra.run.dir=RUN (go on)"""
 HYDRA_FLAGS = (
     "Hydra flags: -m (sweeps: GROUP=a,b KEY=1,2), --cfg job (the composed config), hydra.run.dir=DIR, --hydra-help"
 )

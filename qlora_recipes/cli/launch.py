@@ -53,9 +53,12 @@ def plan(recipe: str, overrides: list[str], check: bool) -> int:
     from ..config import devices
 
     cfg = load([f"recipe={recipe}", *overrides])
+    chosen = devices.precision_line(cfg, devices.declared_gpus(cfg))  # precision=auto on the recipe's GPUs
     result = planner.plan(cfg, gpus=devices.declared_gpus(cfg), host_ram=devices.declared_host_ram(cfg))
     path = planner.write_plan(result, Path("runs") / "plans" / recipe)
     print(f"recipe {recipe}: planned for {devices.describe(cfg)}, {devices.ranks(cfg)} rank(s)")
+    if chosen:
+        print(chosen)
     print(planner.render_table(result))
     print(f"plan: {path}")
     return 1 if check and not result["fits"] else 0
@@ -69,7 +72,7 @@ def launch(recipe: str, overrides: list[str], dry_run: bool, cpu: bool = False) 
     from ..run import dist
     from ..run.validate import validate
 
-    cfg = load([f"recipe={recipe}", *overrides])
+    cfg = load([f"recipe={recipe}", *overrides])  # precision=auto: each rank picks on its own device
     gpus_here = [] if cpu else devices.detect_gpus()
     if not dry_run and not cpu:
         devices.check_hardware_here(cfg, recipe, gpus_here)

@@ -105,6 +105,7 @@ def main(cfg: DictConfig) -> None:
 def plan_and_print(composed: DictConfig) -> None:
     """Check the stack as `qlora train` does (config/checks.py), then plan it and print the plan."""
     from .. import planner
+    from ..config import devices
     from ..config.checks import check_stack
 
     started = time.perf_counter()
@@ -112,6 +113,7 @@ def plan_and_print(composed: DictConfig) -> None:
         cfg = to_typed(composed)
         check_stack(cfg)
         gpus, host_ram, planned_for = hardware_to_plan(cfg)
+        chosen = devices.precision_line(cfg, gpus)  # precision=auto as it picks on the hardware planned for
         plan = planner.plan(cfg, gpus=gpus, host_ram=host_ram)  # one rank's share under FSDP / ZeRO-3
     except UserError as err:  # here, not in cli.run: Hydra would add its own "Error executing job" line
         print(f"error: {err}", file=sys.stderr)
@@ -119,6 +121,8 @@ def plan_and_print(composed: DictConfig) -> None:
     plan_s = time.perf_counter() - started
     path = planner.write_plan(plan, HydraConfig.get().runtime.output_dir)
     print(f"planned for: {planned_for}")
+    if chosen:
+        print(chosen)
     print(planner.render_table(plan))
     print(f"plan: {path}  (planned in {plan_s:.2f} s, {time.perf_counter() - _STARTED:.2f} s since start)")
     _RESULT["fits"] = plan["fits"]

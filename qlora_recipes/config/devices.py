@@ -4,11 +4,13 @@ for, and the `offload.max_memory` budgets. Nothing here imports torch unless a G
 (an NVIDIA device node or driver entry exists), so planning on a GPU-less machine stays fast. Sizes
 follow accelerate's convention: "80GB" is 80e9 bytes, "75GiB" is 75 * 2**30 bytes, a bare number
 is bytes; except that `--gpus` reads a card's marketed size ("24GB") as that card class
-(MARKETED_GPU_GIB), the same figure the recipes' `hardware.gpu_memory_gib` uses.
+(MARKETED_GPU_GIB), the same figure the recipes' `hardware.gpu_memory_gib` uses. And the precision
+`precision=auto` picks for that hardware (auto_precision).
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import re
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
-from ..units import GiB, fmt_gib, parse_size
+from ..units import PRECISION_DTYPE, GiB, fmt_gib, parse_size
 
 if TYPE_CHECKING:
     from .schema import TrainConfig
@@ -230,3 +232,81 @@ def disk_free(folder: str | None) -> int:
     while not path.exists() and path != path.parent:
         path = path.parent
     return int(shutil.disk_usage(path).free)
+
+
+# ---------------------------------------------------------------------------------------------
+# precision=auto (conf/precision/auto.yaml): the precision the hardware computes natively.
+# ---------------------------------------------------------------------------------------------
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of x86 CPUs with bf16 arithmetic
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo); empty where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cuda_device() -> tuple[str, tuple[int, int]] | None:
+    """Name and compute capability of this machine's first CUDA GPU; None, without importing torch
+    where no GPU may exist, when there is none."""
+    if not _gpu_may_exist():
+        return None
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.get_device_name(0), tuple(torch.cuda.get_device_capability(0))
+    except Exception:  # a broken driver: the CPU decides, as for the plan
+        return None
+
+
+def auto_precision(gpus: list[int] | None = None, hardware_bf16: bool = True) -> tuple[str, str]:
+    """What precision=auto picks, and why in words: bf16 where the device computes it natively (CUDA
+    compute capability 8.0 and later; CPUs with AVX512-BF16 or AMX), fp16 on older GPUs (T4, V100),
+    fp32 on other CPUs. `gpus` None: this machine's GPU, else its CPU; a list: the GPUs a plan is
+    made for (`qlora plan --gpus`, a recipe's hardware node; [] is this machine's CPU), which compute
+    bf16 unless `hardware_bf16` (the recipe's hardware.bf16) is false. That false never picks bf16,
+    so a recipe sized for a pre-Ampere GPU gets fp16 on a GPU and fp32 on a CPU, as validation wants."""
+    here = cuda_device() if gpus is None else None
+    if here is not None:
+        name, cap = here
+        card = f"{name}, compute capability {cap[0]}.{cap[1]}"
+        if cap < (8, 0):
+            return "fp16", f"{card}, has no native bf16 (Ampere, 8.0, and later have)"
+        if not hardware_bf16:
+            return "fp16", f"{card}, but the recipe's hardware.bf16=false"
+        return "bf16", f"{card}, computes bf16 natively"
+    if gpus:
+        if hardware_bf16:
+            return "bf16", "the GPUs planned for compute bf16 natively: hardware.bf16=true (false plans fp16: T4, V100)"
+        return "fp16", "the GPUs planned for have no native bf16: hardware.bf16=false (T4, V100)"
+    native = [f for f in BF16_CPU_FLAGS if f in cpu_flags()]
+    if not hardware_bf16:
+        return "fp32", "no GPU here for fp16, and the recipe's hardware.bf16=false rules out bf16"
+    if native:
+        return "bf16", f"this CPU computes bf16 natively: {', '.join(native)}"
+    return "fp32", f"this CPU has no native bf16: no {'/'.join(BF16_CPU_FLAGS)} flag"
+
+
+def auto_precision_value(hardware_bf16: bool, key: str = "name") -> str:
+    """The `${auto_precision:${hardware.bf16}[,dtype]}` resolver of conf/precision/auto.yaml: this
+    machine's pick (name, or its dtype), for a config not pinned by resolve_auto_precision."""
+    name = auto_precision(None, bool(hardware_bf16))[0]
+    return PRECISION_DTYPE[name] if key == "dtype" else name
+
+
+def precision_line(cfg: TrainConfig, gpus: list[int] | None = None) -> str | None:
+    """The one line precision=auto says about its pick for `gpus` (see auto_precision); None for a
+    precision the user named."""
+    if not cfg.precision.auto:
+        return None
+    name, why = auto_precision(gpus, bool(cfg.hardware.bf16))
+    return f"precision=auto: {name} ({why})"

@@ -36,6 +36,10 @@ def register_schemas() -> None:
         OmegaConf.register_new_resolver("shipped", shipped_path)
     if not OmegaConf.has_resolver("if_data_path"):
         OmegaConf.register_new_resolver("if_data_path", if_data_path)
+    if not OmegaConf.has_resolver("auto_precision"):  # conf/precision/auto.yaml: this machine's pick
+        from .devices import auto_precision_value
+
+        OmegaConf.register_new_resolver("auto_precision", auto_precision_value)
 
 
 def if_data_path(path: str, value: Any, otherwise: Any = None, *, _parent_: Any) -> Any:
@@ -102,6 +106,22 @@ def load(overrides: list[str]) -> TrainConfig:
     cfg = to_typed(compose(overrides))
     check_stack(cfg)
     return cfg
+
+
+def precision_for(cfg: TrainConfig, gpus: list[int] | None) -> TrainConfig:
+    """`cfg` with precision=auto picked again for `gpus` (the GPUs a plan is made for; None: this
+    machine's, as the loader picked): name, dtype, and quant.compute_dtype where it follows the dtype.
+    A precision the user named is kept."""
+    from ..units import PRECISION_DTYPE, dtype_name
+    from .devices import auto_precision
+
+    name = auto_precision(gpus, bool(cfg.hardware.bf16))[0]
+    if not cfg.precision.auto or name == cfg.precision.name:
+        return cfg
+    dtype = PRECISION_DTYPE[name]
+    follows = dtype_name(cfg.quant.compute_dtype) == dtype_name(cfg.precision.dtype)
+    extra = [f"quant.compute_dtype={dtype}"] if follows else []
+    return with_overrides(cfg, [f"precision.name={name}", f"precision.dtype={dtype}", *extra])
 
 
 def with_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:

@@ -187,8 +187,15 @@ class OffloadConfig:
 
 @dataclass
 class PrecisionConfig:
+    # conf/precision/auto.yaml (the default) resolves to bf16, fp16 or fp32 for the hardware
+    # (config/devices.auto_precision), pinned by the loader before anything reads it.
     name: str = option("bf16", "the training precision", choices=PRECISIONS)
     dtype: str = option("bfloat16", "compute dtype and the dtype non-quantized weights load in")
+    auto: bool = option(
+        False,
+        "precision=auto picked name and dtype for this machine; a plan for other GPUs picks again",
+        resume_safe=True,
+    )
     # No effect with quant=none or precision=fp32: they are in `dtype` already.
     upcast_frozen: bool = option(
         True,
@@ -247,6 +254,8 @@ class HardwareConfig:
     nodes: int = option(1, "nodes", range=">= 1")
     # the plan assumes it for offload and FSDP loading; SLURM's mem
     host_ram_gib: int | None = option(None, "host RAM in GiB", range="> 0|null")
+    # precision=auto reads it: planning for GPUs (this node's, or `qlora plan --gpus` with no such node:
+    # true) it picks bf16 when true, fp16 when false; on a machine it never picks bf16 when false.
     bf16: bool = option(True, "False for pre-Ampere GPUs (T4, V100): precision must be fp16")
     # wall time (hydra/launcher=slurm)
     timeout_min: int = option(1440, "minutes a scheduler grants the job", range=">= 1")

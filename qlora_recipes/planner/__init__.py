@@ -18,6 +18,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ..config import devices as _dev
+from ..config.loader import precision_for
 from .figures import model_figures
 from .ladder import ladder_rungs, offload_params_rungs
 from .loss import with_metric
@@ -58,9 +59,11 @@ def plan(
     WORLD_SIZE, else the recipe's GPUs x nodes). A plan holds a full replica per GPU (one process,
     DDP, ZeRO-2); under FSDP / ZeRO-3 the parameters are sharded across `world_size` ranks. Without
     GPUs, several ranks of dist=ddp|fsdp|zero2|zero3 are CPU processes (gloo): the plan is one
-    rank process's (sharded.plan_cpu_rank).
+    rank process's (sharded.plan_cpu_rank). precision=auto is planned as it picks on those devices
+    (config/loader.precision_for).
     Returns the plan.json dict.
     """
+    cfg = precision_for(cfg, gpus)  # precision=auto as it picks on the GPUs planned for
     strategy = cfg.dist.strategy
     if world_size is None:
         env_ws = int(os.environ.get("WORLD_SIZE", "0") or 0)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import data, planner
+from ..config.devices import precision_line
 from ..config.loader import to_yaml as config_yaml
 from ..config.schema import TrainConfig
 from ..console import next_commands, print_stack, print_summary, shown_path
@@ -75,6 +76,9 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
 
     started = time.time()
     gpu = loading.on_gpu()
+    chosen = precision_line(cfg)  # precision=auto: what this machine computes natively, and why
+    if chosen and _main_rank():
+        log.info("%s", chosen)
     try:
         plan, resume_from = _check_and_plan(cfg, run_dir, choices, gpu, on_write)
     except AlreadyComplete as done:  # resume=auto on a finished run: nothing to do, exit 0

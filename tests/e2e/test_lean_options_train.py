@@ -48,7 +48,7 @@ def _spy_on_training_dtypes(monkeypatch) -> dict:
 )
 def test_frozen_parts_train_in_the_dtype_asked_for(quant, upcast, monkeypatch, smoke_run):
     seen = _spy_on_training_dtypes(monkeypatch)
-    m, _ = smoke_run(f"quant={quant}", f"precision.upcast_frozen={str(upcast).lower()}")
+    m, _ = smoke_run(f"quant={quant}", "precision=bf16", f"precision.upcast_frozen={str(upcast).lower()}")
     assert m["steps"] == 3 and all(math.isfinite(x) for x in m["train_losses"]), m["train_losses"]
     frozen = torch.float32 if upcast and quant != "none" else torch.bfloat16
     assert seen["lm_head"] == seen["embed_tokens"] == frozen
@@ -60,7 +60,7 @@ def test_frozen_parts_train_in_the_dtype_asked_for(quant, upcast, monkeypatch, s
 def test_modules_to_save_copies_train_in_fp32_without_the_upcast(monkeypatch, smoke_run):
     """peft upcasts the adapters, not the modules_to_save copies: make_trainable does (as planned)."""
     seen = _spy_on_training_dtypes(monkeypatch)
-    m, _ = smoke_run("precision.upcast_frozen=false", "peft.modules_to_save=[lm_head]")
+    m, _ = smoke_run("precision=bf16", "precision.upcast_frozen=false", "peft.modules_to_save=[lm_head]")
     assert all(math.isfinite(x) for x in m["train_losses"]), m["train_losses"]
     assert seen["trainable"] == {torch.float32} and seen["frozen"] == {torch.bfloat16}
 

@@ -133,7 +133,7 @@ OVERRIDES = [
     (["quant.compute_dtype=float8"], ["quant.compute_dtype=float8", "bfloat16"]),
     (["quant.int8_threshold=-1"], ["quant.int8_threshold=-1"]),
     (["quant=none", "quant.storage_dtype=bfloat16"], ["quant.storage_dtype"]),
-    (["precision.dtype=float16"], ["precision.dtype=float16", "precision=bf16"]),
+    (["precision=bf16", "precision.dtype=float16"], ["precision.dtype=float16", "precision=bf16"]),
     (["precision=fp16"], ["precision=fp16 needs a CUDA GPU"]),
     # data keys
     (["data.format=yaml"], ["data.format"]),

@@ -7,6 +7,7 @@ import torch
 from conftest import compose_cfg
 
 from qlora_recipes.model import loading
+from qlora_recipes.units import torch_dtype
 
 
 @pytest.mark.parametrize(
@@ -21,4 +22,4 @@ def test_each_quant_option_loads_the_right_layer(quant, layer, run_dir):
     if quant in ("nf4", "fp4"):
         assert q_proj.weight.quant_type == quant
         assert q_proj.weight.quant_state.nested  # double quantization on
-    assert model.lm_head.weight.dtype == torch.bfloat16  # non-quantized parts in the precision dtype
+    assert model.lm_head.weight.dtype == torch_dtype(cfg.precision.dtype)  # non-quantized parts in the precision dtype

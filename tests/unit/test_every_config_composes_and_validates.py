@@ -5,8 +5,10 @@ from conftest import GROUPS, REPO, compose_cfg, compose_hydra_cfg, options
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
+from qlora_recipes.config import devices
 from qlora_recipes.errors import UserError
 from qlora_recipes.run.validate import validate
+from qlora_recipes.units import PRECISION_DTYPE
 
 ALL_FILES = [(g, o) for g in GROUPS for o in options(g)] + [("recipe", o) for o in options("recipe")]
 PRESETS = [("+sweep", o) for o in options("sweep")]
@@ -26,7 +28,7 @@ def test_config_files_are_all_found():
     assert {"lora", "dora", "rslora"} <= set(options("peft"))
     assert {"paged8bit", "adamw8bit", "paged32bit", "adamw", "adafactor"} <= set(options("optim"))
     assert {"none", "cpu", "disk"} <= set(options("offload"))
-    assert {"bf16", "fp16", "fp32"} <= set(options("precision"))
+    assert {"auto", "bf16", "fp16", "fp32"} <= set(options("precision"))
     wanted = {
         "llama2-7b",
         "llama2-13b",
@@ -67,7 +69,7 @@ def test_sweep_and_launcher_presets_compose(group, option):
 def test_default_is_the_real_qlora_path():
     cfg = compose_cfg()
     assert (cfg.quant.method, cfg.quant.double_quant, cfg.optim.name) == ("nf4", True, "paged_adamw_8bit")
-    assert cfg.quant.compute_dtype == cfg.precision.dtype == "bfloat16"
+    assert cfg.quant.compute_dtype == cfg.precision.dtype == PRECISION_DTYPE[devices.auto_precision()[0]]
     assert cfg.peft.target_modules == "all-linear"
 
 
@@ -111,7 +113,7 @@ def test_wrong_type_is_rejected():
         (["quant.method=nf5"], False, "quant.method=nf5 is not an option; choose one of: nf4, fp4, int8, none"),
         (["trainer.micro_batch_size=0"], False, "trainer.micro_batch_size=0 must be positive"),
         (["peft.dropout=1.5"], False, "peft.dropout=1.5"),
-        (["precision.dtype=float16"], False, "contradicts precision=bf16"),
+        (["precision=bf16", "precision.dtype=float16"], False, "contradicts precision=bf16"),
         (["trainer.max_steps=-1", "trainer.epochs=0"], False, "set one of them"),
         (["data.metric=bleu"], False, "data.metric=bleu"),
         (["quant=none", "quant.storage_dtype=bfloat16"], False, "storage_dtype only applies"),

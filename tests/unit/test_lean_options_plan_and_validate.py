@@ -8,6 +8,7 @@ import torch
 from conftest import compose_cfg
 
 from qlora_recipes import planner
+from qlora_recipes.config.loader import precision_for
 from qlora_recipes.errors import UserError
 from qlora_recipes.model import loading
 from qlora_recipes.planner.ladder import COSTS, LADDER_ORDER, _candidates
@@ -22,7 +23,7 @@ HOST = 64 * GiB
 def test_planned_other_params_are_what_make_trainable_leaves(upcast, run_dir):
     """The tiny default, NF4: the frozen non-quantized params as make_trainable leaves them, byte
     for byte (fp32 after k-bit prep, bf16 without its upcast)."""
-    cfg = compose_cfg(f"precision.upcast_frozen={str(upcast).lower()}")
+    cfg = compose_cfg("precision=bf16", f"precision.upcast_frozen={str(upcast).lower()}")
     plan = planner.plan(cfg, gpus=[], host_ram=HOST, world_size=1, ladder=False)
     model = loading.make_trainable(cfg, loading.load_model(cfg, run_dir))
     frozen = [p for n, p in model.named_parameters() if "lora_" not in n and p.is_floating_point()]
@@ -152,7 +153,7 @@ def test_ladder_leaves_out_lean_rungs_that_cannot_help():
     gpu, cpu = devices.hardware([24 * GiB], HOST), devices.hardware([], HOST)
 
     def offered(kind, hw, *overrides):
-        st = spec_from_cfg(compose_cfg(*THIRTY_3B, *overrides), 1)
+        st = spec_from_cfg(precision_for(compose_cfg(*THIRTY_3B, *overrides), list(hw.gpus)), 1)  # auto on hw
         return [ov for _, ov in _candidates(kind, st, hw, {})]
 
     assert offered("frozen_dtype", gpu) == [{"precision.upcast_frozen": "false"}]

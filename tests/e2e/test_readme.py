@@ -1,4 +1,4 @@
-"""README.md and the pages of docs/ are tested from their own text (issue 14): every command of their
+"""README.md and the pages of docs/ are tested from their own text: every command of their
 ```bash blocks runs here, as written, in a sandbox that a fresh clone after the README's set-up looks
 like, and ends with exit 0 or the one-line refusal this machine must give; every number they state is
 compared with a run or the planner; every link between them leads to a page and heading that exist.
@@ -496,7 +496,7 @@ def test_the_offload_folder_refusal_the_docs_show_is_reachable():
 
 def test_the_printed_stack_has_the_models_own_figures():
     """The stack tree prints conf/model's figures, plan.json the model dir's: for the shipped tiny
-    model they must be one set (issue 14: vocab_size 99 printed, 100 planned)."""
+    model they must be one set (once vocab_size 99 was printed and 100 planned)."""
     model = compose_cfg().model
     config = json.loads((REPO / "assets/tiny-llama/config.json").read_text())
     pairs = {

@@ -1,4 +1,4 @@
-"""`--help` of every command is short and useful (issue 14.6, issue 13): exit 0, under 50 lines, no
+"""`--help` of every command is short and useful: exit 0, under 50 lines, no
 composed-config dump; the commands that take overrides name every config group on disk and say where
 `--gpus` goes; each points at docs/ pages that have the sections it names. Hydra's own `--hydra-help`
 and `--cfg job` stay available.

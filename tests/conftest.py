@@ -80,3 +80,14 @@ def small_data(tmp_path: Path) -> list[str]:
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+@pytest.fixture
+def hub_out_of_reach(monkeypatch):
+    """A token in the environment, the hub switched on, and its endpoint a closed local port."""
+    import huggingface_hub
+    from helpers_hub import SECRET, closed_port
+
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", closed_port())

@@ -1,46 +1,17 @@
 """Every tracker of the `logger` group trains the default offline and writes its run with the real
 package; logger=none writes none; a resumed run goes on in the same tracker runs."""
 
-import importlib.util
 import json
-import os
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-from conftest import REPO, SMOKE, compose_cfg
+from conftest import SMOKE, compose_cfg
+from helpers_trackers import needs
+from helpers_trackers import train_process as _train
 
 from qlora_recipes.integrations import trackers
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 ALL = ("wandb", "mlflow", "trackio")
-
-
-def _installed(name: str) -> bool:
-    return all(importlib.util.find_spec(m) is not None for m in trackers.PACKAGES[name][0])
-
-
-def needs(*names: str):
-    missing = [n for n in names if not _installed(n)]
-    return pytest.mark.skipif(
-        bool(missing), reason=f"{', '.join(missing)} not installed: pip install -r requirements-extras.txt"
-    )
-
-
-def _train(*args: str, env: dict | None = None, hide: str | None = None) -> subprocess.CompletedProcess:
-    """`python train.py ARGS` in a new process; `hide`: a package made unimportable there."""
-    prelude = f"import sys; sys.modules[{hide!r}] = None; " if hide else "import sys; "
-    code = prelude + "import runpy; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-    return subprocess.run(
-        [sys.executable, "-c", code, str(REPO / "train.py"), *args],
-        cwd=REPO,
-        env={**ENV, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
 
 
 def _wandb_run(run_dir: Path) -> Path:

@@ -4,41 +4,9 @@ within its bounds."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from conftest import REPO, compose_cfg
-
-LETTERS = "abcdefghij"
-
-
-def _words(n: int) -> list[str]:
-    import random
-
-    rng = random.Random(0)
-    return ["".join(rng.sample(LETTERS, 4)) for _ in range(n)]
-
-
-def own_rows(fmt: str, n: int = 20) -> list[dict]:
-    rows = []
-    for w in _words(n):
-        s = "".join(sorted(w))
-        rows.append(
-            {
-                "alpaca": {"instruction": "Sort.", "input": w, "output": s},
-                "prompt_completion": {"prompt": f"sort: {w}\n", "completion": s},
-                "messages": {
-                    "messages": [{"role": "user", "content": f"sort: {w}"}, {"role": "assistant", "content": s}]
-                },
-                "sharegpt": {"conversations": [{"from": "human", "value": f"sort: {w}"}, {"from": "gpt", "value": s}]},
-                "text": {"text": f"sort: {w}\n{s}"},
-            }[fmt]
-        )
-    return rows
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+from helpers_data import GenerateRecorder, own_rows, words, write_jsonl
 
 
 def test_python_train_py_with_only_data_path(tmp_path):
@@ -73,31 +41,13 @@ def test_python_train_py_with_only_data_path(tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 
-class GenerateRecorder:
-    """Wraps GenerationMixin.generate: records (prompt positions, max_new_tokens, output positions)."""
-
-    def __init__(self, monkeypatch):
-        from transformers.generation.utils import GenerationMixin
-
-        self.calls = []
-        original = GenerationMixin.generate
-
-        def recording(model, *args, **kwargs):
-            out = original(model, *args, **kwargs)
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            self.calls.append((tuple(ids.shape), kwargs.get("max_new_tokens"), tuple(out.shape)))
-            return out
-
-        monkeypatch.setattr(GenerationMixin, "generate", recording)
-
-
 def test_eval_file_with_100k_character_rows_runs_within_bounds(tmp_path, run_dir, monkeypatch):
     """A real run whose eval file holds 100k-character rows: eval loss on rows truncated to seq_len (and
     counted), exact match on prompts cut to seq_len, generating at most max_new_tokens."""
     from qlora_recipes.run.training import train
 
     train_path = write_jsonl(tmp_path / "train.jsonl", own_rows("prompt_completion", 16))
-    long_rows = [{"prompt": "z" * 100_000 + f"\nsort: {w}\n", "completion": "".join(sorted(w))} for w in _words(3)]
+    long_rows = [{"prompt": "z" * 100_000 + f"\nsort: {w}\n", "completion": "".join(sorted(w))} for w in words(3)]
     eval_path = write_jsonl(tmp_path / "eval.jsonl", long_rows + own_rows("prompt_completion", 2))
     assert eval_path.stat().st_size > 300_000
     recorder = GenerateRecorder(monkeypatch)

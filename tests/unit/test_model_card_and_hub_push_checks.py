@@ -3,8 +3,6 @@ path in it, no config key for a token, and a hub out of reach (a closed local po
 
 import json
 import os
-import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,37 +10,13 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 from conftest import REPO, compose_cfg
+from helpers_hub import SECRET, SMOKE_WITH_EXACT_MATCH
+from helpers_hub import closed_port as _closed_port
+from helpers_hub import no_absolute_path as _no_absolute_path
 from omegaconf import OmegaConf
 
 from qlora_recipes.errors import UserError
 from qlora_recipes.integrations import hub, modelcard
-
-SECRET = "hf_qlora_recipes_test_token_never_written_0123456789"
-# The smoke stack with a small exact-match pass: the card states the task metric
-SMOKE_WITH_EXACT_MATCH = ["trainer=smoke", "data.metric=exact_match", "data.metric_examples=4", "data.max_new_tokens=4"]
-ABSOLUTE_PATH = re.compile(r"(?:^|[\s`'\"(=:])(/(?:[\w.-]+/)+[\w.-]*)", re.MULTILINE)
-
-
-def _closed_port() -> str:
-    """An endpoint nothing listens on: a port the kernel just handed out and that is closed again."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
-
-
-@pytest.fixture
-def hub_out_of_reach(monkeypatch):
-    """A token in the environment, the hub switched on, and its endpoint a closed local port."""
-    monkeypatch.setenv("HF_TOKEN", SECRET)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", _closed_port())
-
-
-def _no_absolute_path(text: str) -> None:
-    found = [m for m in ABSOLUTE_PATH.findall(text) if not m.startswith("//")]
-    assert not found, found
-    assert str(REPO) not in text
 
 
 def _fake_run(run_dir: Path, *overrides: str, metrics: dict | None = None) -> Path:
@@ -162,33 +136,6 @@ def test_train_with_the_hub_out_of_reach_stops_before_anything_is_written(tmp_pa
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "cannot reach the hub" in errors[0] and SECRET not in proc.stderr + proc.stdout
     assert not out.exists()
-
-
-# ------------------------------------------------------------------------------------------------
-# A trained run: its adapter card, a failed push of the adapter and of the merged model, the token
-# ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """The default stack trained by `train.py` (so Hydra records its overrides) with a token in the environment."""
-    out = tmp_path_factory.mktemp("hub") / "run"
-    env = {**os.environ, "HF_TOKEN": SECRET, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *SMOKE_WITH_EXACT_MATCH, "peft.r=8", f"hydra.run.dir={out}"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
-
-
-@pytest.fixture(scope="module")
-def merged(trained) -> dict:
-    from qlora_recipes.merge.pipeline import merge
-
-    return merge(trained, out=trained / "merged")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -3,49 +3,18 @@ held out of that file, the metric is eval loss; the shipped sample's eval file, 
 generation length stay with the sample (conf/data/order.yaml ties them to its path). Evaluation stays
 bounded whatever the eval rows hold."""
 
-import json
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import REPO, compose_cfg
+from helpers_data import GenerateRecorder, own_rows, write_jsonl
 
 from qlora_recipes.config.loader import to_yaml
 from qlora_recipes.data import load_splits
 
 SAMPLE_TRAIN = REPO / "assets/data/order/train.jsonl"
 SAMPLE_EVAL = REPO / "assets/data/order/eval.jsonl"
-LETTERS = "abcdefghij"
-
-
-def _words(n: int) -> list[str]:
-    import random
-
-    rng = random.Random(0)
-    return ["".join(rng.sample(LETTERS, 4)) for _ in range(n)]
-
-
-def own_rows(fmt: str, n: int = 20) -> list[dict]:
-    rows = []
-    for w in _words(n):
-        s = "".join(sorted(w))
-        rows.append(
-            {
-                "alpaca": {"instruction": "Sort.", "input": w, "output": s},
-                "prompt_completion": {"prompt": f"sort: {w}\n", "completion": s},
-                "messages": {
-                    "messages": [{"role": "user", "content": f"sort: {w}"}, {"role": "assistant", "content": s}]
-                },
-                "sharegpt": {"conversations": [{"from": "human", "value": f"sort: {w}"}, {"from": "gpt", "value": s}]},
-                "text": {"text": f"sort: {w}\n{s}"},
-            }[fmt]
-        )
-    return rows
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -102,24 +71,6 @@ def test_own_file_of_each_format_is_detected_and_split(tmp_path, tok, caplog, fm
 # --------------------------------------------------------------------------------------------------
 # Bounded evaluation: prompts cut to seq_len, at most max_new_tokens, whatever the eval rows hold
 # --------------------------------------------------------------------------------------------------
-
-
-class GenerateRecorder:
-    """Wraps GenerationMixin.generate: records (prompt positions, max_new_tokens, output positions)."""
-
-    def __init__(self, monkeypatch):
-        from transformers.generation.utils import GenerationMixin
-
-        self.calls = []
-        original = GenerationMixin.generate
-
-        def recording(model, *args, **kwargs):
-            out = original(model, *args, **kwargs)
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            self.calls.append((tuple(ids.shape), kwargs.get("max_new_tokens"), tuple(out.shape)))
-            return out
-
-        monkeypatch.setattr(GenerationMixin, "generate", recording)
 
 
 def test_exact_match_prompts_are_cut_to_seq_len(monkeypatch, tok):

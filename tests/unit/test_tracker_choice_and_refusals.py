@@ -1,43 +1,17 @@
 """The `logger` group: trackers chosen on the command line, the run name, and what is refused before
 anything is written (a missing package, a bad W&B mode, W&B online without a login)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 from conftest import REPO, SMOKE, compose_cfg
+from helpers_trackers import ENV, needs
+from helpers_trackers import train_process as _train
 
 from qlora_recipes.errors import UserError
 from qlora_recipes.integrations import trackers
-
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-
-
-def _installed(name: str) -> bool:
-    return all(importlib.util.find_spec(m) is not None for m in trackers.PACKAGES[name][0])
-
-
-def needs(*names: str):
-    missing = [n for n in names if not _installed(n)]
-    return pytest.mark.skipif(
-        bool(missing), reason=f"{', '.join(missing)} not installed: pip install -r requirements-extras.txt"
-    )
-
-
-def _train(*args: str, env: dict | None = None, hide: str | None = None) -> subprocess.CompletedProcess:
-    """`python train.py ARGS` in a new process; `hide`: a package made unimportable there."""
-    prelude = f"import sys; sys.modules[{hide!r}] = None; " if hide else "import sys; "
-    code = prelude + "import runpy; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-    return subprocess.run(
-        [sys.executable, "-c", code, str(REPO / "train.py"), *args],
-        cwd=REPO,
-        env={**ENV, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
 
 
 @pytest.mark.parametrize(

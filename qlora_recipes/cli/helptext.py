@@ -27,7 +27,7 @@ HYDRA_FLAGS = (
 )
 
 
-# The page of docs/ that holds each section a command's --help points at (tests/test_help.py checks
+# The page of docs/ that holds each section a command's --help points at (tests/unit/test_help.py checks
 # that each page a command names has that section, under that exact heading).
 DOCS_PAGES = {
     "Running": "docs/running-and-outputs.md",

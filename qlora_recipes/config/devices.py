@@ -34,7 +34,7 @@ AUTO_CPU_FRACTION = 0.80
 GPU_MEMORY_TOLERANCE = 0.98
 # A GPU as sold ("24GB") has less than that many GiB usable: torch's total_memory after ECC and the
 # driver's reservation. `--gpus 24GB` and a recipe sized for a 24 GB card must plan the same card,
-# so both take these figures (tests/test_devices.py holds every recipe's hardware node to them).
+# so both take these figures (tests/unit/test_gpu_sizes.py holds every recipe's hardware node to them).
 # 8 GB: RTX 4060 / 3070; 12 GB: RTX 3060 / 4070; 16 GB: T4 (15 GiB less ECC) / V100; 24 GB: RTX 3090 /
 # 4090; 40 GB: A100 40GB; 48 GB: L40S (44.4 GiB with ECC) / RTX A6000; 80 GB: A100 / H100 80GB.
 MARKETED_GPU_GIB = {8: 7.6, 12: 11.5, 16: 14.5, 24: 23.5, 40: 39.4, 48: 44.0, 80: 79.0}

@@ -28,7 +28,7 @@ STORAGE_DTYPES = ("uint8", "bfloat16", "float16", "float32")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")  # short aliases (bf16, ...) accepted too
 PRECISIONS = ("bf16", "fp16", "fp32")
 # transformers `optim` strings the planner knows how to size (planner/constants) and transformers 5.23
-# accepts (OptimizerNames); tests/test_bad_input_catalog.py keeps the two in step.
+# accepts (OptimizerNames); tests/unit/test_bad_input_gets_one_line.py keeps the two in step.
 OPTIMIZERS = (
     "paged_adamw_8bit",
     "paged_adamw_32bit",
@@ -247,7 +247,7 @@ class ResumeConfig:
 @dataclass
 class HardwareConfig:
     # What a recipe is sized for, machine-readable: scripts/launch.py checks it before starting,
-    # `make plan-<recipe>` and tests/test_recipes.py plan for it. gpus=0: any machine (CPU is fine).
+    # `make plan-<recipe>` and tests/unit/test_recipes_keep_their_promises.py plan for it. gpus=0: any machine (CPU is fine).
     name: str = option("any machine", "what the hardware is called in messages")
     gpus: int = option(0, "GPUs per node", range=">= 0")
     gpu_memory_gib: float | None = option(None, "each GPU's memory in GiB", range="> 0|null")  # torch's total_memory

@@ -3,7 +3,7 @@ and their quantization state, the other parameters, buffers, adapter weights (fp
 state, and the activations, backward working set, evaluation and dequantization temporaries of
 one step (the loss, through TRL's fused LM head, and the generation metric: loss.py). Pure arithmetic on a `StackSpec`; each figure is what the real objects
 hold (bitsandbytes `Params4bit`/`Int8Params`, peft adapters, torch/bitsandbytes optimizers, the
-tensors autograd saves), and tests/test_memory.py checks them against those objects on CPU.
+tensors autograd saves), and tests/unit/test_memory_planner.py checks them against those objects on CPU.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def quantized_linear_bytes(
     numel: int, out_features: int, method: str, double_quant: bool, storage_bytes: int = 1
 ) -> tuple[int, int]:
     """(bytes of the weight tensor, bytes of its quantization state) for one bitsandbytes linear:
-    exactly what `Params4bit`/`Int8Params` hold (tests/test_memory.py checks it).
+    exactly what `Params4bit`/`Int8Params` hold (tests/unit/test_memory_planner.py checks it).
 
     NF4/FP4: the packed data ((n+1)//2 bytes) plus its QuantState: fp32 absmax per 64-block, or
     with double quantization a uint8 absmax per block + fp32 absmax per 256 of those + the fp32
@@ -321,7 +321,7 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
                                                             c*in + c*out*in / T
     Frozen 4-bit linears keep no inputs (Korthikanti's 2sbh terms), but the fp32 residual stream and
     MLP outputs and the LoRA input copies make a QLoRA layer keep about twice 34*s*b*h (Llama-2-7B,
-    s=2048: 74*s*b*h). tests/test_memory.py checks the tally against what autograd keeps on CPU.
+    s=2048: 74*s*b*h). tests/unit/test_memory_planner.py checks the tally against what autograd keeps on CPU.
     """
     fig, s = st.fig, st.seq_len
     c, r, mask = act_dtypes(st, on_cpu)

@@ -11,7 +11,7 @@ logits gradient in place and accumulates an fp32 gradient of the hidden states. 
 logits never exist. Where Triton runs (CUDA), only the positions whose label is not -100 are
 projected (`hidden_states[mask]`, a copy) and the fold is a kernel that allocates nothing; on CPU
 (torch ops on the whole tile) every position is projected and each fold allocates fp32
-temporaries: FOLD_BYTES per tile element (from the source; tests/test_planner_loss.py measures it).
+temporaries: FOLD_BYTES per tile element (from the source; tests/unit/test_planner_loss_is_trls_fused_head.py measures it).
 The planner does not see the data, so N counts every position of the micro-batch that has a next
 token, b*(s-1): exact on CPU, an upper bound on a GPU, where prompt (completion_only_loss) and
 padding positions are skipped.
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 TOKEN_TILE = 4096  # trl/kernels/chunked_logprob.py TOKEN_CHUNK_SIZE
 VOCAB_TILE = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE: the buffer's width, whatever V
-GEN_METRIC_BATCH = 32  # metrics.exact_match's batch_size (tests/test_planner_loss.py checks it)
+GEN_METRIC_BATCH = 32  # metrics.exact_match's batch_size (tests/unit/test_planner_loss_is_trls_fused_head.py checks it)
 # fp32 temporaries per tile element of the CPU fold (_forward_tile / _backward_tile): forward z, its
 # shifted copy and exp, the bool before-target mask (13); backward y, z, log_p, p, grad, the bool
 # target mask and two temporaries of the gradient update (29), + tanh for Gemma 2's soft-capping.
@@ -127,7 +127,7 @@ def _cpu_tile_bytes(k: _Head, width: int, backward: bool) -> int:
     result of torch.mm into a tile narrower than the buffer (a strided `out`: mm computes into a
     contiguous temporary and copies), the fold's fp32 temporaries (FOLD_BYTES per element) and the
     compute-dtype copy of the weight chunk (when the dtypes differ), alive through the backward's
-    fold but only through the forward's matmul. tests/test_planner_loss.py measures these."""
+    fold but only through the forward's matmul. tests/unit/test_planner_loss_is_trls_fused_head.py measures these."""
     touched = k.n * k.cols * k.c
     strided = k.n * width * k.c if width < VOCAB_TILE else 0
     weight_chunk = width * k.h * k.c if k.r != k.c else 0

@@ -205,7 +205,7 @@ def _whole_model_fits_one_device(st: StackSpec, max_memory: dict, blocks_bytes: 
     infer_auto_device_map puts a module on the main device while used + size <= budget - largest
     layer; the root's children ("model", "lm_head") then all land there. The sizes are the loader's
     (quantized weights at 0.5 / 1 byte per element, everything else as loaded, buffers included).
-    tests/test_memory.py checks this against _get_device_map on both sides of the boundary.
+    tests/unit/test_memory_planner.py checks this against _get_device_map on both sides of the boundary.
     Saves importing torch + transformers (~5 s) for the common single-GPU recipe."""
     gpus = [k for k, v in max_memory.items() if isinstance(k, int) and v > 0]
     if len(gpus) > 1 or any(isinstance(k, int) and v <= 0 for k, v in max_memory.items()):

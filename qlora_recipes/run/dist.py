@@ -26,7 +26,7 @@ from ..integrations import cluster as _cluster
 
 def fsdp_config(dist: DistConfig) -> dict:
     """TrainingArguments.fsdp_config for FSDP2 + QLoRA; the same settings as
-    launch/accelerate/fsdp_qlora.yaml (tests/test_dist.py checks they agree)."""
+    launch/accelerate/fsdp_qlora.yaml (tests/unit/test_distributed_configs_and_plans.py checks they agree)."""
     return {
         "version": 2,
         "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # decoder layers: the model's _no_split_modules

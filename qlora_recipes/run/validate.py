@@ -184,7 +184,7 @@ def validate_dist(cfg: TrainConfig, gpu_available: bool, world_size: int) -> Non
             "each rank must hold its own replica or shard; use offload=none"
             + (" (FSDP moves shards to host RAM with dist.offload_params=true)" if s == "fsdp" else "")
         )
-    # No GPU: FSDP and ZeRO run as CPU ranks over gloo (tests/test_sharded.py); what still needs
+    # No GPU: FSDP and ZeRO run as CPU ranks over gloo (tests/e2e/test_sharded_training_on_cpu_ranks.py); what still needs
     # GPUs is the kernels, NCCL and real device memory (docs/multi-gpu.md).
     four_bit = q.method in ("nf4", "fp4")
     if s in ("fsdp", "zero3") and q.method == "int8":

@@ -64,8 +64,9 @@ def tiny8_model(path: str) -> tuple[str, ...]:
 def disk_overrides(path: str) -> tuple[str, ...]:
     """A CPU budget that holds embed_tokens and layer 0 in bf16 (plus the loader's room for one more
     layer): layers 1-7 and the final norm go to disk; the planner keeps lm_head on the execution
-    device (TRL's fused head reads its weight)."""
-    return (*tiny8_model(path), "offload=disk", "offload.max_memory.cpu=700KB")
+    device (TRL's fused head reads its weight). In bf16, which the budget is sized for (precision=auto
+    would pick fp32 on a CPU without native bf16)."""
+    return (*tiny8_model(path), "precision=bf16", "offload=disk", "offload.max_memory.cpu=700KB")
 
 
 def _adapter(model, layer: int = 1) -> dict[str, torch.Tensor]:

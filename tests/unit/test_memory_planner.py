@@ -32,7 +32,10 @@ HOST = 64 * GiB  # a declared host for plans that must not depend on this machin
 
 
 def plan_for(*overrides: str, gpus=None, host_ram=HOST, ladder=True):
-    return planner.plan(compose_cfg(*overrides), gpus=gpus, host_ram=host_ram, world_size=1, ladder=ladder)
+    # in bf16, what the figures below are sized for (precision=auto picks fp32 on a CPU without native bf16)
+    return planner.plan(
+        compose_cfg("precision=bf16", *overrides), gpus=gpus, host_ram=host_ram, world_size=1, ladder=ladder
+    )
 
 
 def total(plan: dict, component: str) -> int:
@@ -403,7 +406,7 @@ def test_layer_activation_tally_matches_what_autograd_keeps_on_cpu(tiny_models, 
         f"trainer.micro_batch_size={b}",
         f"trainer.seq_len={s}",
     )
-    st = spec_from_cfg(compose_cfg(*overrides), world_size=1)
+    st = spec_from_cfg(compose_cfg("precision=bf16", *overrides), world_size=1)  # the bf16 autocast below
     layer_bytes = next(bb for blk, bb in components.block_bytes(st) if blk.name == "model.layers.1")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -505,7 +508,8 @@ def test_device_map_is_the_one_from_pretrained_builds(tiny_models, tmp_path, kin
 def test_single_device_shortcut_agrees_with_the_loaders_device_map(tiny_models, kind, quant):
     """infer_device_map skips the meta model when the whole model provably fits one device; on
     both sides of that boundary the loader's own _get_device_map gives the same answer."""
-    st = spec_from_cfg(compose_cfg(f"model.name_or_path={tiny_models[kind]}", f"quant={quant}", "offload=cpu"), 1)
+    cfg = compose_cfg(f"model.name_or_path={tiny_models[kind]}", f"quant={quant}", "offload=cpu", "precision=bf16")
+    st = spec_from_cfg(cfg, 1)  # bf16: the models above load in it
     bbs = components.block_bytes(st)
     sizes = [bb.placed_bytes for _, bb in bbs]
     factor = constants.BNB_MAX_MEMORY_FACTOR if st.quantized else 1.0

@@ -141,6 +141,7 @@ def job_overrides(model_dir: Path, run_dir: Path) -> list[str]:
         "trainer.logging_steps=1",
         "trainer.progress_bar=false",
         "force=true",
+        "precision=bf16",  # what the committed results were measured in (auto picks fp32 on some CPUs)
     ]
 
 
@@ -193,12 +194,12 @@ def replan(entry: dict, model_dir: Path) -> None:
     """The case's planned peak from the planner as it is now (the same overrides composed again), so
     a planner change re-scores every measured case without re-running it; the figure the run itself
     planned stays as planned_at_run_gib."""
-    from qlora_recipes.config.loader import compose
+    from qlora_recipes.config.loader import compose, to_typed
     from qlora_recipes.planner import plan
     from qlora_recipes.run.memory import CPU_QUANTITY, planned_peak_gib
 
     overrides = [o for o in job_overrides(model_dir, Path("unused")) if not o.startswith("hydra.")]
-    cfg = compose([*overrides, *entry["overrides"]])
+    cfg = to_typed(compose([*overrides, *entry["overrides"]]))
     gpu = entry.get("peak_quantity", CPU_QUANTITY) != CPU_QUANTITY  # on a GPU: max_memory_allocated
     planned_now = plan(cfg, world_size=1, ladder=False)
     planned = planned_peak_gib(planned_now, gpu=gpu)

@@ -99,11 +99,11 @@ def read_case(case: dict, run_dir: Path, rc: int, wall_s: float | None) -> dict:
 def rank_plan(entry: dict, model_dir: Path) -> dict:
     """One rank's CPU plan of the case as the planner makes it now (the case's overrides composed
     again; no GPUs, WORLD_SIZE ranks)."""
-    from qlora_recipes.config.loader import compose
+    from qlora_recipes.config.loader import compose, to_typed
     from qlora_recipes.planner import plan
 
     overrides = [o for o in job_overrides(model_dir, Path("unused")) if not o.startswith("hydra.")]
-    cfg = compose([*overrides, *entry["overrides"]])
+    cfg = to_typed(compose([*overrides, *entry["overrides"]]))
     return plan(cfg, gpus=[], world_size=WORLD_SIZE, ladder=False)
 
 

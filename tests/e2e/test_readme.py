@@ -521,4 +521,4 @@ def test_the_printed_stack_has_the_models_own_figures():
         "tie_embeddings": "tie_word_embeddings",
         "max_position_embeddings": "max_position_embeddings",
     }
-    assert {ours: model[ours] for ours in pairs} == {ours: config[theirs] for ours, theirs in pairs.items()}
+    assert {ours: getattr(model, ours) for ours in pairs} == {ours: config[theirs] for ours, theirs in pairs.items()}

@@ -91,7 +91,7 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
     targets = peft.target_modules
     if targets is None:
         raise UserError("peft.target_modules is null; use all-linear or a list like [q_proj, v_proj]")
-    if not isinstance(targets, str):  # a list (a ListConfig while callers still pass the DictConfig)
+    if not isinstance(targets, str):  # a list of module names
         targets = tuple(str(t) for t in targets)
     return StackSpec(
         fig=fig,

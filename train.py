@@ -6,8 +6,8 @@
     python train.py -m peft.r=4,8 optim=paged8bit,adamw8bit   # Hydra multirun sweep
     python train.py --help                            # groups, options and flags
 
-Hydra composes conf/train.yaml with the overrides (qlora_recipes/commands/train.py);
-qlora_recipes/training.py's `train(cfg, run_dir)` does the work.
+Hydra composes conf/train.yaml with the overrides (qlora_recipes/cli/train.py);
+qlora_recipes/run/training.py's `train(cfg, run_dir)` does the work.
 """
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import shutil
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from ..data.readers import check_local_source
 from ..errors import UserError
 from ..integrations import hub, trackers
 from ..interrupts import sigint_deferred
-from ..invocation import command, task_overrides
+from ..invocation import command, resume_command, task_overrides
 from ..model import loading
 from ..model.check import check_hub_model, validate_model
 from . import dist, lifecycle, metrics, trainer_args
@@ -287,8 +286,7 @@ def _save_adapter(trainer, tokenizer, run_dir: Path) -> None:
             raise UserError(
                 f"disk full while saving the adapter in {run_dir}: nothing of it was kept"
                 + (f" and the checkpoints are intact (newest: {kept})" if kept else "")
-                + f"; free space and run again (resume=auto hydra.run.dir={shlex.quote(shown_path(run_dir))} "
-                "resumes from the newest checkpoint)"
+                + f"; free space and resume from the newest checkpoint: {resume_command(task_overrides(), shown_path(run_dir))}"
             ) from None
         raise
     if _main_rank():

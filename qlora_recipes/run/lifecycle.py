@@ -38,7 +38,7 @@ from ..errors import UserError
 from ..integrations import cluster
 from .checkpoints import RECORD, STAGING, disk_full, find_checkpoint, fsync_dir, sync_file, trainer_state
 from .resume import data_fingerprint
-from .schedule import continue_schedule, warped_scheduler
+from .schedule import continue_schedule, scheduler_for
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,10 @@ class GuardedTrainer(SFTTrainer):
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.lr_scheduler is None:
             self._schedule = continue_schedule(self._resumed_from, self.args, num_training_steps)
-            if self._schedule["warps"]:  # the total changed on resume: the continued schedule
-                self.lr_scheduler = warped_scheduler(self._schedule, optimizer or self.optimizer)
+            # the total changed on resume (the continued schedule), or a warmup that would train nothing dropped
+            own = scheduler_for(self._schedule, self.args, optimizer or self.optimizer, self._resumed_from is not None)
+            if own is not None:
+                self.lr_scheduler = own
                 self._created_lr_scheduler = True
         return super().create_scheduler(num_training_steps, optimizer)
 

@@ -25,6 +25,10 @@ RUN_OUTPUTS = ("adapter", "adapter.partial", "checkpoints", "merged", "metrics.j
 RUN_OUTPUTS += ("memory.png", "tb", IDS_FILE)
 
 
+class HoldsARun(UserError):
+    """A new run refused in a run dir holding a run: nothing of that run is touched."""
+
+
 def held_run(run_dir: Path) -> tuple[str, list[str]] | None:
     """("finished" | "stopped", what marks it) when run_dir holds a run, else None. A metrics.json
     of a sweep job refused before training (status error / skipped) marks no run."""
@@ -67,7 +71,7 @@ def refuse_silent_reuse(cfg: TrainConfig, run_dir: Path) -> None:
         if kind == "finished"
         else "continue it with resume=auto"
     )
-    raise UserError(
+    raise HoldsARun(
         f"run dir {shown_path(run_dir)} already holds a {kind} run ({', '.join(marks)}): {go_on}, replace it with "
         "overwrite=true, or train in another hydra.run.dir"
     )

@@ -21,8 +21,18 @@ from ..integrations.trackers import IDS_FILE
 
 log = logging.getLogger(__name__)
 # What a training run (and a default merge) writes into its run dir beside config.yaml, plan.json, .hydra/
-RUN_OUTPUTS = ("adapter", "adapter.partial", "checkpoints", "merged", "metrics.json", "oom.json", "memory.jsonl")
-RUN_OUTPUTS += ("memory.png", "tb", IDS_FILE)
+RUN_OUTPUTS = (
+    "adapter",
+    "adapter.partial",
+    "checkpoints",
+    "merged",
+    "metrics.json",
+    "oom.json",
+    "memory.jsonl",
+    "memory.png",
+    "tb",
+    IDS_FILE,
+)
 
 
 class HoldsARun(UserError):

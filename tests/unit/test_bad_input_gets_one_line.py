@@ -254,7 +254,7 @@ HELD_RUNS = {
         ["a stopped run (checkpoints/checkpoint-2, metrics.json)", "continue it with resume=auto"],
     ),
     "crashed after two checkpoints": (
-        {"checkpoints/checkpoint-2/RECORD.json": "{}", "checkpoints/checkpoint-4/RECORD.json": "{}"},
+        {"checkpoints/checkpoint-2/trainer_state.json": "{}", "checkpoints/checkpoint-4/trainer_state.json": "{}"},
         ["a stopped run (2 checkpoints)"],
     ),
 }

@@ -18,6 +18,7 @@ the same runs measure torch.cuda.max_memory_allocated against the plan's peak_al
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -155,6 +156,7 @@ def _wait(proc: subprocess.Popen, timeout: float) -> int:
 
 def run_case(case: dict, model_dir: Path, work: Path, timeout: float) -> dict:
     run_dir = work / case["name"].replace("/", "--")
+    shutil.rmtree(run_dir, ignore_errors=True)  # a case measured again (same --work-dir) starts in an empty dir
     argv = [sys.executable, "train.py", *job_overrides(model_dir, run_dir), *case["overrides"]]
     log = run_dir.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -107,20 +107,22 @@ def summary_rows(out: dict) -> list[tuple[str, str]]:
 
 
 def next_commands(command: str, run_dir: Path, overrides: list[str], steps: int | None) -> list[tuple[str, str]]:
-    """merge, generate and resume for this run dir, shell-quoted. `command` starts the trainer
-    (`python train.py`, `qlora train`); the run is finished, so resuming it means a larger total."""
+    """merge, generate and resume for this run dir, quoted for the shell (and the dir in the resume
+    line for Hydra too). `command` starts the trainer (`python train.py`, `qlora train`); the run is
+    finished, so resuming it means a larger total."""
+    from .invocation import resume_command
+
     where = shown_path(run_dir)
     if command.startswith("qlora"):
         merge, generate = "qlora merge", "qlora generate"
     else:
         merge, generate = "python scripts/merge.py", "python scripts/generate.py"
-    keep = [o for o in overrides if not o.startswith(("resume", "hydra.run.dir", "trainer.max_steps"))]
     more = f"trainer.max_steps={2 * steps}" if steps else "trainer.epochs=2"
-    resume = " ".join([command, *map(shlex.quote, [*keep, "resume=auto", f"hydra.run.dir={where}", more])])
+    argument = shlex.quote(where if not where.startswith("-") else f"./{where}")  # not an option
     return [
-        ("merge", f"{merge} {shlex.quote(where)}"),
-        ("generate", f"{generate} {shlex.quote(where)} 'YOUR PROMPT'"),
-        ("resume", resume),
+        ("merge", f"{merge} {argument}"),
+        ("generate", f"{generate} {argument} 'YOUR PROMPT'"),
+        ("resume", resume_command(overrides, where, more, trainer_command=command)),
     ]
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from ..config.loader import one_line, to_typed
 from ..errors import UserError
-from ..invocation import command, set_command
+from ..invocation import resume_command, set_command
 from . import runner
 from .helptext import quiet_when_the_reader_goes
 
@@ -108,17 +107,18 @@ def _record_failed_job(run_dir: Path, err: UserError) -> None:
     """One bad job must not end a sweep; a stack the planner rejects is skipped before loading."""
     from ..planner import DoesNotFit
     from ..run.metrics import write_metrics
+    from ..run.reuse import HoldsARun
 
     status = "skipped" if isinstance(err, DoesNotFit) else "error"
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_metrics(run_dir, {"status": status, "error": str(err)})
+    if not isinstance(err, HoldsARun):  # a job dir holding an earlier run keeps that run's metrics.json
+        write_metrics(run_dir, {"status": status, "error": str(err)})
     log.error("%s: %s", status, err)
     return None
 
 
 def _resume_command(hydra_cfg, run_dir: Path) -> str:
-    keep = [o for o in hydra_cfg.overrides.task if not o.startswith(("resume", "hydra.run.dir"))]
-    return " ".join([command(), *map(shlex.quote, keep), "resume=auto", shlex.quote(f"hydra.run.dir={run_dir}")])
+    return resume_command(list(hydra_cfg.overrides.task), str(run_dir))
 
 
 def _save_hydra_files(run_dir: Path, cfg: DictConfig) -> None:

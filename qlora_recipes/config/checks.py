@@ -173,6 +173,9 @@ def _check_combinations(cfg: TrainConfig) -> None:
             f"trainer.save_total_limit=0 with trainer.save_steps={t.save_steps}: transformers reads 0 as keep every "
             "checkpoint; keep the newest N with trainer.save_total_limit=N (N >= 1), or trainer.save_steps=0"
         )
+    if cfg.overwrite and (cfg.resume.auto or cfg.resume.checkpoint):
+        which = "resume=auto" if cfg.resume.auto else f"resume.checkpoint={cfg.resume.checkpoint}"
+        raise UserError(f"overwrite=true replaces the run in the run dir and {which} continues it: drop one of the two")
     has_eval = d.eval_path not in (None, "") or d.eval_fraction > 0
     if scheduler in SCHEDULER_EVAL and (t.eval_steps <= 0 or not has_eval):
         raise UserError(

@@ -348,6 +348,12 @@ class TrainConfig:
     hub: HubConfig = option(HubConfig, "pushing the adapter to the Hugging Face Hub", resume_safe=True)
     seed: int = option(0, "the random seed (numpy takes 0 .. 2**32 - 1)", range="[0, 4294967296)")
     force: bool = option(False, "start even when the memory plan says the stack does not fit", resume_safe=True)
+    # a run dir holding a run (adapter/, checkpoints, metrics.json) is never reused silently (run/reuse.py)
+    overwrite: bool = option(
+        False,
+        "replace the run the run dir already holds (its adapter, checkpoints, metrics); resume=auto continues it",
+        resume_safe=True,
+    )
     cache_dir: str = option(
         "${oc.env:QLORA_RECIPES_CACHE,${oc.env:HOME}/.cache/qlora-recipes}",
         "where tokenized data is cached",

@@ -22,6 +22,7 @@ from ..config import devices as _dev
 from ..config.schema import DistConfig, HardwareConfig, TrainConfig
 from ..errors import UserError
 from ..integrations import cluster as _cluster
+from ..invocation import hydra_override
 
 
 def fsdp_config(dist: DistConfig) -> dict:
@@ -100,7 +101,7 @@ def shared_run_dir(argv: list[str], now: _dt.datetime | None = None) -> list[str
         return []
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not os.environ.get("MASTER_ADDR"):
         if _cluster.slurm_run_dir("train"):
-            return [f"hydra.run.dir={_cluster.slurm_run_dir('train')}"]
+            return [hydra_override("hydra.run.dir", _cluster.slurm_run_dir("train"))]  # any cwd
         raise UserError(
             f"{_world_size()} ranks started without torchrun's store: pass hydra.run.dir=DIR (the same on every rank) "
             "so that they write one run dir"
@@ -132,7 +133,7 @@ def launch_command(cfg: TrainConfig, recipe: str, overrides: list[str], python: 
     if ws <= 1:
         return [python, *train]
     if not _has_run_dir(overrides):
-        train.append(f"hydra.run.dir={default_run_dir(recipe)}")
+        train.append(hydra_override("hydra.run.dir", default_run_dir(recipe)))
     hw, d = cfg.hardware, cfg.dist
     if d.launcher == "torchrun":
         cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(hw.gpus)]

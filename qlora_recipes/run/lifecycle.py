@@ -3,7 +3,7 @@ resume, preemption, NaN and OOM, one run per run dir.
 
 - `GuardedTrainer` is TRL's SFTTrainer with these changes: each checkpoint is written into a staging
   dir, sealed (its files fsynced and listed with size and sha256 in `qlora_state.json`, beside the
-  LR schedule, the data fingerprint and the step totals) and renamed into place only when complete:
+  LR schedule, the data and base fingerprints and the step totals) and renamed into place only when complete:
   a crash, `kill -9` or a full disk mid-save leaves the previous checkpoint loadable and no staging
   dir. It records the best checkpoint by its final path, so rotation keeps protecting it after a
   resume. A non-finite loss stops the run at the step it appears. A resumed run whose total steps
@@ -14,7 +14,7 @@ resume, preemption, NaN and OOM, one run per run dir.
 
 Beside it, one concern each: `checkpoints` (checkpoint dirs, RECORD, fsync, the newest sound
 checkpoint), `schedule` (the LR schedule across a resume), `resume` (`resume_checkpoint`:
-`resume=auto` / `resume.checkpoint`, the data fingerprint) and `rundir_lock` (`RunDirLock`: one run
+`resume=auto` / `resume.checkpoint`, the data and base fingerprints) and `rundir_lock` (`RunDirLock`: one run
 per run dir). They never import this module.
 """
 
@@ -37,8 +37,8 @@ from ..config.schema import TrainConfig
 from ..errors import UserError
 from ..integrations import cluster
 from .checkpoints import RECORD, STAGING, disk_full, find_checkpoint, fsync_dir, sync_file, trainer_state
-from .resume import data_fingerprint
-from .schedule import continue_schedule, warped_scheduler
+from .resume import base_fingerprint, data_fingerprint
+from .schedule import continue_schedule, scheduler_for
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class GuardedTrainer(SFTTrainer):
             if param.requires_grad and param.dtype != torch.float32:
                 param.data = param.data.float()
         self.data_fingerprint: dict | None = None  # recorded in each checkpoint (train_with_oom_ladder)
+        self.base_fingerprint: dict | None = None  # likewise: the base weights
         self._resumed_from: str | None = None
         self._steps_per_epoch: int | None = None
         self._schedule: dict | None = None
@@ -110,8 +111,10 @@ class GuardedTrainer(SFTTrainer):
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.lr_scheduler is None:
             self._schedule = continue_schedule(self._resumed_from, self.args, num_training_steps)
-            if self._schedule["warps"]:  # the total changed on resume: the continued schedule
-                self.lr_scheduler = warped_scheduler(self._schedule, optimizer or self.optimizer)
+            # the total changed on resume (the continued schedule), or a warmup that would train nothing dropped
+            own = scheduler_for(self._schedule, self.args, optimizer or self.optimizer, self._resumed_from is not None)
+            if own is not None:
+                self.lr_scheduler = own
                 self._created_lr_scheduler = True
         return super().create_scheduler(num_training_steps, optimizer)
 
@@ -200,6 +203,7 @@ class GuardedTrainer(SFTTrainer):
             "steps_per_epoch": self._steps_per_epoch,
             "schedule": self._schedule,
             "data": self.data_fingerprint,
+            "base": self.base_fingerprint,
             "files": files,
         }
         with open(folder / RECORD, "w") as f:
@@ -287,11 +291,11 @@ def train_with_oom_ladder(
     record = OomRecord()
     # A host copy: the restart must not hold a second device copy of large trainable tensors.
     initial = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
-    fingerprint = data_fingerprint(cfg.data)
+    fingerprints = data_fingerprint(cfg.data), base_fingerprint(cfg.model)
     while True:
         trainer = make_trainer(cfg)
         if isinstance(trainer, GuardedTrainer):
-            trainer.data_fingerprint = fingerprint
+            trainer.data_fingerprint, trainer.base_fingerprint = fingerprints
         try:
             result = trainer.train(resume_from_checkpoint=resume_from)
             if record.attempts:

@@ -1,7 +1,7 @@
 """`resume=auto` / `resume.checkpoint`: `resume_checkpoint` runs the stack check, "already complete",
-the data check, and the fallback past an incomplete or corrupt newest checkpoint.
-`data_fingerprint` says what the training data is: each checkpoint records it (lifecycle) and a
-resume compares it.
+the data and base-model checks, and the fallback past an incomplete or corrupt newest checkpoint.
+`data_fingerprint` says what the training data is, `base_fingerprint` what the base weights are:
+each checkpoint records both (lifecycle) and a resume compares them.
 """
 
 import dataclasses
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..config.fields import resume_safe_prefixes
 from ..config.loader import read_saved
-from ..config.schema import DataConfig, TrainConfig
+from ..config.schema import DataConfig, ModelConfig, TrainConfig
 from ..errors import UserError
 from .checkpoints import CHECKPOINT, checkpoint_problem, newest_sound, read_record
 from .schedule import lr_factors, schedule_end
@@ -126,6 +126,7 @@ def resume_checkpoint(cfg: TrainConfig, run_dir: Path) -> str | None:
     if not r.checkpoint:
         _unless_complete(cfg, run_dir, checkpoint, record, saved_cfg)
     _check_data(cfg, checkpoint, record)
+    _check_base(cfg, checkpoint, record)
     _check_schedule_goes_on(cfg, checkpoint, record)
     return str(checkpoint) if checkpoint else None
 
@@ -213,6 +214,30 @@ def _check_data(cfg: TrainConfig, checkpoint: Path, record: dict) -> None:
     )
 
 
+def _check_base(cfg: TrainConfig, checkpoint: Path | None, record: dict) -> None:
+    """The base weights must be the ones the checkpoint's adapter was trained on: the same path
+    holding other weights (a re-download of another revision, a merged model saved over it) would
+    go on silently with a meaningless adapter. resume.allow_changes=true accepts new weights."""
+    saved = record.get("base") or {}
+    if checkpoint is None or "sha256" not in saved:
+        return  # written before checkpoints recorded the base, or a hub id: not checked
+    now = base_fingerprint(cfg.model)
+    if "sha256" not in now or now["sha256"] == saved["sha256"]:
+        return  # the same; or the dir is gone, which the model check reports
+    what = (
+        f"the base model {saved['path']} changed since {checkpoint.name} was written (config.json and weights: "
+        f"{saved['files']} file(s), {saved['bytes']} bytes, sha256 {saved['sha256'][:12]} -> {now['files']} file(s), "
+        f"{now['bytes']} bytes, sha256 {now['sha256'][:12]})"
+    )
+    if cfg.resume.allow_changes:
+        log.warning("resume: %s; continuing on the new weights (resume.allow_changes=true)", what)
+        return
+    raise UserError(
+        f"resume: {what}, and the adapter was trained on the other weights; restore them, train in a new run dir, or "
+        "set resume.allow_changes=true to continue on these"
+    )
+
+
 def _check_schedule_goes_on(cfg: TrainConfig, checkpoint: Path, record: dict) -> None:
     """More steps after the schedule has ended run at its final LR (continue_schedule); where that
     is 0 (cosine, linear) they cannot change the adapter, and the run says so in one line."""
@@ -279,3 +304,48 @@ def data_fingerprint(data_cfg: DataConfig) -> dict:
             "kind": "content" if by_content else "size+mtime",
         }
     return _FINGERPRINTS[key]
+
+
+# ---------------------------------------------------------------- base fingerprint
+BASE_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")  # weights and shard indexes, beside config.json
+SAMPLES, SAMPLE_BYTES = 16, 64 << 10  # per weight file: 16 pieces of 64 KiB spread over it (all of a small file)
+
+
+def base_fingerprint(model_cfg: ModelConfig) -> dict:
+    """What the base model is: for a local dir, its config.json and weight files' count, bytes and
+    a sha256 over their names, sizes, config.json and, per weight file, SAMPLES pieces of its bytes
+    spread from its header to its end (a copy matches, other weights of the same shapes do not;
+    about 1 MiB read per file). A hub id: its name only (not checked; model.revision pins it)."""
+    spec = str(model_cfg.name_or_path or "").strip()
+    path = Path(os.path.expanduser(spec))
+    if not path.is_dir():
+        return {"path": spec, "kind": "hub"}
+    files = sorted(
+        f for f in path.iterdir() if f.is_file() and (f.name == "config.json" or f.name.endswith(BASE_FILES))
+    )
+    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    key = ("base", str(path.resolve()), tuple(stats))
+    if key not in _FINGERPRINTS:
+        digest = hashlib.sha256()
+        for (name, size, _), f in zip(stats, files, strict=True):
+            digest.update(f"{name}\0{size}\0".encode())
+            with open(f, "rb") as fh:
+                for offset in _sample_offsets(size):
+                    fh.seek(offset)
+                    digest.update(fh.read(SAMPLE_BYTES))
+        _FINGERPRINTS[key] = {
+            "path": str(path.resolve()),
+            "files": len(files),
+            "bytes": sum(size for _, size, _ in stats),
+            "sha256": digest.hexdigest(),
+            "kind": "sampled",
+        }
+    return _FINGERPRINTS[key]
+
+
+def _sample_offsets(size: int) -> range | list[int]:
+    """Where the pieces start: back to back over a small file, else evenly from 0 to the last piece."""
+    if size <= SAMPLES * SAMPLE_BYTES:
+        return range(0, size, SAMPLE_BYTES)
+    last = size - SAMPLE_BYTES
+    return [i * last // (SAMPLES - 1) for i in range(SAMPLES)]

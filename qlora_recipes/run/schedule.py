@@ -16,9 +16,40 @@ log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- LR schedule across a resume
 def _fresh_schedule(args, total: int) -> dict:
+    """The schedule transformers builds from `args` for `total` steps, except where its warmup
+    leaves no step with a non-zero LR (warmup starts at 0: 1 step with 1 warmup step): then
+    without warmup, so that the run trains at all (scheduler_for says so)."""
     kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
     kwargs = dict(args.lr_scheduler_kwargs or {})
-    return {"type": str(kind), "kwargs": kwargs, "warmup": args.get_warmup_steps(total), "total": total, "warps": []}
+    fresh = {"type": str(kind), "kwargs": kwargs, "warmup": args.get_warmup_steps(total), "total": total, "warps": []}
+    if fresh["warmup"] > 0 and not _some_step_trains(fresh):
+        fresh["warmup"] = 0
+    return fresh
+
+
+def _some_step_trains(schedule: dict) -> bool:
+    """Whether a step of the schedule runs at a non-zero LR. Warmup rises from 0 and decay ends
+    after the last step, so the steps up to one past the warmup decide. A scheduler that is no
+    LambdaLR (reduce_lr_on_plateau) counts as training."""
+    try:
+        lambdas = _base_lambdas(schedule, 1)
+    except UserError:
+        return True
+    return any(fn(step) > 0 for fn in lambdas for step in range(min(schedule["total"], schedule["warmup"] + 2)))
+
+
+def scheduler_for(schedule: dict, args, optimizer, resumed: bool):
+    """A LambdaLR for the schedule where it is not the one transformers builds from `args` (a
+    resume changed the total, or the warmup was dropped, saying so), else None."""
+    dropped = args.get_warmup_steps(schedule["total"]) != schedule["warmup"]
+    if dropped and not resumed:
+        log.warning(
+            "optim: with %d training step(s) and %d warmup step(s) every step would run at learning rate 0 "
+            "(warmup starts at 0) and train nothing; training without warmup, at optim.lr from the first step",
+            schedule["total"],
+            args.get_warmup_steps(schedule["total"]),
+        )
+    return warped_scheduler(schedule, optimizer) if schedule["warps"] or dropped else None
 
 
 def schedule_end(schedule: dict) -> int:
@@ -42,7 +73,7 @@ def continue_schedule(checkpoint: str | None, args, total: int) -> dict:
     old = record.get("schedule")
     if old is None:  # written before RECORD: the default schedule of the total it was trained for
         old = _fresh_schedule(args, trainer_state(checkpoint).get("max_steps") or total)
-    settings = (fresh["type"], fresh["kwargs"], args.get_warmup_steps(old["total"]))
+    settings = (fresh["type"], fresh["kwargs"], _fresh_schedule(args, old["total"])["warmup"])
     if (old["type"], old["kwargs"], old["warmup"]) != settings:
         log.warning("resume: LR schedule settings changed (resume.allow_changes): a new schedule over %d steps", total)
         return fresh

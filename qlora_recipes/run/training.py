@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import shutil
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from ..data.readers import check_local_source
 from ..errors import UserError
 from ..integrations import hub, trackers
 from ..interrupts import sigint_deferred
-from ..invocation import command, task_overrides
+from ..invocation import command, resume_command, task_overrides
 from ..model import loading
 from ..model.check import check_hub_model, validate_model
 from . import dist, lifecycle, metrics, trainer_args
@@ -34,6 +33,7 @@ from .checkpoints import disk_full, find_checkpoint
 from .lock import RunDirLock
 from .memory import PeakTracker, pin_malloc_thresholds, planned_peak_gib
 from .resume import AlreadyComplete, resume_checkpoint
+from .reuse import clear_previous_run, held_run, refuse_silent_reuse
 from .validate import validate
 
 log = logging.getLogger("train")
@@ -88,7 +88,7 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
     set_seed(cfg.seed)
     tokenizer = loading.load_tokenizer(cfg.model)
     train_ds, eval_ds, data_stats = data.load_splits(cfg.data, tokenizer, cfg.trainer.seq_len, cfg.seed)
-    _write_run_files(cfg, run_dir, choices, plan, on_write)  # every check has passed
+    _write_run_files(cfg, run_dir, choices, plan, on_write, replace=True)  # every check has passed
     model = loading.make_trainable(cfg, loading.load_model(cfg, run_dir, planner.loader_max_memory(plan)))
     trainable, total = model.get_nb_trainable_parameters()
     log.info("trainable params: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
@@ -132,6 +132,7 @@ def _check_and_plan(cfg: TrainConfig, run_dir: Path, choices: dict | None, gpu: 
     """Everything that can refuse a run from its config and model dir, before anything is loaded or
     written; a plan that does not fit is written (config.yaml, plan.json with its ladder), then refused."""
     validate(cfg, gpu_available=gpu)
+    refuse_silent_reuse(cfg, run_dir)  # a run already there: resume=auto continues it, overwrite=true replaces it
     # the causes a user can fix by hand first: a data file missing, then the model out of reach
     check_local_source(cfg.data.path, "data.path")
     if cfg.data.eval_path is not None:
@@ -141,20 +142,25 @@ def _check_and_plan(cfg: TrainConfig, run_dir: Path, choices: dict | None, gpu: 
     resume_from = resume_checkpoint(cfg, run_dir)  # checks the saved config first
     # one rank's share (WORLD_SIZE ranks): FSDP/ZeRO-3 on GPUs, every strategy on CPU ranks (gloo)
     plan = planner.plan(cfg)
-    if not (plan["fits"] or cfg.force):
+    if not (plan["fits"] or cfg.force or (cfg.overwrite and held_run(run_dir))):  # a refused overwrite keeps all
         _write_run_files(cfg, run_dir, choices, plan, on_write)
     planner.refuse_unless_fits(plan, force=cfg.force)
     return plan, resume_from
 
 
-def _write_run_files(cfg: TrainConfig, run_dir: Path, choices: dict | None, plan: dict, on_write=None) -> None:
-    """config.yaml and plan.json (and the caller's files), all or none: Ctrl-C waits for the group."""
+def _write_run_files(
+    cfg: TrainConfig, run_dir: Path, choices: dict | None, plan: dict, on_write=None, replace: bool = False
+) -> None:
+    """config.yaml and plan.json (and the caller's files), all or none: Ctrl-C waits for the group.
+    `replace`: the run's checks have passed, so overwrite=true now removes the run it replaces."""
     if not _main_rank():
         return
     print(f"run dir: {shown_path(run_dir)}", flush=True)
     print_stack(cfg, choices)
     with sigint_deferred():
         run_dir.mkdir(parents=True, exist_ok=True)
+        if replace:
+            clear_previous_run(cfg, run_dir)
         (run_dir / "config.yaml").write_text(config_yaml(cfg))
         planner.write_plan(plan, run_dir)
         if on_write is not None:
@@ -287,8 +293,7 @@ def _save_adapter(trainer, tokenizer, run_dir: Path) -> None:
             raise UserError(
                 f"disk full while saving the adapter in {run_dir}: nothing of it was kept"
                 + (f" and the checkpoints are intact (newest: {kept})" if kept else "")
-                + f"; free space and run again (resume=auto hydra.run.dir={shlex.quote(shown_path(run_dir))} "
-                "resumes from the newest checkpoint)"
+                + f"; free space and resume from the newest checkpoint: {resume_command(task_overrides(), shown_path(run_dir))}"
             ) from None
         raise
     if _main_rank():

@@ -95,6 +95,7 @@ OVERRIDES = [
     (["optim.name=adamw_9bit"], ["optim.name=adamw_9bit", "paged_adamw_8bit"]),
     (["optim.name=paged_adamw"], ["optim.name=paged_adamw"]),
     (["optim.lr=0"], ["optim.lr=0"]),
+    (["overwrite=true", "resume=auto"], ["overwrite=true", "resume=auto", "drop one"]),
     (["optim.lr=nan"], ["optim.lr=nan"]),
     (["optim.warmup_ratio=1"], ["optim.warmup_ratio=1", "optim.warmup_steps=1"]),
     (["optim.warmup_steps=-3"], ["optim.warmup_steps=-3"]),
@@ -239,6 +240,36 @@ def test_a_run_dir_that_exists_is_left_exactly_as_it_was(tmp_path, monkeypatch):
     empty.mkdir()  # an empty dir the user made stays too
     assert_refused(*run_in_process(["peft.r=0"], empty, monkeypatch), ["peft.r=0"], empty, {})
     assert empty.is_dir()
+
+
+# What a run leaves in its run dir (files and their text): a new run there without resume=auto or
+# overwrite=true is refused, and the run dir stays as it was.
+HELD_RUNS = {
+    "finished": (
+        {"adapter/adapter_config.json": "{}", "metrics.json": '{"status": "ok"}', "config.yaml": "{}"},
+        ["a finished run (adapter/, metrics.json)", "a larger trainer.max_steps"],
+    ),
+    "stopped by a signal": (
+        {"checkpoints/checkpoint-2/trainer_state.json": "{}", "metrics.json": '{"status": "preempted"}'},
+        ["a stopped run (checkpoints/checkpoint-2, metrics.json)", "continue it with resume=auto"],
+    ),
+    "crashed after two checkpoints": (
+        {"checkpoints/checkpoint-2/trainer_state.json": "{}", "checkpoints/checkpoint-4/trainer_state.json": "{}"},
+        ["a stopped run (2 checkpoints)"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HELD_RUNS))
+def test_a_run_dir_holding_a_run_is_neither_reused_nor_touched(case, tmp_path, monkeypatch):
+    files, needles = HELD_RUNS[case]
+    run_dir = tmp_path / "run"
+    for name, text in files.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(text)
+    before = snapshot(run_dir)
+    code, stderr = run_in_process([], run_dir, monkeypatch)
+    assert_refused(code, stderr, [f"run dir {run_dir} ", "resume=auto", "overwrite=true", *needles], run_dir, before)
 
 
 # ---------------------------------------------------------------------------------------------

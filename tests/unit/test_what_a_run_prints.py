@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import bitsandbytes as bnb
 import pytest
@@ -69,6 +70,23 @@ def test_the_next_commands_name_the_real_run_dir_shell_quoted(tmp_path, monkeypa
     ]
     qlora = dict(console.next_commands("qlora train", run_dir, [], steps=3))
     assert qlora["merge"] == "qlora merge 'runs/my run'"
+
+
+ODD_DIRS = ["rün;(1),a=b", "it's here", "back\\slash'", "null", "-dash"]
+
+
+@pytest.mark.parametrize("name", ODD_DIRS)
+def test_the_resume_line_reads_back_as_the_same_run_dir_through_the_shell_and_hydra(name, tmp_path, monkeypatch):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    monkeypatch.chdir(tmp_path)
+    commands = dict(console.next_commands("qlora train", tmp_path / name, ["overwrite=true", "peft.r=4"], steps=1))
+    words = shlex.split(commands["resume"])
+    assert words[2:4] == ["peft.r=4", "resume=auto"]  # overwrite=true is not carried into a resume
+    override = OverridesParser.create().parse_override(words[4])
+    assert (override.key_or_group, override.value()) == ("hydra.run.dir", name)
+    for kind in ("merge", "generate"):
+        assert Path(shlex.split(commands[kind])[2]).resolve() == (tmp_path / name).resolve()
 
 
 def _tree_text(cfg, choices) -> str:

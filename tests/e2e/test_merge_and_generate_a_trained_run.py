@@ -216,6 +216,7 @@ def test_dora_adapter_merges_correctly(dora_run, tmp_path):
     for k in magnitudes:
         tensors[k] = tensors[k] * (1 + 0.6 * (torch.rand(tensors[k].shape, generator=gen) - 0.5))
     save_file(tensors, str(weights), metadata={"format": "pt"})
+    (dora_run / "manifest.json").unlink()  # the adapter edited on purpose: its recorded sha256 goes
 
     report = merge(dora_run, out=tmp_path / "dora", dtype="float32")
     main = report["compare"]["vs_base_plus_adapter"]

@@ -113,7 +113,7 @@ def out_lock(out: Path):
     """The lock one merge into `out` holds (`<out>.lock` beside it): a second merge there is refused."""
     from ..run.lock import RunDirLock
 
-    busy = f"{out} is being merged into; wait for that merge to finish or stop it, or choose another --out"
+    busy = f"merge output {out}; wait for that merge to finish or stop it, or choose another --out"
     return RunDirLock(out.parent, path=out.with_name(out.name + ".lock"), busy=busy)
 
 

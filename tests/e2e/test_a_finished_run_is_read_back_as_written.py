@@ -211,7 +211,7 @@ def test_a_second_merge_into_the_same_output_is_refused_while_the_first_runs(run
     from qlora_recipes.merge.pipeline import merge
 
     before = (merged / "manifest.json").read_text()
-    with out_lock(merged), pytest.raises(UserError, match=r"merged is being merged into.* is in use by process"):
+    with out_lock(merged), pytest.raises(UserError, match=r"merge output .*merged is in use by process"):
         merge(run, out=merged)  # the lock a first merge holds
     assert (merged / "manifest.json").read_text() == before
     assert not merged.with_name("merged.partial").exists() and not merged.with_name("merged.lock").exists()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from ..outputs.rundir import MERGE_REPORT, is_merged_dir
-from ..outputs.runfiles import write_manifest
+from ..outputs.runfiles import give_umask_modes, write_manifest
 from ..units import parse_size
 
 if TYPE_CHECKING:  # torch loads lazily: the checks of bad input answer fast
@@ -151,6 +151,7 @@ def finish_out(partial: Path, out: Path, report: dict) -> None:
     earlier merge there goes only once the new one is in place)."""
     (partial / MERGE_REPORT).write_text(json.dumps(report, indent=2) + "\n")
     (partial / PARTIAL_MARK).unlink()
+    give_umask_modes(partial)  # safetensors writes its shards 0600
     names = sorted(str(p.relative_to(partial)) for p in partial.rglob("*") if p.is_file())
     write_manifest(partial, names)
     if not out.exists():

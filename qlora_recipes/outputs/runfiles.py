@@ -87,6 +87,22 @@ def _file_problem(path: Path, want: dict) -> str | None:
     return None
 
 
+def umask_mode() -> int:
+    """The mode a new file gets here (0o644 under the usual umask 022)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def give_umask_modes(folder: Path) -> None:
+    """Every file under `folder` gets the umask's mode: safetensors writes its files 0600, every other
+    writer (json, tokenizer files) by the umask, and a run's or merge's files should read alike."""
+    mode = umask_mode()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
+
+
 def run_file_names(run_dir: Path) -> list[str]:
     """The files a finished run's manifest lists: config.yaml, metrics.json and the adapter's files (the
     model card, README.md, is written after and left out)."""

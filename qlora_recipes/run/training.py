@@ -29,7 +29,7 @@ from ..interrupts import sigint_deferred
 from ..invocation import command, task_overrides
 from ..model import loading
 from ..model.check import check_hub_model, validate_model
-from ..outputs.runfiles import remove_manifest, run_file_names, write_manifest
+from ..outputs.runfiles import give_umask_modes, remove_manifest, run_file_names, write_manifest
 from . import dist, lifecycle, metrics, trainer_args
 from .checkpoints import disk_full, find_checkpoint
 from .lock import RunDirLock
@@ -296,5 +296,6 @@ def _save_adapter(trainer, tokenizer, run_dir: Path) -> None:
             ) from None
         raise
     if _main_rank():
+        give_umask_modes(staging)  # safetensors writes 0600
         shutil.rmtree(run_dir / "adapter", ignore_errors=True)
         staging.rename(run_dir / "adapter")

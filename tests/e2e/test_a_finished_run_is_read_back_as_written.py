@@ -190,6 +190,14 @@ def test_a_merged_dir_with_truncated_weights_or_a_garbled_report_is_named(merged
                 load_for_generation(damaged)
 
 
+def test_a_runs_and_a_merges_files_all_get_the_umasks_mode(run, merged):
+    from qlora_recipes.outputs.runfiles import umask_mode
+
+    files = [p for p in (*(run / "adapter").iterdir(), *merged.iterdir()) if p.is_file()]
+    assert {"adapter_model.safetensors", "model.safetensors", "config.json"} <= {p.name for p in files}
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: oct(umask_mode()) for p in files}
+
+
 # --------------------------------------------------------------------------------------------------
 # merges into one output
 # --------------------------------------------------------------------------------------------------

@@ -152,7 +152,8 @@ def finish_out(partial: Path, out: Path, report: dict) -> None:
     (partial / MERGE_REPORT).write_text(json.dumps(report, indent=2) + "\n")
     (partial / PARTIAL_MARK).unlink()
     give_umask_modes(partial)  # safetensors writes its shards 0600
-    names = sorted(str(p.relative_to(partial)) for p in partial.rglob("*") if p.is_file())
+    files = [p for p in partial.rglob("*") if p.is_file() and p.name != "README.md"]  # push rewrites the card
+    names = sorted(str(p.relative_to(partial)) for p in files)
     write_manifest(partial, names)
     if not out.exists():
         partial.rename(out)

@@ -129,10 +129,13 @@ def test_a_merged_dir_that_needs_its_own_code_is_one_line_naming_the_option(merg
 # --------------------------------------------------------------------------------------------------
 
 
-def test_a_finished_run_records_its_files_in_a_manifest(run):
+def test_a_finished_run_and_a_merge_record_their_files_in_a_manifest(run, merged):
     files = json.loads((run / "manifest.json").read_text())["files"]
     assert {"config.yaml", "metrics.json", "adapter/adapter_model.safetensors"} <= set(files)
     assert all(len(f["sha256"]) == 64 and f["size"] > 0 for f in files.values())
+    files = json.loads((merged / "manifest.json").read_text())["files"]
+    assert {"config.json", "merge_report.json", "model.safetensors"} <= set(files)
+    assert "README.md" not in files  # the card: `qlora push` writes it again for the repo it names
 
 
 @pytest.mark.parametrize("manifest", [True, False], ids=["recorded", "older-run-without-manifest"])

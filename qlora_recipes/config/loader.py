@@ -7,7 +7,7 @@ adds the config-only checks (config/checks.py). Every error is one UserError lin
     load(overrides) -> TrainConfig        compose + to_typed + check_stack
     with_overrides(cfg, ["k=v"])          a changed copy of a typed config (the OOM ladder's rungs)
     read_saved(path) -> TrainConfig       a run's config.yaml; keys it lacks take the schema's defaults
-    read_saved(path, complete="keys")     ... refused (Incomplete) when it lacks a section ("sections") or any key
+    read_saved(path, complete="keys")     ... refused (Incomplete) when it lacks any key (or the sections named)
 """
 
 from __future__ import annotations
@@ -142,10 +142,13 @@ class Incomplete(ValueError):
     """A saved config.yaml lacks sections or keys that the run wrote: cut short or edited, not older."""
 
 
-def read_saved(path: Path, dropped: list[str] | None = None, complete: str | None = None) -> TrainConfig:
+def read_saved(
+    path: Path, dropped: list[str] | None = None, complete: str | tuple[str, ...] | None = None
+) -> TrainConfig:
     """A saved run's config.yaml as a TrainConfig; a key it lacks (added to the schema after that run)
-    takes the schema's default, unless `complete` requires every section ("sections": a file cut short
-    loses the last ones) or every key ("keys": a run that recorded its files' hashes wrote them all).
+    takes the schema's default, unless `complete` requires every key ("keys": a run that recorded its
+    files' hashes wrote them all) or these sections (a file cut short loses its last ones; an older run
+    lacks only sections added since, e.g. logger, hub).
     A key the schema no longer reads is an error, or, given a `dropped` list, left out and named there.
     Raises OmegaConf's error or ValueError (yaml; Incomplete) when it does not fit."""
     saved = OmegaConf.load(path)
@@ -155,23 +158,25 @@ def read_saved(path: Path, dropped: list[str] | None = None, complete: str | Non
             node = OmegaConf.select(saved, parent) if parent else saved
             node.pop(last)
             dropped.append(key)
-    if complete is not None:
-        missing = missing_keys(saved, TrainConfig, "", sections_only=complete == "sections")
-        if missing:
-            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-            raise Incomplete(f"it lacks {', '.join(missing[:3])}{more}")
+    missing: list[str] = []
+    if complete == "keys":
+        missing = missing_keys(saved, TrainConfig, "")
+    elif complete is not None:
+        missing = [name for name in complete if not (OmegaConf.is_dict(saved) and name in saved)]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise Incomplete(f"it lacks {', '.join(missing[:3])}{more}")
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved))
 
 
-def missing_keys(saved, schema: type, prefix: str, sections_only: bool) -> list[str]:
-    """The schema's keys (or top-level sections) that a saved config does not have."""
+def missing_keys(saved, schema: type, prefix: str) -> list[str]:
+    """The schema's keys that a saved config does not have."""
     found = []
     for f in dataclasses.fields(schema):
         if not (OmegaConf.is_dict(saved) and f.name in saved):
-            if is_section(f) or not sections_only:
-                found.append(prefix + f.name)
-        elif is_section(f) and not sections_only:
-            found += missing_keys(saved[f.name], f.type, f"{prefix}{f.name}.", sections_only)
+            found.append(prefix + f.name)
+        elif is_section(f):
+            found += missing_keys(saved[f.name], f.type, f"{prefix}{f.name}.")
     return found
 
 

@@ -21,6 +21,9 @@ from .runfiles import check_manifest, read_json
 log = logging.getLogger(__name__)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# What merge and generate read of a run's config: a run dir without a manifest (older) must have these
+# sections; sections added since (logger, hub, ...) take their defaults.
+STACK_SECTIONS = ("model", "data", "quant", "peft", "precision", "trainer")
 MERGE_REPORT = "merge_report.json"  # written by merge into a merged dir; generate reads its prompt style
 
 
@@ -73,8 +76,9 @@ def resolve_dir(path: str | Path, allow_merged: bool) -> tuple[str, Path]:
 
 def load_run_config(run_dir: Path) -> TrainConfig:
     """The run's fully resolved config.yaml, typed by the schema, after its files are checked against the
-    manifest the run wrote when it finished. Every section must be there (every key, for a run with a
-    manifest): a file cut short is damage, not an older run whose missing keys take today's defaults."""
+    manifest the run wrote when it finished. Every key must be there (for an older run without a manifest,
+    every section of the stack, STACK_SECTIONS): a file cut short is damage, not an older run whose
+    missing keys take today's defaults."""
     from omegaconf.errors import OmegaConfBaseException
 
     from ..config.loader import Incomplete, read_saved
@@ -82,7 +86,7 @@ def load_run_config(run_dir: Path) -> TrainConfig:
     recorded = check_manifest(run_dir)
     path = run_dir / "config.yaml"
     try:
-        cfg = read_saved(path, complete="keys" if recorded else "sections")
+        cfg = read_saved(path, complete="keys" if recorded else STACK_SECTIONS)
     except Incomplete as err:
         raise UserError(
             f"{path}: damaged or cut short ({err}; a run writes them all); restore it or re-run training"

@@ -156,6 +156,20 @@ def test_a_config_cut_short_is_named_and_never_filled_with_defaults(run, tmp_pat
     assert not (damaged / "merged").exists()
 
 
+def test_an_older_run_without_the_sections_added_since_still_reads(run, tmp_path):
+    import yaml
+
+    from qlora_recipes.outputs.rundir import load_run_config
+
+    older = _copy(run, tmp_path / "run")
+    (older / "manifest.json").unlink()
+    config = yaml.safe_load((older / "config.yaml").read_text())
+    for section in ("logger", "hub", "dist", "hardware"):
+        config.pop(section)
+    (older / "config.yaml").write_text(yaml.safe_dump(config))
+    assert load_run_config(older).quant.method == "fp4"
+
+
 @pytest.mark.parametrize("manifest", [True, False], ids=["recorded", "older-run-without-manifest"])
 def test_a_truncated_metrics_json_is_named_in_one_line(run, tmp_path, manifest):
     from qlora_recipes.merge.pipeline import merge

@@ -46,6 +46,23 @@ def parse_size(value: object, what: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def parse_bounded_size(value: object, what: str, low: int, high: int) -> int:
+    """A size typed by a user for hardware (--gpus, --host-ram): it needs a unit (a bare 24 would be 24
+    bytes) and must lie in [low, high]; one UserError line naming `what` otherwise."""
+    text = str(value).strip()
+    if re.fullmatch(r"[0-9]+(\.[0-9]*)?", text):
+        raise UserError(f"{what} {text}: a size needs a unit; write e.g. {text}GB or {text}GiB")
+    return check_bounds(parse_size(text, what), f"{what} {text}", low, high)
+
+
+def check_bounds(n: int, what: str, low: int, high: int) -> int:
+    if not low <= n <= high:
+        raise UserError(
+            f"{what}: {fmt_gib(n)} is outside {fmt_gib(low)} to {fmt_gib(high)}; check the number and the unit"
+        )
+    return n
+
+
 def fmt_gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 

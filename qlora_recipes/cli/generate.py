@@ -1,7 +1,7 @@
 """`qlora generate RUN_OR_MERGED_DIR "prompt"`: generate with a finished run or a merged model.
 
     qlora generate RUN_OR_MERGED_DIR "prompt" [--file prompts.txt | --file -] [--max-new-tokens N]
-                   [--greedy | --temperature T] [--chat | --no-chat | --raw] [--jsonl]
+                   [--greedy | --temperature T] [--chat | --no-chat | --raw] [--jsonl] [--trust-remote-code]
 
 A run dir loads as trained (its 4-bit base + adapter). Plain prompts are wrapped the way the run's data
 was (its chat template for chat data, the Alpaca template for alpaca data, the prefix and suffix its
@@ -38,6 +38,12 @@ def _parser(prog: str) -> ArgumentParser:
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="never apply the chat template")
     chat.add_argument("--raw", action="store_true", help="send prompts exactly as given: no template, no wrapping")
     parser.add_argument("--jsonl", action="store_true", help="print one JSON object per prompt")
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let a merged model dir run its own code (its config's auto_map); a run dir follows its "
+        "model.trust_remote_code",
+    )
     return parser
 
 
@@ -72,7 +78,9 @@ def run(argv: list[str], prog: str = "qlora generate") -> None:
                 "no prompt: give one as the second argument, --file with one prompt per line, or pipe them in"
             )
         _check(args)
-        model, tokenizer, info = load_for_generation(args.path, chat=args.chat)
+        model, tokenizer, info = load_for_generation(
+            args.path, chat=args.chat, trust_remote_code=args.trust_remote_code
+        )
         import torch
 
         torch.manual_seed(args.seed)

@@ -57,7 +57,7 @@ def _take_flag(argv: list[str], name: str) -> str | None:
 
 def parse_hardware_flags(argv: list[str]) -> dict:
     from ..config.devices import parse_gpus
-    from ..units import parse_size
+    from ..units import GiB, parse_bounded_size
 
     gpus = _take_flag(argv, "--gpus") or os.environ.get("QLORA_PLAN_GPUS")
     ram = _take_flag(argv, "--host-ram") or os.environ.get("QLORA_PLAN_HOST_RAM")
@@ -69,9 +69,7 @@ def parse_hardware_flags(argv: list[str]) -> dict:
     if gpus is not None:
         out["gpus"] = parse_gpus(gpus)
     if ram is not None:
-        out["host_ram"] = parse_size(ram, "--host-ram")
-        if out["host_ram"] <= 0:
-            raise UserError(f"--host-ram {ram}: must be positive, e.g. 256GiB")
+        out["host_ram"] = parse_bounded_size(ram, "--host-ram", GiB, 2**46)  # 1 GiB to 64 TiB
     return out
 
 

@@ -11,7 +11,6 @@ huggingface_hub's upload progress bars (HF_HUB_DISABLE_PROGRESS_BARS=1 turns the
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -32,9 +31,12 @@ def _push_merged(folder: Path, repo: str, private: bool | None, revision: str | 
     from ..integrations.modelcard import base_model
     from ..merge import export
     from ..merge.quality import quality_line
+    from ..outputs.generation import check_merged
     from ..outputs.rundir import MERGE_REPORT, load_run_config
+    from ..outputs.runfiles import read_json
 
-    report = json.loads((folder / MERGE_REPORT).read_text()) if (folder / MERGE_REPORT).is_file() else {}
+    check_merged(folder)  # damaged files are named before anything is pushed
+    report = read_json(folder / MERGE_REPORT) if (folder / MERGE_REPORT).is_file() else {}
     run_dir = Path(report.get("run_dir", "")) if report.get("run_dir") else None
     base_id = None
     if run_dir is not None and (run_dir / "config.yaml").is_file():

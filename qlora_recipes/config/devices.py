@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
-from ..units import PRECISION_DTYPE, GiB, fmt_gib, parse_size
+from ..units import PRECISION_DTYPE, GiB, check_bounds, fmt_gib, parse_size
 
 if TYPE_CHECKING:
     from .schema import TrainConfig
@@ -62,8 +62,13 @@ def gpu_size(text: str, what: str = "--gpus") -> int:
     return parse_size(text, what)
 
 
+GPU_BYTES = (GiB, 2**40)  # one GPU's size as --gpus may give it: 1 GiB to 1 TiB
+MAX_GPUS = 4096  # --gpus 1000000x80GB is a typo, not a cluster
+
+
 def parse_gpus(text: str) -> list[int]:
-    """`--gpus 80GB,80GB` or `2x80GiB` or `none` -> list of GPU usable bytes (see gpu_size)."""
+    """`--gpus 80GB,80GB` or `2x80GiB` or `none` -> list of GPU usable bytes (see gpu_size). Each size
+    needs a unit and sane bounds (GPU_BYTES), each count 1 to MAX_GPUS."""
     text = text.strip()
     if text.lower() in ("", "none", "0", "cpu"):
         return []
@@ -71,13 +76,18 @@ def parse_gpus(text: str) -> list[int]:
     for part in text.split(","):
         part = part.strip()
         count = 1
-        m = re.match(r"^(\d+)\s*[xX*]\s*(\d.*)$", part)
+        m = re.match(r"^(\d+)\s*[xX*]\s*(\S.*)$", part)
         if m:
             count, part = int(m.group(1)), m.group(2)
-        size = gpu_size(part, "--gpus")
-        if size <= 0:
-            raise UserError(f"--gpus {text!r}: a GPU needs a positive size, e.g. 80GB or 2x80GiB")
-        gpus.extend([size] * count)
+            if not 1 <= count <= MAX_GPUS:
+                raise UserError(
+                    f"--gpus {text!r}: {count} GPUs of {part}; give 1 to {MAX_GPUS} (or --gpus none to plan for the CPU)"
+                )
+        if re.fullmatch(r"[0-9]+(\.[0-9]*)?", part):
+            raise UserError(f"--gpus {text!r}: {part} has no unit; write e.g. {part}GB (a card as sold) or {part}GiB")
+        gpus.extend([check_bounds(gpu_size(part, "--gpus"), f"--gpus {text!r}", *GPU_BYTES)] * count)
+    if len(gpus) > MAX_GPUS:
+        raise UserError(f"--gpus {text!r}: {len(gpus)} GPUs; give at most {MAX_GPUS}")
     return gpus
 
 

@@ -7,6 +7,7 @@ adds the config-only checks (config/checks.py). Every error is one UserError lin
     load(overrides) -> TrainConfig        compose + to_typed + check_stack
     with_overrides(cfg, ["k=v"])          a changed copy of a typed config (the OOM ladder's rungs)
     read_saved(path) -> TrainConfig       a run's config.yaml; keys it lacks take the schema's defaults
+    read_saved(path, complete="keys")     ... refused (Incomplete) when it lacks any key (or the sections named)
 """
 
 from __future__ import annotations
@@ -137,10 +138,19 @@ def with_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
         raise UserError(one_line(err)) from None
 
 
-def read_saved(path: Path, dropped: list[str] | None = None) -> TrainConfig:
+class Incomplete(ValueError):
+    """A saved config.yaml lacks sections or keys that the run wrote: cut short or edited, not older."""
+
+
+def read_saved(
+    path: Path, dropped: list[str] | None = None, complete: str | tuple[str, ...] | None = None
+) -> TrainConfig:
     """A saved run's config.yaml as a TrainConfig; a key it lacks (added to the schema after that run)
-    takes the schema's default. A key the schema no longer reads is an error, or, given a `dropped`
-    list, left out and named there. Raises OmegaConf's error or ValueError (yaml) when it does not fit."""
+    takes the schema's default, unless `complete` requires every key ("keys": a run that recorded its
+    files' hashes wrote them all) or these sections (a file cut short loses its last ones; an older run
+    lacks only sections added since, e.g. logger, hub).
+    A key the schema no longer reads is an error, or, given a `dropped` list, left out and named there.
+    Raises OmegaConf's error or ValueError (yaml; Incomplete) when it does not fit."""
     saved = OmegaConf.load(path)
     if dropped is not None:
         for key in unknown_keys(saved):
@@ -148,7 +158,26 @@ def read_saved(path: Path, dropped: list[str] | None = None) -> TrainConfig:
             node = OmegaConf.select(saved, parent) if parent else saved
             node.pop(last)
             dropped.append(key)
+    missing: list[str] = []
+    if complete == "keys":
+        missing = missing_keys(saved, TrainConfig, "")
+    elif complete is not None:
+        missing = [name for name in complete if not (OmegaConf.is_dict(saved) and name in saved)]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise Incomplete(f"it lacks {', '.join(missing[:3])}{more}")
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved))
+
+
+def missing_keys(saved, schema: type, prefix: str) -> list[str]:
+    """The schema's keys that a saved config does not have."""
+    found = []
+    for f in dataclasses.fields(schema):
+        if not (OmegaConf.is_dict(saved) and f.name in saved):
+            found.append(prefix + f.name)
+        elif is_section(f):
+            found += missing_keys(saved[f.name], f.type, f"{prefix}{f.name}.")
+    return found
 
 
 def to_yaml(cfg: TrainConfig) -> str:

@@ -180,12 +180,11 @@ def run_card(run_dir: Path, kind: str = "adapter", repo_id: str | None = None, m
     the merge report plus its "quality" line)."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    from ..outputs.rundir import load_run_config
+    from ..outputs.rundir import load_run_config, run_metrics
 
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)
-    metrics_path = run_dir / "metrics.json"
-    metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
+    metrics = run_metrics(run_dir)
     choices = _choices(run_dir)
     base_id, base_text = base_model(cfg.model)
     data_id, data_text = dataset(cfg.data)

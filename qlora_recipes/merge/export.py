@@ -12,11 +12,13 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from ..outputs.rundir import MERGE_REPORT, is_merged_dir
+from ..outputs.runfiles import give_umask_modes, write_manifest
 from ..units import parse_size
 
 if TYPE_CHECKING:  # torch loads lazily: the checks of bad input answer fast
@@ -104,8 +106,21 @@ def write_config(model, folder: Path, dtype: torch.dtype, names: set[str]) -> No
         gen.save_pretrained(str(folder))
 
 
+PARTIAL_MARK = ".qlora-merge-partial"  # in `<out>.partial` while merge writes it: only such a dir is removed
+
+
+def out_lock(out: Path):
+    """The lock one merge into `out` holds (`<out>.lock` beside it): a second merge there is refused."""
+    from ..run.lock import RunDirLock
+
+    busy = f"merge output {out}; wait for that merge to finish or stop it, or choose another --out"
+    return RunDirLock(out.parent, path=out.with_name(out.name + ".lock"), busy=busy)
+
+
 def prepare_out(out: Path, run_dir: Path) -> Path:
-    """A fresh `<out>.partial` to write into; `out` itself must be new, empty or an earlier merge."""
+    """A fresh `<out>.partial` to write into; `out` itself must be new, empty or an earlier merge. A
+    `<out>.partial` left by a merge that died is removed (the caller holds `out_lock`); one this tool
+    did not make is refused."""
     out = out.expanduser()
     if out.resolve() in (run_dir.resolve(), (run_dir / "adapter").resolve()):
         raise UserError(
@@ -119,18 +134,34 @@ def prepare_out(out: Path, run_dir: Path) -> Path:
                 f"--out {out}: exists and holds other files (not a merged model); choose a new or empty dir"
             )
     partial = out.with_name(out.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)
+    if partial.exists() or partial.is_symlink():
+        if partial.is_symlink() or not (partial / PARTIAL_MARK).is_file():
+            raise UserError(
+                f"{partial}: exists and was not made by merge (merge writes there before renaming to {out.name}); "
+                "move or delete it, or choose another --out"
+            )
+        shutil.rmtree(partial)  # a merge into `out` that died; none runs now (out_lock)
     partial.mkdir(parents=True)
+    (partial / PARTIAL_MARK).write_text("written by qlora merge; removed when the merge finishes\n")
     return partial
 
 
 def finish_out(partial: Path, out: Path, report: dict) -> None:
-    """Write the report into `partial`, then put `partial` in the place of `out` (an earlier merge there goes)."""
+    """Write the report and the manifest into `partial`, then put `partial` in the place of `out` (an
+    earlier merge there goes only once the new one is in place)."""
     (partial / MERGE_REPORT).write_text(json.dumps(report, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
+    (partial / PARTIAL_MARK).unlink()
+    give_umask_modes(partial)  # safetensors writes its shards 0600
+    files = [p for p in partial.rglob("*") if p.is_file() and p.name != "README.md"]  # push rewrites the card
+    names = sorted(str(p.relative_to(partial)) for p in files)
+    write_manifest(partial, names)
+    if not out.exists():
+        partial.rename(out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))  # fresh: nothing of the user's
+    out.rename(old / out.name)
     partial.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_card(partial: Path, run_dir: Path, report: dict, quality: str, repo_id: str | None) -> None:

@@ -71,21 +71,62 @@ def merge(
         from ..integrations.hub import check_push
 
         check_push(push_to_hub, revision, flag="--push-to-hub")
-    partial = export.prepare_out(out, run_dir)
-    try:
-        report = _merge_into(partial, run_dir, cfg, adapter_cfg, from_original, max_bytes, prompts_file, dtype)
-        report["out_dir"] = str(out)
-        report["wall_s"] = time.time() - started
-        export.write_card(partial, run_dir, report, quality.quality_line(report), push_to_hub)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    export.finish_out(partial, out, report)
+    with export.out_lock(out):  # one merge into `out` at a time
+        how = (from_original, max_bytes, prompts_file, dtype)
+        report = _merge_out(out, run_dir, cfg, adapter_cfg, how, (started, push_to_hub))
     if push_to_hub is not None:
         from ..integrations.modelcard import base_model
 
         report["pushed_to"] = export.push(out, push_to_hub, private, revision, report, base_model(cfg.model)[0])
     return report
+
+
+def _merge_out(out: Path, run_dir: Path, cfg, adapter_cfg: dict, how: tuple, card: tuple) -> dict:
+    """The merge into `<out>.partial`, renamed to `out` when complete; a full disk is one line naming the
+    dir and the space the merged model needs, with nothing of it left and an earlier merge in `out` intact."""
+    from ..run.checkpoints import disk_full
+
+    partial = export.prepare_out(out, run_dir)
+    sizes: dict = {}  # the merged model's bytes, once the stack is loaded
+    try:
+        report = _merge_into(partial, run_dir, cfg, adapter_cfg, *how, sizes)
+        started, push_to_hub = card
+        report["out_dir"] = str(out)
+        report["wall_s"] = time.time() - started
+        export.write_card(partial, run_dir, report, quality.quality_line(report), push_to_hub)
+        export.finish_out(partial, out, report)
+    except BaseException as err:
+        shutil.rmtree(partial, ignore_errors=True)
+        if disk_full(err):
+            raise UserError(_disk_full_line(out, sizes.get("need"))) from None
+        raise
+    return report
+
+
+def _disk_full_line(out: Path, need: int | None) -> str:
+    free = shutil.disk_usage(out.parent).free
+    needs = f"it needs about {need / 2**30:.2f} GiB there" if need else "it needs the merged model's size there"
+    kept = f"; the earlier merge in {out} is intact" if out.exists() else ""
+    return (
+        f"no space left on the device of {out.parent} while writing the merged model: {needs}, "
+        f"{free / 2**30:.2f} GiB are free; free space or choose --out on another disk{kept}"
+    )
+
+
+def _merged_bytes(model, out_dtype) -> int:
+    """About what the merged weights take in `out_dtype`: every base weight (a 4-bit one at its full
+    shape) at that dtype's size; the LoRA factors merge into them."""
+    import math
+
+    import torch
+
+    size = torch.tensor([], dtype=out_dtype).element_size()
+    total = 0
+    for name, param in model.get_base_model().named_parameters():
+        if "lora_" not in name:
+            shape = getattr(getattr(param, "quant_state", None), "shape", None)
+            total += (math.prod(shape) if shape is not None else param.numel()) * size
+    return total
 
 
 def _write_merged(model, cfg, partial: Path, max_bytes: int, out_dtype, from_original: bool):
@@ -117,6 +158,7 @@ def _merge_into(
     max_bytes: int,
     prompts_file,
     dtype: str,
+    sizes: dict,
 ) -> dict:
     out_dtype = torch_dtype(dtype)
     style = run_prompt_style(run_dir, cfg)
@@ -133,6 +175,7 @@ def _merge_into(
     model, ref, base_only = quality.reference_logits(cfg, run_dir, adapter_cfg, batches, pad_id)
 
     # 2. The merged weights, streamed into shards, with config and tokenizer.
+    sizes["need"] = _merged_bytes(model, out_dtype)
     merge_started = time.time()
     writer, files = _write_merged(model, cfg, partial, max_bytes, out_dtype, from_original)
     tokenizer.save_pretrained(str(partial))
@@ -147,7 +190,7 @@ def _merge_into(
     logits = {"reference": ref, "base_only": base_only}
     if from_original:
         logits["original"] = quality.original_logits(cfg, run_dir, batches, pad_id, forward_dtype)
-    logits["merged"] = quality.merged_logits(partial, batches, pad_id, forward_dtype)
+    logits["merged"] = quality.merged_logits(partial, batches, pad_id, forward_dtype, cfg.model.trust_remote_code)
 
     bits = QUANT_BITS.get(cfg.quant.method)
     return {

@@ -198,11 +198,15 @@ def original_logits(cfg, run_dir: Path, batches: list[dict], pad_id: int, dtype:
     return logits
 
 
-def merged_logits(folder: Path, batches: list[dict], pad_id: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Logits of the merged model as anyone would load it: plain transformers, no quantization config."""
+def merged_logits(
+    folder: Path, batches: list[dict], pad_id: int, dtype: torch.dtype, trust_remote_code: bool = False
+) -> list[torch.Tensor]:
+    """Logits of the merged model as anyone would load it: plain transformers, no quantization config;
+    its own code (a base that ships one) runs only when the run trusted it."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), **_device_kwargs(dtype))
+    kwargs = _device_kwargs(dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=trust_remote_code, **kwargs)
     model.eval()
     return prompt_logits(model, batches, pad_id)
 

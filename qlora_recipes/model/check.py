@@ -69,6 +69,12 @@ def _read_json(path: Path):
         raise UserError(f"{path}: not readable JSON ({' '.join(str(err).split())}); fix or replace the file") from None
 
 
+def check_weight_files(local: Path, where: str) -> None:
+    """A model dir's safetensors weights are there and whole (headers read, sizes compared): a merged
+    dir read back, as a base is before training."""
+    _check_weights(local, where)
+
+
 def _check_weights(local: Path, where: str) -> None:
     """The weights from_pretrained(use_safetensors=True) reads are there and whole (headers only)."""
     index = local / "model.safetensors.index.json"

@@ -19,7 +19,6 @@ token; an end-of-turn marker that is not a single token stops on its text.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from .rundir import (
     run_prompt_style,
     run_tokenizer,
 )
+from .runfiles import check_manifest, read_json
 
 log = logging.getLogger(__name__)
 
@@ -43,37 +43,68 @@ DEFAULT_MAX_NEW_TOKENS = 64
 
 
 def _merge_report(folder: Path) -> dict:
-    if (folder / MERGE_REPORT).is_file():
-        try:
-            return json.loads((folder / MERGE_REPORT).read_text())
-        except (json.JSONDecodeError, OSError):
-            return {}
-    return {}
+    """A merged dir's merge_report.json ({} when it has none); a UserError naming it when it is damaged."""
+    path = folder / MERGE_REPORT
+    return read_json(path, "merge the run again") if path.is_file() else {}
 
 
-def _load_merged(folder: Path) -> tuple[Any, Any, str, int]:
+def check_merged(folder: Path) -> None:
+    """A merged dir's files as merge wrote them (its manifest), the report readable, the weights whole."""
+    from ..model.check import check_weight_files
+
+    check_manifest(folder, "merge the run again")
+    _merge_report(folder)
+    check_weight_files(folder, str(folder))
+
+
+def _load_merged(folder: Path, trust_remote_code: bool) -> tuple[Any, Any, str, int]:
     """A merged dir with plain transformers: (model, tokenizer, prompt style, max_new_tokens), the
-    last two from its merge_report.json when there is one."""
+    last two from its merge_report.json when there is one. The dir's own code (config.json's auto_map)
+    runs only with `trust_remote_code`: never a prompt."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_merged(folder)
+    if not trust_remote_code:
+        _refuse_own_code(folder)
     report = _merge_report(folder)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        kwargs: dict[str, Any] = {"dtype": "auto"}
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+        kwargs: dict[str, Any] = {"dtype": "auto", "trust_remote_code": trust_remote_code}
         if torch.cuda.is_available():
             kwargs["device_map"] = "auto"
         model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
     except (OSError, ValueError) as err:
+        if "custom code" in str(err) and not trust_remote_code:
+            raise _own_code_error(folder) from None
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"{folder}: the merged model could not be loaded ({first}); merge the run again") from None
     model.eval()
     return model, tokenizer, report.get("prompt_style", "plain"), report.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
 
 
-def load_for_generation(path: str | Path, chat: bool | None = None) -> tuple[Any, Any, dict]:
-    """A run dir: its base loaded as the run loaded it (quantized) + the adapter. A merged dir: the
-    standalone model with plain transformers. info: kind, dir, style, format (the PromptFormat plain
+def _own_code_error(folder: Path) -> UserError:
+    return UserError(
+        f"{folder}: the model ships its own code (auto_map in its config.json) and transformers has no class of "
+        "its own for it; pass --trust-remote-code if you trust that code"
+    )
+
+
+def _refuse_own_code(folder: Path) -> None:
+    """A dir whose model type only its own code knows, refused before transformers would ask to run it."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    config = read_json(folder / "config.json", "merge the run again")
+    if "auto_map" in config and config.get("model_type") not in CONFIG_MAPPING_NAMES:
+        raise _own_code_error(folder)
+
+
+def load_for_generation(
+    path: str | Path, chat: bool | None = None, trust_remote_code: bool = False
+) -> tuple[Any, Any, dict]:
+    """A run dir: its base loaded as the run loaded it (quantized) + the adapter (its own code runs as the
+    run's model.trust_remote_code says). A merged dir: the standalone model with plain transformers (its own
+    code runs only with `trust_remote_code`). info: kind, dir, style, format (the PromptFormat plain
     prompts are wrapped in), max_new_tokens, max_prompt_tokens (the run's seq_len; None when unknown)."""
     kind, folder = resolve_dir(path, allow_merged=True)  # bad input answers before the heavy imports
     cfg = load_run_config(folder) if kind == "run" else None
@@ -86,7 +117,7 @@ def load_for_generation(path: str | Path, chat: bool | None = None) -> tuple[Any
         run_dir: Path | None = folder
         max_prompt = int(cfg.trainer.seq_len)
     else:
-        model, tokenizer, style, max_new = _load_merged(folder)
+        model, tokenizer, style, max_new = _load_merged(folder, trust_remote_code)
         report_run = _merge_report(folder).get("run_dir")
         run_dir = Path(report_run) if report_run else None
         max_prompt = _run_seq_len(run_dir)

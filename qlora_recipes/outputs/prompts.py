@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from .runfiles import read_json
 
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 
@@ -84,10 +85,8 @@ def recorded_prompt_format(run_dir: Path | None) -> dict | None:
     path = Path(run_dir) / "metrics.json" if run_dir is not None else None
     if path is None or not path.is_file():
         return None
-    try:
-        recorded = (json.loads(path.read_text()).get("data") or {}).get("prompt_format")
-    except (json.JSONDecodeError, OSError, AttributeError):
-        return None
+    data = read_json(path, "re-run training").get("data")
+    recorded = data.get("prompt_format") if isinstance(data, dict) else None
     return recorded if isinstance(recorded, dict) else None
 
 

@@ -16,10 +16,14 @@ from pathlib import Path
 from ..config.schema import TrainConfig
 from ..errors import UserError
 from .prompts import PromptFormat, load_prompt_format, recorded_prompt_format
+from .runfiles import check_manifest, read_json
 
 log = logging.getLogger(__name__)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# What merge and generate read of a run's config: a run dir without a manifest (older) must have these
+# sections; sections added since (logger, hub, ...) take their defaults.
+STACK_SECTIONS = ("model", "data", "quant", "peft", "precision", "trainer")
 MERGE_REPORT = "merge_report.json"  # written by merge into a merged dir; generate reads its prompt style
 
 
@@ -71,32 +75,40 @@ def resolve_dir(path: str | Path, allow_merged: bool) -> tuple[str, Path]:
 
 
 def load_run_config(run_dir: Path) -> TrainConfig:
-    """The run's fully resolved config.yaml, typed by the schema."""
+    """The run's fully resolved config.yaml, typed by the schema, after its files are checked against the
+    manifest the run wrote when it finished. Every key must be there (for an older run without a manifest,
+    every section of the stack, STACK_SECTIONS): a file cut short is damage, not an older run whose
+    missing keys take today's defaults."""
     from omegaconf.errors import OmegaConfBaseException
 
-    from ..config.loader import read_saved
+    from ..config.loader import Incomplete, read_saved
 
+    recorded = check_manifest(run_dir)
     path = run_dir / "config.yaml"
     try:
-        cfg = read_saved(path)
+        cfg = read_saved(path, complete="keys" if recorded else STACK_SECTIONS)
+    except Incomplete as err:
+        raise UserError(
+            f"{path}: damaged or cut short ({err}; a run writes them all); restore it or re-run training"
+        ) from None
     except (OmegaConfBaseException, ValueError) as err:  # yaml errors are ValueErrors too
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"{path}: not a config this version of train.py wrote ({first}); re-run training") from None
     return cfg
 
 
+def run_metrics(run_dir: Path) -> dict:
+    """The run's metrics.json ({} when it has none); a UserError naming it when it is damaged."""
+    path = run_dir / "metrics.json"
+    return read_json(path, "re-run training") if path.is_file() else {}
+
+
 def run_prompt_style(run_dir: Path, cfg: TrainConfig) -> str:
     """How the run's prompts were rendered: "chat" (messages / conversational prompt_completion),
     "alpaca" (instruction rows wrapped in the Alpaca template) or "plain"."""
-    fmt, conversational = cfg.data.format, False
-    metrics = run_dir / "metrics.json"
-    if metrics.is_file():
-        try:
-            stats = json.loads(metrics.read_text()).get("data") or {}
-        except (json.JSONDecodeError, OSError):
-            stats = {}
-        fmt = stats.get("format", fmt)
-        conversational = bool(stats.get("conversational", False))
+    stats = run_metrics(run_dir).get("data") or {}
+    fmt = stats.get("format", cfg.data.format)
+    conversational = bool(stats.get("conversational", False))
     if fmt == "messages" or conversational:
         return "chat"
     if fmt == "alpaca":
@@ -134,7 +146,7 @@ def run_tokenizer(cfg: TrainConfig, run_dir: Path):
     from ..model import loading
 
     try:
-        return AutoTokenizer.from_pretrained(str(run_dir / "adapter"))
+        return AutoTokenizer.from_pretrained(str(run_dir / "adapter"), trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError):
         return loading.load_tokenizer(cfg.model)
 

@@ -29,9 +29,12 @@ class RunDirLock:
     Left by a process that is gone, or by an earlier start of this requeued SLURM job -> taken over,
     saying so. `enabled=False` (ranks other than 0): no lock."""
 
-    def __init__(self, run_dir: Path, enabled: bool = True):
+    def __init__(self, run_dir: Path, enabled: bool = True, path: Path | None = None, busy: str | None = None):
+        """`path`: the lock file (default run_dir/run.lock); `busy`: what is in use and the way out, for
+        a lock beside something else than a run dir (a merge's output)."""
         self.run_dir, self.enabled, self.fd = Path(run_dir), enabled, None
-        self.path = self.run_dir / LOCK
+        self.path = Path(path) if path is not None else self.run_dir / LOCK
+        self.busy = busy
         self.created = False  # the run dir did not exist: removed again if the run wrote nothing
 
     def __enter__(self):
@@ -104,10 +107,12 @@ class RunDirLock:
         who = f"process {holder['pid']} on {holder['host']}" if holder else "another process"
         if holder and holder.get("slurm_job_id"):
             who += f" (SLURM job {holder['slurm_job_id']})"
-        hint = "wait for it to finish or stop it, or choose another hydra.run.dir"
+        what, hint = (f"run dir {self.run_dir}", "wait for it to finish or stop it, or choose another hydra.run.dir")
+        if self.busy is not None:
+            what, _, hint = self.busy.partition("; ")
         if holder and holder["host"] != socket.gethostname():
             hint += f"; if that process is gone, delete {self.path}"
-        return f"run dir {self.run_dir} is in use by {who} (lock {self.path}); {hint}"
+        return f"{what} is in use by {who} (lock {self.path}); {hint}"
 
     def __exit__(self, *exc):
         if self.fd is None:

@@ -28,6 +28,7 @@ from ..interrupts import sigint_deferred
 from ..invocation import command, resume_command, task_overrides
 from ..model import loading
 from ..model.check import check_hub_model, validate_model
+from ..outputs.runfiles import give_umask_modes, remove_manifest, run_file_names, write_manifest
 from . import dist, lifecycle, metrics, trainer_args
 from .checkpoints import disk_full, find_checkpoint
 from .lock import RunDirLock
@@ -115,6 +116,8 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
             out["sharding"] = dist.sharding_figures(fitted.trainer)
         rank = int(os.environ.get("RANK", 0))
         metrics.write_metrics(run_dir, out, name="metrics.json" if _main_rank() else f"metrics.rank{rank}.json")
+        if _main_rank():  # what merge and generate check the run's files against when they read them back
+            write_manifest(run_dir, run_file_names(run_dir))
         finished = True
     finally:
         if tb is not None:
@@ -161,6 +164,7 @@ def _write_run_files(
         run_dir.mkdir(parents=True, exist_ok=True)
         if replace:
             clear_previous_run(cfg, run_dir)
+        remove_manifest(run_dir)  # the run dir changes from here: what an earlier finish recorded goes
         (run_dir / "config.yaml").write_text(config_yaml(cfg))
         planner.write_plan(plan, run_dir)
         if on_write is not None:
@@ -297,5 +301,6 @@ def _save_adapter(trainer, tokenizer, run_dir: Path) -> None:
             ) from None
         raise
     if _main_rank():
+        give_umask_modes(staging)  # safetensors writes 0600
         shutil.rmtree(run_dir / "adapter", ignore_errors=True)
         staging.rename(run_dir / "adapter")

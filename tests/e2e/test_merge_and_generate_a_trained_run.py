@@ -216,6 +216,7 @@ def test_dora_adapter_merges_correctly(dora_run, tmp_path):
     for k in magnitudes:
         tensors[k] = tensors[k] * (1 + 0.6 * (torch.rand(tensors[k].shape, generator=gen) - 0.5))
     save_file(tensors, str(weights), metadata={"format": "pt"})
+    (dora_run / "manifest.json").unlink()  # the adapter edited on purpose: its recorded sha256 goes
 
     report = merge(dora_run, out=tmp_path / "dora", dtype="float32")
     main = report["compare"]["vs_base_plus_adapter"]
@@ -354,6 +355,7 @@ def test_a_run_dir_from_before_the_prompt_format_record_is_wrapped_as_its_data_w
     from qlora_recipes.outputs.prompts import Prompt, PromptFormat, render
 
     old = _copy_run(nf4_run, tmp_path / "old-run")
+    (old / "manifest.json").unlink()  # a run from before that record wrote no manifest either
     metrics = json.loads((old / "metrics.json").read_text())
     del metrics["data"]["prompt_format"]
     (old / "metrics.json").write_text(json.dumps(metrics))
@@ -382,6 +384,7 @@ def test_merge_records_the_prompt_format_and_a_moved_merged_dir_keeps_it(nf4_run
     report = json.loads((moved / "merge_report.json").read_text())
     report["run_dir"] = str(tmp_path / "gone")  # the run dir deleted after merging
     (moved / "merge_report.json").write_text(json.dumps(report))
+    (moved / "manifest.json").unlink()  # the report edited here: its recorded sha256 no longer holds
     _, _, info = load_for_generation(moved)
     assert info["format"] == PromptFormat(style="plain", prefix="order: ", suffix="\n")
 

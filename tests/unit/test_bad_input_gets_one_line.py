@@ -433,6 +433,10 @@ MODEL_DIRS = {
     "config.json figure of the wrong type": (_config(hidden_size="big"), ["config.json", "hidden_size='big'"]),
     "config.json zero layers": (_config(num_hidden_layers=0), ["config.json", "num_hidden_layers=0"]),
     "config.json unknown model_type": (_config(model_type="llamalike"), ["config.json", "'llamalike'"]),
+    "a model type only the dir's own code knows": (
+        _config(model_type="ownlike", auto_map={"AutoConfig": "own.OwnConfig"}),
+        ["config.json", "'ownlike'", "set model.trust_remote_code=true if you trust it"],
+    ),
     "corrupt weights (truncated)": (_truncate, ["model.safetensors", "corrupt or truncated"]),
     "corrupt weights (garbage)": (lambda d: (d / "model.safetensors").write_bytes(os.urandom(4096)), ["corrupt"]),
     "empty weights file": (lambda d: (d / "model.safetensors").write_bytes(b""), ["model.safetensors", "corrupt"]),

@@ -33,3 +33,30 @@ def test_every_recipe_sized_for_a_card_uses_that_cards_figure(name):
     sold = re.search(r"(\d+)\s*GB", hw.name)
     assert sold, f"{name}: hardware.name {hw.name!r} names no card size"
     assert hw.gpu_memory_gib == devices.MARKETED_GPU_GIB[int(sold.group(1))], (name, hw.gpu_memory_gib)
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("24", "24 has no unit; write e.g. 24GB"),  # once 24 bytes
+        ("2x24", "24 has no unit"),
+        ("0x24GB", "0 GPUs of 24GB; give 1 to"),  # once a plan for the CPU
+        ("1000000x80GB", "1000000 GPUs of 80GB"),  # once accepted
+        ("512MB", "is outside 1.0 GiB to 1024.0 GiB"),
+        ("80TB", "is outside 1.0 GiB to 1024.0 GiB"),
+    ],
+)
+def test_a_gpu_size_needs_a_unit_and_sane_bounds(text, needle):
+    with pytest.raises(UserError, match=re.escape(needle)) as err:
+        devices.parse_gpus(text)
+    assert str(err.value).startswith(f"--gpus {text!r}") and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "text,needle", [("256", "256: a size needs a unit; write e.g. 256GB"), ("1MB", "is outside 1.0 GiB")]
+)
+def test_host_ram_needs_a_unit_and_sane_bounds(text, needle):
+    from qlora_recipes.cli.plan import parse_hardware_flags
+
+    with pytest.raises(UserError, match=re.escape(needle)):
+        parse_hardware_flags(["--host-ram", text])

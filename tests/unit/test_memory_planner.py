@@ -735,6 +735,8 @@ def test_plan_script_without_gpu_plans_the_cpu(tmp_path):
     [
         (["offload=cpu", "offload.max_memory.gpu=12XB"], "not a size"),
         (["--gpus", "80XB"], "--gpus"),
+        (["--gpus", "24"], "24 has no unit"),
+        (["--gpus", "0x24GB"], "0 GPUs of 24GB"),
         pytest.param(
             ["--gpus", "24GiB", "offload=cpu", "offload.max_memory.gpu=100GiB"],
             "more than cuda:0 has",

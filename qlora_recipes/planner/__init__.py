@@ -115,7 +115,7 @@ def _planner(gpus: list[int] | None, host_ram: int | None, world_size: int | Non
 def seq_len_for_data(cfg: TrainConfig, first_plan: dict):
     """What data.load_splits takes as seq_len: the number, or with trainer.seq_len=auto a function of the
     train rows' token lengths (and their source) that resolves it, capped as `first_plan` was planned,
-    and prints why."""
+    and logs the one line saying why."""
     if not is_auto(cfg):
         return cfg.trainer.seq_len
     auto = first_plan["seq_len_auto"]

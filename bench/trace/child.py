@@ -39,6 +39,10 @@ def trace(spec: dict) -> dict:
     device = spec.get("device", "cuda")
     fake = bool(spec.get("fake", True))
     cfg = load(list(spec["overrides"]))
+    if cfg.trainer.seq_len == "auto":  # no data here: traced at what the plan plans auto at
+        from qlora_recipes import planner
+
+        cfg.trainer.seq_len = planner.plan(cfg)["stack"]["seq_len"]
     torch.manual_seed(0)
     import bitsandbytes.functional as bnbf
 

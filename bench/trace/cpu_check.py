@@ -33,6 +33,7 @@ CPU_CHECK = [
     "model.num_kv_heads=4",
     "model.intermediate_size=2816",
     "model.vocab_size=32000",
+    "model.max_position_embeddings=4096",  # the tiny option file's 256 would refuse seq 512
     "trainer.micro_batch_size=2",
     "trainer.seq_len=512",
     "peft.r=16",

@@ -12,7 +12,7 @@ import re
 from ..errors import UserError
 from ..units import PRECISION_DTYPE, dtype_name
 from .fields import keys, range_ok, values
-from .schema import ATTENTION, COMPUTE_DTYPES, TrainConfig
+from .schema import ATTENTION, COMPUTE_DTYPES, TrainConfig, TrainerConfig
 
 CHOICES = {key: f.metadata["choices"] for key, f in keys(TrainConfig) if "choices" in f.metadata}
 POSITIVE = tuple(key for key, f in keys(TrainConfig) if f.metadata.get("positive"))
@@ -37,6 +37,7 @@ def check_stack(cfg: TrainConfig) -> None:
             names = ", ".join(str(a) for a in allowed)
             hint = f" {f.metadata['choices_hint']}" if "choices_hint" in f.metadata else ""
             raise UserError(f"{key}={value} is not an option; choose one of: {names}{hint}")
+    _check_seq_len(cfg.trainer)
     for key, f, value in values(cfg):
         if f.metadata.get("positive") and (value is None or value <= 0):
             raise UserError(f"{key}={value} must be positive")
@@ -55,6 +56,15 @@ def check_stack(cfg: TrainConfig) -> None:
     check_precision(cfg)
     _check_placement(cfg)
     check_hardware(cfg)
+
+
+def _check_seq_len(t: TrainerConfig) -> None:
+    """trainer.seq_len: a positive number of tokens, or auto (planner/seqlen.py resolves it from the data)."""
+    value = t.seq_len
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise UserError(f"trainer.seq_len={value} must be a positive number of tokens, or auto (from the data)")
+    if not 0 < t.seq_len_percentile <= 100:
+        raise UserError(f"trainer.seq_len_percentile={t.seq_len_percentile} must be in (0, 100]; 100: the longest row")
 
 
 def check_ranges(cfg: TrainConfig) -> None:

@@ -209,7 +209,15 @@ class TrainerConfig:
     micro_batch_size: int = option(4, "rows per forward/backward", positive=True)
     grad_accum: int = option(4, "micro-batches per optimizer step", positive=True)
     eval_batch_size: int = option(16, "rows per eval forward", positive=True, resume_safe=True)
-    seq_len: int = option(2048, "tokens per row (longer rows: data.too_long)", positive=True)
+    # int | str: a number, or "auto" (planner/seqlen.py), resolved before anything reads it as tokens
+    seq_len: int | str = option(
+        2048,
+        "tokens per row (longer rows: data.too_long); auto: the train rows' longest, rounded up to a multiple "
+        "of 64, capped by the model's positions and by what fits",
+    )
+    seq_len_percentile: float = option(
+        100.0, "trainer.seq_len=auto covers this percentile of the train rows' token lengths", range="> 0"
+    )
     # the total: on resume the LR schedule continues by continue_schedule's policy
     max_steps: int = option(-1, "-1 or 0: run trainer.epochs epochs", range=">= -1", resume_safe=True)
     epochs: float = option(

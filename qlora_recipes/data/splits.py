@@ -31,9 +31,10 @@ log = logging.getLogger(__name__)
 TOO_LONG = ("truncate", "drop")
 
 
-def load_splits(data: DataConfig, tokenizer: Any, seq_len: int, seed: int) -> tuple[Dataset, Dataset | None, dict]:
+def load_splits(data: DataConfig, tokenizer: Any, seq_len: Any, seed: int) -> tuple[Dataset, Dataset | None, dict]:
     """Load `data.path` (and `data.eval_path`), validate every row and return
-    `(train, eval_or_None, stats)`.
+    `(train, eval_or_None, stats)`. `seq_len`: tokens, or (trainer.seq_len=auto, with a tokenizer) a
+    function of the train rows' token lengths and their source that returns it (stats["seq_len"]).
 
     The datasets have the columns TRL's SFTTrainer reads: `prompt`+`completion` (alpaca and
     prompt_completion; strings, or message lists for a conversational prompt_completion), `messages`
@@ -59,7 +60,7 @@ def load_splits(data: DataConfig, tokenizer: Any, seq_len: int, seed: int) -> tu
     eval_path = data.eval_path
     eval_fraction = _eval_fraction(data.eval_fraction)
     too_long = _too_long(data.too_long)
-    if not isinstance(seq_len, int) or seq_len < 1:
+    if not callable(seq_len) and (not isinstance(seq_len, int) or seq_len < 1):
         raise UserError(f"trainer.seq_len: {seq_len!r} must be a positive number of tokens")
 
     detected, train, conversational, source = _load(data.path, split, "data.path", configured)
@@ -271,6 +272,8 @@ def _add_token_stats(
     tokenized, counts = {}, {}
     for k, ds in splits.items():
         ds = tokenize_split(ds, tokenizer, how, k, _where(stats, k))
+        if callable(seq_len):  # trainer.seq_len=auto: from the train rows, the first split
+            seq_len = stats["seq_len"] = seq_len(token_figures(ds)[0], stats["source"])
         counts[k] = _count(ds, seq_len)
         tokenized[k] = ds.remove_columns([c for c in SCRATCH if c in ds.column_names])
         _report_prompt_left_out(k, counts[k])

@@ -14,6 +14,7 @@ metric), placement (device map, max_memory), peaks (phases, pressure, the alloca
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -26,12 +27,15 @@ from .peaks import ok
 from .placement import loader_max_memory
 from .report import DoesNotFit, refuse_unless_fits, render_table, write_plan
 from .search import longest_seq_len as _longest_seq_len
+from .seqlen import auto_cap, is_auto, plan_note, refuse_past_positions, resolve_auto, with_seq_len
 from .sharded import CPU_RANKS, SHARDED, plan_cpu_rank, plan_sharded
 from .single import plan_single
 from .spec import spec_from_cfg
 
 if TYPE_CHECKING:
     from ..config.schema import TrainConfig
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DoesNotFit",
@@ -41,6 +45,8 @@ __all__ = [
     "plan",
     "refuse_unless_fits",
     "render_table",
+    "seq_len_for_data",
+    "settle_seq_len",
     "write_plan",
 ]
 
@@ -61,8 +67,16 @@ def plan(
     GPUs, several ranks of dist=ddp|fsdp|zero2|zero3 are CPU processes (gloo): the plan is one
     rank process's (sharded.plan_cpu_rank). precision=auto is planned as it picks on those devices
     (config/loader.precision_for).
+    trainer.seq_len=auto is planned at the most it resolves to (planner/seqlen.py).
     Returns the plan.json dict.
     """
+    refuse_past_positions(cfg)
+    if is_auto(cfg):  # no data read here: the upper bound, and a note saying so
+        cap, why = auto_cap(cfg, _planner(gpus, host_ram, world_size), lambda: longest_seq_len(cfg, gpus, host_ram))
+        result = plan(with_seq_len(cfg, cap), gpus, host_ram, world_size, ladder)
+        result.setdefault("notes", []).append(plan_note(cap, why))
+        result["seq_len_auto"] = {"cap": cap, "why": why}
+        return result
     cfg = precision_for(cfg, gpus)  # precision=auto as it picks on the GPUs planned for
     strategy = cfg.dist.strategy
     if world_size is None:
@@ -92,3 +106,30 @@ def longest_seq_len(
 ):
     """The longest trainer.seq_len (a multiple of `granularity`) at which the stack fits, or None."""
     return _longest_seq_len(cfg, plan, gpus, host_ram, granularity)
+
+
+def _planner(gpus: list[int] | None, host_ram: int | None, world_size: int | None):
+    return lambda c: plan(c, gpus, host_ram, world_size, ladder=False)
+
+
+def seq_len_for_data(cfg: TrainConfig, first_plan: dict):
+    """What data.load_splits takes as seq_len: the number, or with trainer.seq_len=auto a function of the
+    train rows' token lengths (and their source) that resolves it, capped as `first_plan` was planned,
+    and logs the one line saying why."""
+    if not is_auto(cfg):
+        return cfg.trainer.seq_len
+    auto = first_plan["seq_len_auto"]
+
+    def resolve(lengths, source: str) -> int:
+        value, line = resolve_auto(lengths, cfg.trainer.seq_len_percentile, auto["cap"], auto["why"], source)
+        log.info("%s", line)
+        return value
+
+    return resolve
+
+
+def settle_seq_len(cfg: TrainConfig, first_plan: dict, seq_len: int, gpus: list[int] | None = None) -> tuple:
+    """(cfg, plan) with trainer.seq_len=auto resolved to `seq_len` and planned at it; otherwise as they were."""
+    if not is_auto(cfg):
+        return cfg, first_plan
+    return with_seq_len(cfg, seq_len), plan(with_seq_len(cfg, seq_len), gpus)

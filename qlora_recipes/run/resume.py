@@ -57,6 +57,8 @@ def stack_changes(saved: TrainConfig, current: TrainConfig, dropped: Sequence[st
     changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not k.startswith(RESUME_SAFE_PREFIXES)]
     if "data.format" in changed and b.get("data.format") == "auto" and _detected_format(current) == a["data.format"]:
         changed.remove("data.format")  # an older run saved the format it detected; auto detects it again
+    if "trainer.seq_len" in changed and b.get("trainer.seq_len") == "auto":
+        changed.remove("trainer.seq_len")  # the run saved what auto resolved to; the same data resolves it again
     batch_keys = {"trainer.micro_batch_size", "trainer.grad_accum"}
     same_effective = a.get("trainer.micro_batch_size", 0) * a.get("trainer.grad_accum", 0) == b.get(
         "trainer.micro_batch_size", 0

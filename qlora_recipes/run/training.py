@@ -88,7 +88,9 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
 
     set_seed(cfg.seed)
     tokenizer = loading.load_tokenizer(cfg.model)
-    train_ds, eval_ds, data_stats = data.load_splits(cfg.data, tokenizer, cfg.trainer.seq_len, cfg.seed)
+    seq_len = planner.seq_len_for_data(cfg, plan)  # trainer.seq_len=auto: from the train rows' tokens
+    train_ds, eval_ds, data_stats = data.load_splits(cfg.data, tokenizer, seq_len, cfg.seed)
+    cfg, plan = planner.settle_seq_len(cfg, plan, data_stats["seq_len"])  # planned at what it resolved to
     _write_run_files(cfg, run_dir, choices, plan, on_write, replace=True)  # every check has passed
     model = loading.make_trainable(cfg, loading.load_model(cfg, run_dir, planner.loader_max_memory(plan)))
     trainable, total = model.get_nb_trainable_parameters()

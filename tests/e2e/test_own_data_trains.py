@@ -72,3 +72,35 @@ def test_eval_file_with_100k_character_rows_runs_within_bounds(tmp_path, run_dir
     assert sum(rows for (rows, _), _, _ in recorder.calls) == 2 * 5  # before and after training, every eval row
     for (_, positions), new, (_, out_positions) in recorder.calls:
         assert positions <= 64 and new == 6 and out_positions <= 64 + 6
+
+
+def test_alpaca_rows_longer_than_64_tokens_train_on_the_default_without_a_seq_len(tmp_path):
+    """`python train.py data.path=my.jsonl trainer=smoke`, ordinary Alpaca rows (instruction, input, output):
+    with the Alpaca template every row is over 64 tokens of the tiny model's character tokenizer, which
+    used to stop the run at "raise trainer.seq_len". trainer.seq_len=auto takes the longest row, rounded
+    up to a multiple of 64 within the model's 256 positions, says why, and the run trains, saves and
+    plans at that length."""
+    path = write_jsonl(tmp_path / "my.jsonl", own_rows("alpaca", 24))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), f"data.path={path}", "trainer=smoke", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    chosen = metrics["data"]["seq_len"]
+    longest = metrics["data"]["max_tokens"]["train"]
+    assert 64 < longest <= chosen < longest + 64 and chosen % 64 == 0 and chosen <= 256  # the model's positions
+    assert min(metrics["data"]["rows"].values()) > 0 and metrics["data"]["over_seq_len"] == {"train": 0, "eval": 0}
+    line = (
+        f"trainer.seq_len=auto -> {chosen} (the longest tokenized train row of {path}, {longest} tokens, "
+        "rounded up to a multiple of 64)"
+    )
+    assert line in proc.stdout.splitlines()
+    assert metrics["status"] == "ok" and metrics["steps"] == 3
+    assert f"seq_len: {chosen}\n" in (run_dir / "config.yaml").read_text()
+    assert json.loads((run_dir / "plan.json").read_text())["stack"]["seq_len"] == chosen

@@ -112,8 +112,9 @@ def test_interrupted_optuna_study_resumes_where_it_stopped(tmp_path):
     assert best["best_value"] == pytest.approx(min(losses))
 
 
-def _long_rows(path: Path, rows: int = 64, letters: int = 480) -> Path:
-    """Sample-style rows ~1000 characters (tokens) long, so micro-batch x seq_len sets the peak."""
+def _long_rows(path: Path, rows: int = 64, letters: int = 120) -> Path:
+    """Sample-style rows of the tiny model's 256 positions (characters: tokens), so micro-batch x seq_len
+    sets the peak."""
     import random
 
     rng = random.Random(0)
@@ -126,16 +127,16 @@ def _long_rows(path: Path, rows: int = 64, letters: int = 480) -> Path:
 
 @pytest.mark.slow  # four short trainings in fresh processes: 10 min on the shared 2-core machine at load ~25
 def test_each_sweep_job_reports_its_own_peak(tmp_path):
-    """Micro-batch 16, then 1, then 4, each job in its own process: each reports its own peak, in
+    """Micro-batch 64, then 1, then 16, each job in its own process: each reports its own peak, in
     the order of its micro-batch (not a running maximum), and job 1 equals the same stack trained
     alone."""
-    stack = ["trainer=smoke", f"data.path={_long_rows(tmp_path / 'long.jsonl')}", "trainer.seq_len=1024",
+    stack = ["trainer=smoke", f"data.path={_long_rows(tmp_path / 'long.jsonl')}", "trainer.seq_len=256",
              "trainer.eval_batch_size=1", "trainer.max_steps=1"]  # fmt: skip
-    proc = run("-m", "hydra/launcher=local", "hydra/sweeper=sequential", *stack, "trainer.micro_batch_size=16,1,4",
+    proc = run("-m", "hydra/launcher=local", "hydra/sweeper=sequential", *stack, "trainer.micro_batch_size=64,1,16",
                f"hydra.sweep.dir={tmp_path / 'sweep'}")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     peaks = [json.loads((tmp_path / "sweep" / str(n) / "metrics.json").read_text())["peak_mem_gib"] for n in range(3)]
-    assert peaks[1] < peaks[2] < peaks[0] and peaks[0] - peaks[1] > 0.1  # GiB: the activations of 15 more rows
+    assert peaks[1] < peaks[2] < peaks[0] and peaks[0] - peaks[1] > 0.1  # GiB: the activations of 63 more rows
     alone = run(*stack, "trainer.micro_batch_size=1", f"hydra.run.dir={tmp_path / 'alone'}")
     assert alone.returncode == 0, alone.stderr[-3000:]
     measured_alone = json.loads((tmp_path / "alone" / "metrics.json").read_text())["peak_mem_gib"]

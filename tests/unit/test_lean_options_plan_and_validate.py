@@ -118,6 +118,7 @@ def test_activation_offloading_leaves_a_cpu_plan_alone():
 # evaluation off: the rungs are judged on the training phases
 THIRTY_3B = (
     "model=llama-33b",
+    "model.max_position_embeddings=4096",  # its own 2048 would refuse seq 4096
     "trainer=standard",
     "trainer.micro_batch_size=1",
     "trainer.seq_len=4096",

@@ -508,7 +508,13 @@ def test_device_map_is_the_one_from_pretrained_builds(tiny_models, tmp_path, kin
 def test_single_device_shortcut_agrees_with_the_loaders_device_map(tiny_models, kind, quant):
     """infer_device_map skips the meta model when the whole model provably fits one device; on
     both sides of that boundary the loader's own _get_device_map gives the same answer."""
-    cfg = compose_cfg(f"model.name_or_path={tiny_models[kind]}", f"quant={quant}", "offload=cpu", "precision=bf16")
+    cfg = compose_cfg(
+        f"model.name_or_path={tiny_models[kind]}",
+        f"quant={quant}",
+        "offload=cpu",
+        "precision=bf16",
+        "trainer.seq_len=64",
+    )
     st = spec_from_cfg(cfg, 1)  # bf16: the models above load in it
     bbs = components.block_bytes(st)
     sizes = [bb.placed_bytes for _, bb in bbs]

@@ -96,8 +96,9 @@ def test_padding_free_on_eager_plans_the_flat_rows_mask():
     from qlora_recipes.planner.components import attention_rows, shared_per_device_bytes
     from qlora_recipes.planner.spec import spec_from_cfg
 
-    padded = spec_from_cfg(compose_cfg("model.attn_implementation=eager"), 1)
-    flat = spec_from_cfg(compose_cfg("model.attn_implementation=eager", "data.packing=true"), 1)
+    eager = ("model.attn_implementation=eager", "trainer.seq_len=64")  # spec_from_cfg takes a number, not auto
+    padded = spec_from_cfg(compose_cfg(*eager), 1)
+    flat = spec_from_cfg(compose_cfg(*eager, "data.packing=true"), 1)
     b, s = padded.micro_batch, padded.seq_len
     assert attention_rows(padded, b) == (b, s) and attention_rows(flat, b) == (1, b * s)
     assert shared_per_device_bytes(flat, b, True) > shared_per_device_bytes(padded, b, True)

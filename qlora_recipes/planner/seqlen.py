@@ -1,0 +1,81 @@
+"""`trainer.seq_len`: the model's positions bound it, and `auto` picks it from the data.
+
+`auto` is the train rows' longest tokenized length (or `trainer.seq_len_percentile` of their lengths),
+rounded up to a multiple of ROUND, capped by the model's max_position_embeddings and by the longest
+sequence whose plan fits the hardware. Before the data is read (`qlora plan`, and a run's first
+plan) auto stands for that cap alone: the most it can resolve to, so the plan is an upper bound.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from ..errors import UserError
+from ..units import GiB
+from .figures import model_figures
+from .peaks import worst_device
+
+if TYPE_CHECKING:
+    from ..config.schema import TrainConfig
+
+AUTO = "auto"
+ROUND = 64  # the search's granularity too; the shipped sample (22 tokens at most) stays at 64
+
+
+def is_auto(cfg: TrainConfig) -> bool:
+    return cfg.trainer.seq_len == AUTO
+
+
+def refuse_past_positions(cfg: TrainConfig) -> None:
+    """A numeric seq_len past the model's positions: the model has no position for those tokens."""
+    positions = model_figures(cfg.model).max_position_embeddings
+    seq_len = cfg.trainer.seq_len
+    if not is_auto(cfg) and positions and int(seq_len) > positions:
+        raise UserError(
+            f"trainer.seq_len={seq_len} is past {cfg.model.name_or_path}'s {positions:,} positions "
+            f"(max_position_embeddings): use trainer.seq_len={positions} or less, or trainer.seq_len=auto"
+        )
+
+
+def with_seq_len(cfg: TrainConfig, seq_len: int) -> TrainConfig:
+    out = copy.deepcopy(cfg)
+    out.trainer.seq_len = seq_len
+    return out
+
+
+def auto_cap(cfg: TrainConfig, plan_fn: Callable[..., dict], longest_fit: Callable[[], int | None]) -> tuple[int, str]:
+    """(the most auto may resolve to, why): the model's positions, or the longest length that fits
+    when the plan at the positions does not. Not even ROUND tokens fitting: ROUND, which its plan refuses."""
+    positions = model_figures(cfg.model).max_position_embeddings
+    if plan_fn(with_seq_len(cfg, positions))["fits"]:
+        return positions, f"the model's positions (max_position_embeddings={positions:,})"
+    fit = longest_fit() or ROUND
+    worst = worst_device(plan_fn(with_seq_len(cfg, fit))["devices"])
+    return fit, f"the longest sequence that fits {worst['device']}'s {worst['budget'] / GiB:.1f} GiB"
+
+
+def plan_note(cap: int, why: str) -> str:
+    """What `qlora plan` and a run's first plan say they planned auto for (no data read yet)."""
+    return f"trainer.seq_len=auto planned at {cap:,}, {why}: the most it resolves to once the data's rows are read"
+
+
+def resolve_auto(lengths: Sequence[int], percentile: float, cap: int, why: str, source: str) -> tuple[int, str]:
+    """(seq_len, the one line saying why) from the train rows' token lengths."""
+    ordered = sorted(int(n) for n in lengths)
+    if not ordered:
+        return cap, f"trainer.seq_len=auto -> {cap} ({source} has no train rows: {why})"
+    if percentile >= 100:
+        want, what = ordered[-1], f"the longest tokenized train row of {source}, {ordered[-1]} tokens"
+    else:  # nearest rank: at least `percentile` % of the rows fit whole
+        want = ordered[max(0, math.ceil(percentile / 100 * len(ordered)) - 1)]
+        what = (
+            f"trainer.seq_len_percentile={percentile:g} of the tokenized train rows of {source}, {want} tokens "
+            f"(longest {ordered[-1]})"
+        )
+    rounded = -(-want // ROUND) * ROUND
+    if rounded > cap:
+        return cap, f"trainer.seq_len=auto -> {cap} ({what}; capped at {cap}: {why})"
+    return rounded, f"trainer.seq_len=auto -> {rounded} ({what}, rounded up to a multiple of {ROUND})"

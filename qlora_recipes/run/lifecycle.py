@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,15 +49,20 @@ class NonFiniteLoss(UserError):
 
 
 class Preempted(Exception):
-    def __init__(self, signame: str, step: int, checkpoint: str | None):
-        super().__init__(f"{signame} at step {step}")
+    """A stop signal ended the run: during training at `step` (a checkpoint saved there), or after
+    it, `phase` (e.g. "during the final evaluation"), with the trained `adapter` saved."""
+
+    def __init__(self, signame: str, step: int, checkpoint: str | None, adapter: str | None = None, phase: str = ""):
+        super().__init__(f"{signame} {phase or f'at step {step}'}")
         self.signame, self.step, self.checkpoint = signame, step, checkpoint
+        self.adapter, self.phase = adapter, phase
 
 
 # ---------------------------------------------------------------- fault injection (tests only)
 def faults() -> dict[str, int]:
     """QLORA_RECIPES_FAULTS="oom_above_micro_batch=2,nan_at_step=3,sigterm_at_step=4" makes the
-    run fail on purpose, so the guards are tested on CPU through the real entry point."""
+    run fail on purpose, so the guards are tested on CPU through the real entry point
+    (`eval_wait_s=N`: each evaluation waits N seconds in its first batch, for a signal to land in)."""
     spec = os.environ.get("QLORA_RECIPES_FAULTS", "")
     return {k: int(v) for k, v in (item.split("=") for item in spec.split(",") if item)}
 
@@ -74,6 +80,7 @@ class GuardedTrainer(SFTTrainer):
         self._resumed_from: str | None = None
         self._steps_per_epoch: int | None = None
         self._schedule: dict | None = None
+        self._eval_wait_s = 0  # faults(): eval_wait_s
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         self._resumed_from = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
@@ -130,6 +137,16 @@ class GuardedTrainer(SFTTrainer):
                 f"checkpoint ({best or 'none yet'}); lower optim.lr, raise optim.warmup_ratio or use precision=bf16"
             )
         return loss
+
+    def evaluate(self, *args, **kwargs):
+        self._eval_wait_s = faults().get("eval_wait_s", 0)
+        return super().evaluate(*args, **kwargs)
+
+    def prediction_step(self, *args, **kwargs):
+        if self._eval_wait_s:  # tests: an evaluation that lasts, for a signal to land in
+            time.sleep(self._eval_wait_s)
+            self._eval_wait_s = 0
+        return super().prediction_step(*args, **kwargs)
 
     def _finalize_training(self, trial, num_train_samples, start_time):
         # With save_total_limit=1 and a best checkpoint, transformers deletes every other checkpoint

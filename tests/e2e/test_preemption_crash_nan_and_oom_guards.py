@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -139,3 +140,39 @@ def test_sigterm_from_outside_prints_how_to_resume(tmp_path):
     line = [ln for ln in proc.stderr.splitlines() if ln.startswith("stopped by SIGTERM at step 2")]
     assert line and f"resume=auto hydra.run.dir={run_dir}" in line[0]
     assert find_checkpoint(run_dir / "checkpoints").endswith("checkpoint-2")
+
+
+def test_sigterm_in_the_final_evaluation_keeps_the_adapter_and_says_how_to_finish(tmp_path):
+    """A SIGTERM while the final evaluation ran used to end the process at once: no line, no adapter,
+    run.lock left. The adapter is saved before the evaluation; the signal is one line, exit 143."""
+    run_dir = tmp_path / "run"
+    overrides = [*SMOKE, "trainer.save_steps=3"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "QLORA_RECIPES_FAULTS": "eval_wait_s=300"}  # the eval lasts
+    child = subprocess.Popen(
+        [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen = []
+    for line in child.stdout:  # the marker: the final evaluation has started
+        seen.append(line)
+        if line.startswith("final evaluation: 64 eval rows in 4 batches of 16"):
+            child.send_signal(signal.SIGTERM)
+            break
+    rest, _ = child.communicate(timeout=120)
+    lines = (("".join(seen) + rest).strip()).splitlines()
+    assert child.returncode == 143, lines[-20:]
+    assert lines[-1] == (
+        f"stopped by SIGTERM during the final evaluation, after step 3; kept the adapter ({run_dir / 'adapter'}) "
+        f"and checkpoint {run_dir / 'checkpoints' / 'checkpoint-3'}; to evaluate and finish: python train.py "
+        f"{' '.join(overrides)} resume=auto hydra.run.dir={run_dir}"
+    ), lines[-5:]
+    assert "Traceback" not in "".join(lines)
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file() and not (run_dir / "run.lock").exists()
+    assert json.loads((run_dir / "metrics.json").read_text())["status"] == "preempted"
+
+    finished = train(compose_cfg(*overrides, "resume=auto"), run_dir)  # the command the line gives
+    assert finished["status"] == "ok" and finished["steps"] == 3 and finished["eval_loss"] > 0

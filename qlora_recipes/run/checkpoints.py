@@ -10,6 +10,8 @@ import hashlib
 import json
 import os
 import re
+import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 # transformers' name for a Trainer checkpoint (trainer_utils.PREFIX_CHECKPOINT_DIR + "-N"), matched exactly.
@@ -139,3 +141,64 @@ def trainer_state(checkpoint: str | Path) -> dict:
         return json.loads((Path(checkpoint) / "trainer_state.json").read_text())
     except (OSError, ValueError):
         return {}
+
+
+# ---------------------------------------------------------------- finite values
+def first_nonfinite(named: Iterable[tuple[str, object]]) -> str | None:
+    """The name of the first floating-point tensor holding NaN or Inf, or None."""
+    import torch
+
+    for name, value in named:
+        if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            return name
+    return None
+
+
+def tensors_in(state, prefix: str = "") -> Iterator[tuple[str, object]]:
+    """(dotted name, tensor) for every tensor in nested dicts and lists (an optimizer's state_dict)."""
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, (list, tuple)) else ()
+    for key, value in items:
+        name = f"{prefix}{key}"
+        if isinstance(value, (dict, list, tuple)):
+            yield from tensors_in(value, f"{name}.")
+        else:
+            yield name, value
+
+
+def nonfinite_values(checkpoint: Path) -> str | None:
+    """What in a checkpoint holds NaN or Inf ("adapter_model.safetensors: NAME"), or None: the
+    adapter's weights (every .safetensors file) and the optimizer state (optimizer*.pt). A NaN update
+    saved in a checkpoint poisons every run resumed from it."""
+    import torch
+    from safetensors.torch import load_file
+
+    for f in sorted(checkpoint.rglob("*.safetensors")):
+        bad = first_nonfinite(load_file(f).items())
+        if bad:
+            return f"{f.relative_to(checkpoint)}: {bad}"
+    for f in sorted(checkpoint.glob("optimizer*.pt")):
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception:  # a layout torch will not load safely (a ZeRO shard): unchecked
+            continue
+        bad = first_nonfinite(tensors_in(state))
+        if bad:
+            return f"{f.name}: {bad}"
+    return None
+
+
+def newest_finite(checkpoints_dir: Path, remove: bool = True) -> tuple[str | None, list[str]]:
+    """The newest sound checkpoint whose values are all finite; each newer one that is not (a NaN
+    update saved before the loss showed it) is removed (`remove`; ranks other than 0 leave that to
+    rank 0): (its path or None, "checkpoint-N (what)" for each one passed over)."""
+    removed = []
+    for path in _newest_first(checkpoints_dir):
+        if checkpoint_problem(path) is not None:
+            continue
+        bad = nonfinite_values(path)
+        if bad is None:
+            return str(path), removed
+        if remove:
+            shutil.rmtree(path, ignore_errors=True)
+        removed.append(f"{path.name} ({bad} holds NaN/Inf)")
+    return None, removed

@@ -37,7 +37,18 @@ from ..config.loader import with_overrides
 from ..config.schema import TrainConfig
 from ..errors import UserError
 from ..integrations import cluster
-from .checkpoints import RECORD, STAGING, disk_full, find_checkpoint, fsync_dir, sync_file, trainer_state
+from .checkpoints import (
+    RECORD,
+    STAGING,
+    disk_full,
+    find_checkpoint,
+    first_nonfinite,
+    fsync_dir,
+    newest_finite,
+    sync_file,
+    tensors_in,
+    trainer_state,
+)
 from .resume import data_fingerprint
 from .schedule import continue_schedule, warped_scheduler
 
@@ -86,7 +97,13 @@ class GuardedTrainer(SFTTrainer):
         self._resumed_from = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
         if self._resumed_from is not None and self._no_step_left(self._resumed_from):
             return self._finish_from(self._resumed_from)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        result = super().train(resume_from_checkpoint, *args, **kwargs)
+        bad = self._nonfinite_values()
+        if bad:  # the last update was NaN and no checkpoint save saw it (trainer.save_steps=0)
+            raise self._nonfinite_stop(
+                f"training made {bad} NaN/Inf by step {self.state.global_step}; no adapter was saved"
+            )
+        return result
 
     def _no_step_left(self, checkpoint: str) -> bool:
         """Whether the checkpoint is at (or past) the run's total; transformers would train one
@@ -130,13 +147,35 @@ class GuardedTrainer(SFTTrainer):
         step = self.state.global_step + 1
         if injected.get("nan_at_step") == step:
             loss = loss * float("nan")
+        if injected.get("nan_grads_at_step") == step:  # a finite loss whose update is NaN (backward overflowed)
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.grad.fill_(float("nan"))
         if not torch.isfinite(loss).all():
-            best = find_checkpoint(Path(self.args.output_dir))
-            raise NonFiniteLoss(
-                f"training loss became {loss.item()} at step {step}; the run stopped and kept its last good "
-                f"checkpoint ({best or 'none yet'}); lower optim.lr, raise optim.warmup_ratio or use precision=bf16"
-            )
+            raise self._nonfinite_stop(f"training loss became {loss.item()} at step {step}")
         return loss
+
+    def _nonfinite_values(self) -> str | None:
+        """The first trainable weight or optimizer-state tensor holding NaN or Inf, or None."""
+        weights = ((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
+        state = list(self.optimizer.state.values()) if self.optimizer is not None else []
+        return first_nonfinite(weights) or first_nonfinite(tensors_in(state, "optimizer state."))
+
+    def _nonfinite_stop(self, what: str) -> "NonFiniteLoss":
+        """The stop: the newest checkpoint whose values are finite is kept, newer ones that are not are
+        removed, and the advice fits this stack (its learning rate, warmup and precision)."""
+        kept, removed = newest_finite(Path(self.args.output_dir), remove=self.args.should_save)
+        gone = f"; removed {', '.join(removed)}" if removed else ""
+        args = self.args
+        tips = [f"lower optim.lr (now {args.learning_rate:g})"]
+        if not args.warmup_steps:
+            tips.append("add warmup (optim.warmup_ratio=0.03)")
+        if args.fp16:  # fp16 overflows where bf16, with fp32's range, does not
+            tips.append("use precision=bf16 where the GPU has it")
+        return NonFiniteLoss(
+            f"{what}; the run stopped and kept its last good checkpoint ({kept or 'none yet'}; its values are "
+            f"finite{gone}); {', '.join(tips[:-1]) + ' or ' if len(tips) > 1 else ''}{tips[-1]}"
+        )
 
     def evaluate(self, *args, **kwargs):
         self._eval_wait_s = faults().get("eval_wait_s", 0)
@@ -164,6 +203,11 @@ class GuardedTrainer(SFTTrainer):
         root = self.args.output_dir
         staging = os.path.join(root, STAGING)
         name = f"checkpoint-{self.state.global_step}"
+        bad = self._nonfinite_values()
+        if bad:  # a NaN update shows in the weights a step before the loss: never saved as a checkpoint
+            raise self._nonfinite_stop(
+                f"training made {bad} NaN/Inf at step {self.state.global_step}, so {name} was not saved"
+            )
         if self.args.should_save:
             shutil.rmtree(staging, ignore_errors=True)
         self.accelerator.wait_for_everyone()  # ranks: none writes into staging before it is cleared
@@ -257,6 +301,7 @@ class PreemptionCallback(TrainerCallback):
         if self.received:
             control.should_save = True
             control.should_training_stop = True
+            control.should_evaluate = False  # no evaluation between the signal and the checkpoint
         return control
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -2,16 +2,20 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, SMOKE, compose_cfg
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from transformers import Trainer
 
 from qlora_recipes.errors import UserError
-from qlora_recipes.run.checkpoints import find_checkpoint
+from qlora_recipes.run.checkpoints import find_checkpoint, newest_finite, nonfinite_values
 from qlora_recipes.run.lifecycle import Preempted
 from qlora_recipes.run.resume import resume_checkpoint
 from qlora_recipes.run.training import train
@@ -92,6 +96,36 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch
         train(compose_cfg(*BASE), tmp_path)
     assert find_checkpoint(tmp_path / "checkpoints").endswith("checkpoint-3")
     assert not (tmp_path / "metrics.json").exists()
+
+
+def test_a_nan_update_is_never_kept_as_a_checkpoint(tmp_path, monkeypatch):
+    """A NaN gradient at step 4 (the loss still finite) made NaN weights, saved as checkpoint-4 and
+    then kept as "the last good checkpoint" when the loss showed NaN at step 5. The weights are
+    checked before each save: the run stops at step 4 keeping checkpoint-3, with advice that fits."""
+    monkeypatch.setenv("QLORA_RECIPES_FAULTS", "nan_grads_at_step=4")
+    cfg = compose_cfg(*BASE, "trainer.save_steps=1")
+    with pytest.raises(UserError) as stop:
+        train(cfg, tmp_path)
+    line = str(stop.value)
+    assert re.search(r"NaN/Inf at step 4, so checkpoint-4 was not saved; .*checkpoint-3; its values are finite", line)
+    assert f"lower optim.lr (now {cfg.optim.lr:g})" in line and f"precision={cfg.precision.name}" not in line, line
+    kept = tmp_path / "checkpoints"
+    assert sorted(p.name for p in kept.iterdir()) == ["checkpoint-2", "checkpoint-3"]
+    assert nonfinite_values(kept / "checkpoint-3") is None
+
+    # A poisoned checkpoint on disk (saved before the weights were checked) is passed over and removed.
+    adapter = kept / "checkpoint-3" / "adapter_model.safetensors"
+    with safe_open(adapter, "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(adapter)
+    name = next(k for k in tensors if "lora_B" in k)
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, adapter, metadata=metadata)
+    found, removed = newest_finite(kept)
+    assert found.endswith("checkpoint-2") and removed == [
+        f"checkpoint-3 (adapter_model.safetensors: {name} holds NaN/Inf)"
+    ]
+    assert not (kept / "checkpoint-3").exists()
 
 
 def test_oom_halves_the_micro_batch_and_keeps_the_effective_batch(tmp_path, monkeypatch):

@@ -48,15 +48,30 @@ def fsync_dir(path) -> None:
         os.close(fd)
 
 
+# torch.save's words for a write that failed (its stream writer sees no errno): "file write failed",
+# "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598" (after "basic_ios::clear:
+# iostream error"), what a full disk gives it.
+_TORCH_WRITE_FAILED = ("file write failed", "basic_ios::clear", "unexpected pos")
+
+
 def disk_full(err: BaseException | None) -> bool:
     """ENOSPC / EDQUOT anywhere in the chain; torch.save reports a full disk as a RuntimeError."""
     while err is not None:
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if "No space left on device" in str(err) or "file write failed" in str(err):
+        text = str(err)
+        if "No space left on device" in text or any(words in text for words in _TORCH_WRITE_FAILED):
             return True
         err = err.__cause__ or err.__context__
     return False
+
+
+def free_bytes(path) -> int | None:
+    """Free space of the filesystem holding `path` (None when it cannot be read)."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -124,6 +139,12 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def recorded_bytes(checkpoint: str | Path | None) -> int | None:
+    """What a sealed checkpoint's files take, from its RECORD (None without one)."""
+    files = read_record(checkpoint).get("files")
+    return sum(int(meta.get("bytes", 0)) for meta in files.values()) if isinstance(files, dict) else None
 
 
 def read_record(checkpoint: str | Path | None) -> dict:

@@ -37,14 +37,17 @@ from ..config.loader import with_overrides
 from ..config.schema import TrainConfig
 from ..errors import UserError
 from ..integrations import cluster
+from ..units import fmt_bytes
 from .checkpoints import (
     RECORD,
     STAGING,
     disk_full,
     find_checkpoint,
     first_nonfinite,
+    free_bytes,
     fsync_dir,
     newest_finite,
+    recorded_bytes,
     sync_file,
     tensors_in,
     trainer_state,
@@ -223,12 +226,7 @@ class GuardedTrainer(SFTTrainer):
             self._final_best_path(staging, root)
             shutil.rmtree(staging, ignore_errors=True)  # nothing half-written stays behind
             if disk_full(err):
-                previous = find_checkpoint(Path(root))
-                raise UserError(
-                    f"disk full while saving {name} in {root}: nothing of it was kept and the previous checkpoint "
-                    f"({previous or 'none yet'}) is intact; free space (or lower trainer.save_total_limit) and "
-                    "relaunch with resume=auto"
-                ) from None
+                raise UserError(self._disk_full_line(name, root)) from None
             raise
         finally:
             self.args.output_dir = root
@@ -241,6 +239,26 @@ class GuardedTrainer(SFTTrainer):
         fsync_dir(root)
         shutil.rmtree(staging, ignore_errors=True)
         rotate_checkpoints(root, self.args.save_total_limit, self.state.best_model_checkpoint)
+
+    def _disk_full_line(self, name: str, root: str) -> str:
+        """What a checkpoint needs (the previous one's size; without one, the trainable weights and
+        optimizer state it would hold) against what is free, and what was kept."""
+        previous = find_checkpoint(Path(root))
+        needed = recorded_bytes(previous)
+        if needed is None:
+            weights = [p for p in self.model.parameters() if p.requires_grad]
+            state = list(self.optimizer.state.values()) if self.optimizer is not None else []
+            tensors = weights + [t for _, t in tensors_in(state) if torch.is_tensor(t)]
+            needed = sum(t.numel() * t.element_size() for t in tensors)
+        free = free_bytes(root)
+        space = f"a checkpoint needs about {fmt_bytes(needed)}" + (
+            f", {fmt_bytes(free)} free" if free is not None else ""
+        )
+        return (
+            f"disk full while saving {name} in {root} ({space}): nothing of it was kept and the previous checkpoint "
+            f"({previous or 'none yet'}) is intact; free space (or lower trainer.save_total_limit) and relaunch "
+            "with resume=auto"
+        )
 
     def _final_best_path(self, staging: str, root: str) -> None:
         """HF records the best checkpoint where it wrote it (the staging dir); it lives in root."""

@@ -33,8 +33,9 @@ from ..interrupts import sigint_deferred
 from ..invocation import command, task_overrides
 from ..model import loading
 from ..model.check import check_hub_model, validate_model
+from ..units import fmt_bytes
 from . import dist, lifecycle, metrics, trainer_args
-from .checkpoints import disk_full, find_checkpoint
+from .checkpoints import disk_full, find_checkpoint, free_bytes
 from .lock import RunDirLock
 from .memory import PeakTracker, pin_malloc_thresholds, planned_peak_gib
 from .resume import AlreadyComplete, resume_checkpoint
@@ -315,8 +316,11 @@ def _save_adapter(trainer, tokenizer, run_dir: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         if disk_full(err):
             kept = find_checkpoint(run_dir / "checkpoints")
+            weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
+            free = free_bytes(run_dir)
+            space = f"its weights take {fmt_bytes(weights)}" + (f", {fmt_bytes(free)} free" if free is not None else "")
             raise UserError(
-                f"disk full while saving the adapter in {run_dir}: nothing of it was kept"
+                f"disk full while saving the adapter in {run_dir} ({space}): nothing of it was kept"
                 + (f" and the checkpoints are intact (newest: {kept})" if kept else "")
                 + f"; free space and run again (resume=auto hydra.run.dir={shlex.quote(shown_path(run_dir))} "
                 "resumes from the newest checkpoint)"

@@ -15,10 +15,11 @@ from safetensors.torch import load_file, save_file
 from transformers import Trainer
 
 from qlora_recipes.errors import UserError
-from qlora_recipes.run.checkpoints import find_checkpoint, newest_finite, nonfinite_values
+from qlora_recipes.run.checkpoints import RECORD, checkpoint_problem, find_checkpoint, newest_finite, nonfinite_values
 from qlora_recipes.run.lifecycle import Preempted
 from qlora_recipes.run.resume import resume_checkpoint
 from qlora_recipes.run.training import train
+from qlora_recipes.units import fmt_bytes
 
 BASE = [
     *SMOKE,
@@ -70,6 +71,32 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint(tmp_path, monkeypa
     monkeypatch.undo()
     m = train(compose_cfg(*BASE, "resume=auto"), tmp_path)
     assert m["resumed_from"].endswith("checkpoint-3") and m["steps"] == 6
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_with_the_space_needed(tmp_path, monkeypatch):
+    """torch.save on a full disk raises "[enforce fail at inline_container.cc] . unexpected pos" after
+    "basic_ios::clear": that was a traceback. One line now names the dir and the space a checkpoint
+    needs, and the previous checkpoint is intact."""
+    real = Trainer._save_optimizer_and_scheduler
+
+    def disk_full_at_step_6(self, output_dir):
+        if self.state.global_step == 6:  # torch.save's errors on a full disk, as a user saw them
+            try:
+                raise RuntimeError("basic_ios::clear: iostream error")
+            except RuntimeError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904
+        return real(self, output_dir)
+
+    monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", disk_full_at_step_6)
+    with pytest.raises(UserError) as stop:
+        train(compose_cfg(*BASE), tmp_path)
+    line, checkpoints = str(stop.value), tmp_path / "checkpoints"
+    previous = checkpoints / "checkpoint-3"
+    needed = sum(f.stat().st_size for f in previous.rglob("*") if f.is_file()) - (previous / RECORD).stat().st_size
+    assert "\n" not in line and line.startswith(f"disk full while saving checkpoint-6 in {checkpoints} (")
+    assert f"a checkpoint needs about {fmt_bytes(needed)}, " in line and f"checkpoint ({previous}) is intact" in line
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-3"]
+    assert checkpoint_problem(previous, deep=True) is None
 
 
 def test_resume_refuses_a_different_stack(tmp_path):

@@ -319,7 +319,6 @@ class PreemptionCallback(TrainerCallback):
         if self.received:
             control.should_save = True
             control.should_training_stop = True
-            control.should_evaluate = False  # no evaluation between the signal and the checkpoint
         return control
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -170,7 +170,10 @@ def first_nonfinite(named: Iterable[tuple[str, object]]) -> str | None:
     import torch
 
     for name, value in named:
-        if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        if not torch.is_tensor(value) or not value.is_floating_point():
+            continue
+        local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor (FSDP2): this rank's shard
+        if not bool(torch.isfinite(local).all()):
             return name
     return None
 

@@ -158,11 +158,19 @@ class GuardedTrainer(SFTTrainer):
             raise self._nonfinite_stop(f"training loss became {loss.item()} at step {step}")
         return loss
 
+    def _optimizer_state(self) -> list:
+        return list(getattr(self.optimizer, "state", {}).values()) if self.optimizer is not None else []
+
     def _nonfinite_values(self) -> str | None:
-        """The first trainable weight or optimizer-state tensor holding NaN or Inf, or None."""
+        """The first trainable weight or optimizer-state tensor holding NaN or Inf, or None. Ranks
+        agree (each checks its own shard): one that stops alone would leave the others waiting."""
         weights = ((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
-        state = list(self.optimizer.state.values()) if self.optimizer is not None else []
-        return first_nonfinite(weights) or first_nonfinite(tensors_in(state, "optimizer state."))
+        found = first_nonfinite(weights) or first_nonfinite(tensors_in(self._optimizer_state(), "optimizer state."))
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return found
+        flag = torch.tensor([1.0 if found else 0.0], device=self.args.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return found or ("a trainable tensor of another rank" if flag.item() else None)
 
     def _nonfinite_stop(self, what: str) -> "NonFiniteLoss":
         """The stop: the newest checkpoint whose values are finite is kept, newer ones that are not are
@@ -247,8 +255,7 @@ class GuardedTrainer(SFTTrainer):
         needed = recorded_bytes(previous)
         if needed is None:
             weights = [p for p in self.model.parameters() if p.requires_grad]
-            state = list(self.optimizer.state.values()) if self.optimizer is not None else []
-            tensors = weights + [t for _, t in tensors_in(state) if torch.is_tensor(t)]
+            tensors = weights + [t for _, t in tensors_in(self._optimizer_state()) if torch.is_tensor(t)]
             needed = sum(t.numel() * t.element_size() for t in tensors)
         free = free_bytes(root)
         space = f"a checkpoint needs about {fmt_bytes(needed)}" + (

@@ -97,18 +97,24 @@ def _checked_train(composed: DictConfig, run_dir: Path, hydra_cfg, multirun: boo
     try:
         result = train(cfg, run_dir, dict(hydra_cfg.runtime.choices), on_write=on_write)
     except Preempted as stop:
-        if stop.adapter is None:  # during training: a checkpoint at the step it stopped
-            line = f"stopped by {stop.signame} at step {stop.step}; checkpoint {stop.checkpoint}; resume with: "
-        else:  # after training: the adapter is saved; resume=auto evaluates it and finishes
-            kept = f"the adapter ({stop.adapter})" + (f" and checkpoint {stop.checkpoint}" if stop.checkpoint else "")
-            line = f"stopped by {stop.signame} {stop.phase}, after step {stop.step}; kept {kept}; " + (
-                "to evaluate and finish: " if stop.checkpoint else "no checkpoint to finish from (trainer.save_steps=0)"
-            )
-        resume = _resume_command(hydra_cfg, run_dir) if stop.checkpoint else ""
-        raise runner.Stop(line + resume, interrupts.exit_code(stop.signame)) from None
+        raise runner.Stop(_preempted_line(stop, hydra_cfg, run_dir), interrupts.exit_code(stop.signame)) from None
     except OmegaConfBaseException as err:
         raise UserError(one_line(err)) from None
     return result.get("eval_loss")  # the objective an Optuna sweep minimises
+
+
+def _preempted_line(stop, hydra_cfg, run_dir: Path) -> str:
+    """What a stop signal kept and how to go on: during training, the checkpoint at that step and
+    the resume command; after it, the saved adapter and the command that evaluates and finishes."""
+    resume = _resume_command(hydra_cfg, run_dir)
+    if stop.adapter is None:
+        return f"stopped by {stop.signame} at step {stop.step}; checkpoint {stop.checkpoint}; resume with: {resume}"
+    line = f"stopped by {stop.signame} {stop.phase}, after step {stop.step}; kept the adapter ({stop.adapter})"
+    if stop.checkpoint is None:  # trainer.save_steps=0: nothing a resume could evaluate from
+        return (
+            f"{line}, not evaluated (trainer.save_steps=0 kept no checkpoint to finish from); merge or generate from it"
+        )
+    return f"{line} and checkpoint {stop.checkpoint}; to evaluate and finish: {resume}"
 
 
 def _record_failed_job(run_dir: Path, err: UserError) -> None:

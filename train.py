@@ -20,10 +20,13 @@ if __name__ == "__main__":
         from qlora_recipes.cli import train
 
         train.run(sys.argv[1:], prog="train.py")
-    except KeyboardInterrupt:  # Ctrl-C before the command's own handling is in place (its imports)
+    except KeyboardInterrupt as err:  # Ctrl-C (or SIGTERM) before the command's own handling is in place
         import signal
         import sys
 
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the exit itself is not interrupted again
-        print("stopped by SIGINT (Ctrl-C) while starting; nothing was written", file=sys.stderr, flush=True)
-        sys.exit(130)
+        signame = getattr(err, "signame", "SIGINT")  # interrupts.Interrupted names its signal
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # the exit itself is not interrupted again
+        shown = "SIGINT (Ctrl-C)" if signame == "SIGINT" else signame
+        print(f"stopped by {shown} while starting; nothing was written", file=sys.stderr, flush=True)
+        sys.exit(143 if signame == "SIGTERM" else 130)

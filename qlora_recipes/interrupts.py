@@ -1,5 +1,8 @@
 """Ctrl-C at any moment is a KeyboardInterrupt where our code can handle it: never inside an import,
-never lost inside a finalizer.
+never lost inside a finalizer. SIGTERM (a preemption, a scheduler's kill) is raised the same way, as
+`Interrupted` (a KeyboardInterrupt that names its signal): every handler of Ctrl-C stops the run
+cleanly for it too (run.lock released, one line), where Python's default would end the process at
+once, mid-write, with no line.
 
 A KeyboardInterrupt raised while a module is being imported leaves it half-initialised in the
 libraries that import it lazily: numpy's `np.dtypes`, reached from accelerate through transformers,
@@ -26,31 +29,81 @@ from collections.abc import Iterator
 _IMPORT_MACHINERY = ("<frozen importlib._bootstrap", "<frozen importlib._bootstrap_external")
 _POLL_S = 0.02
 _waiting = threading.Event()  # a delivery is scheduled: one watcher at a time
-_received = threading.Event()
+_received: list[str] = []  # the names of the stop signals our handler got
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def received() -> bool:
-    """A Ctrl-C came while our handler was in place: an error that follows may be its doing (a
-    KeyboardInterrupt inside a library's object set-up can surface as that library's error)."""
-    return _received.is_set()
+class Interrupted(KeyboardInterrupt):
+    """A stop signal other than Ctrl-C (SIGTERM; SLURM's time-limit warning during a run), raised
+    where and as Ctrl-C is; `signame` names it."""
+
+    def __init__(self, signame: str):
+        super().__init__(signame)
+        self.signame = signame
+
+
+def signal_name(err: BaseException) -> str:
+    """The signal a KeyboardInterrupt stands for: SIGINT unless it is an `Interrupted`."""
+    return getattr(err, "signame", "SIGINT")
+
+
+def described(signame: str) -> str:
+    return "SIGINT (Ctrl-C)" if signame == "SIGINT" else signame
+
+
+def exit_code(signame: str) -> int:
+    """143 for SIGTERM (what the shell reports for a process it ended), 130 for the others."""
+    return 143 if signame == "SIGTERM" else 130
+
+
+def received() -> str | None:
+    """The stop signal (SIGINT, SIGTERM) that came while our handler was in place, or None: an error
+    that follows may be its doing (a KeyboardInterrupt inside a library's object set-up can surface
+    as that library's error)."""
+    return _received[-1] if _received else None
 
 
 def install() -> None:
-    """Our SIGINT handler in place of Python's default one (only that: a handler someone else
-    installed, or SIGINT ignored as in a background job, is left as it is)."""
+    """Our handler for SIGINT and SIGTERM in place of Python's default ones (only those: a handler
+    someone else installed, or a signal ignored as SIGINT is in a background job, is left as it is)."""
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _on_sigint)
+    for sig in STOP_SIGNALS:
+        _take_over(sig)
     sys.unraisablehook = _unraisable
 
 
-def _on_sigint(signum, frame) -> None:
-    _received.set()
-    if _unsafe(frame) and not _waiting.is_set():  # a second Ctrl-C while one waits: now, whatever it cuts
-        _deliver_when_safe()
+def _take_over(sig: signal.Signals):
+    """Put our handler on `sig` where Python's default is (or ours already); returns the previous one."""
+    previous = signal.getsignal(sig)
+    if previous in (signal.default_int_handler, signal.SIG_DFL, _on_signal):
+        signal.signal(sig, _on_signal)
+    return previous
+
+
+@contextlib.contextmanager
+def raising(*signals: signal.Signals) -> Iterator[None]:
+    """While a run lasts, these signals (default-handled ones only) raise as Ctrl-C does: a run
+    called in-process (tests, a sweep) stops cleanly too. The handlers before are put back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
         return
-    raise KeyboardInterrupt
+    previous = {sig: _take_over(sig) for sig in dict.fromkeys(signals)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def _on_signal(signum, frame) -> None:
+    name = signal.Signals(signum).name
+    _received.append(name)
+    if _unsafe(frame) and not _waiting.is_set():  # a second signal while one waits: now, whatever it cuts
+        _deliver_when_safe(signum)
+        return
+    raise KeyboardInterrupt if name == "SIGINT" else Interrupted(name)
 
 
 def _unsafe(frame) -> bool:
@@ -63,38 +116,42 @@ def _unsafe(frame) -> bool:
     return False
 
 
-def _deliver_when_safe() -> None:
+def _deliver_when_safe(signum: int) -> None:
     _waiting.set()
-    threading.Thread(target=_watch, name="sigint-after-import", daemon=True).start()
+    threading.Thread(target=_watch, args=(signum,), name="signal-after-import", daemon=True).start()
 
 
-def _watch() -> None:
+def _watch(signum: int) -> None:
     main = threading.main_thread()
     while main.is_alive() and _unsafe(sys._current_frames().get(main.ident)):
         time.sleep(_POLL_S)
     _waiting.clear()
     if main.is_alive():
-        _thread.interrupt_main()  # whatever handles SIGINT now runs; ours checks again
+        _thread.interrupt_main(signum)  # whatever handles the signal now runs; ours checks again
 
 
 def _unraisable(unraisable) -> None:
     if issubclass(unraisable.exc_type, KeyboardInterrupt):
-        _deliver_when_safe()
+        name = signal_name(unraisable.exc_value) if unraisable.exc_value is not None else "SIGINT"
+        _deliver_when_safe(signal.Signals[name])
         return
     sys.__unraisablehook__(unraisable)
 
 
 @contextlib.contextmanager
 def sigint_deferred() -> Iterator[None]:
-    """Hold Ctrl-C while a group of files is written, then deliver it: the group is all or nothing."""
+    """Hold Ctrl-C and SIGTERM while a group of files is written, then deliver the first that came:
+    the group is all or nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     received = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            if handler is not None:  # None: a handler not set from Python, which cannot be put back
+                signal.signal(sig, handler)
     if received:
-        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(received[0])

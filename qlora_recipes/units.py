@@ -67,6 +67,11 @@ def fmt_gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
+def fmt_bytes(n: float) -> str:
+    """A size for a line a user reads: MiB below a GiB, GiB above."""
+    return fmt_gib(n) if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
 # Our dtype names (precision.dtype, quant.storage_dtype) and their short aliases -> canonical name.
 DTYPE_NAMES = {
     "bfloat16": "bfloat16",

@@ -52,9 +52,13 @@ def main(argv: list[str] | None = None) -> None:
         interrupts.install()  # a Ctrl-C never lands inside an import (a half-imported library)
         module = importlib.import_module(f"{__name__}.{SUBCOMMANDS[name][0]}")
         module.run(rest, prog=f"qlora {name}")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         import signal
 
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the exit itself is not interrupted again
-        print(f"qlora {name}: stopped by SIGINT (Ctrl-C)", file=sys.stderr, flush=True)
-        sys.exit(130)
+        from .. import interrupts
+
+        signame = interrupts.signal_name(err)
+        for sig in interrupts.STOP_SIGNALS:  # the exit itself is not interrupted again
+            signal.signal(sig, signal.SIG_IGN)
+        print(f"qlora {name}: stopped by {interrupts.described(signame)}", file=sys.stderr, flush=True)
+        sys.exit(interrupts.exit_code(signame))

@@ -4,7 +4,7 @@ Hydra prints composition errors over several lines (search path, "set HYDRA_FULL
 HYDRA_FULL_ERROR=1 it raises them instead, and `run` condenses them here. An exception escaping a
 Hydra task function gets an "Error executing job with overrides" line first, so a task carries its
 message out as a `Stop` (a BaseException, which Hydra lets pass). Ctrl-C anywhere is one line and
-exit 130 (interrupts.py keeps it out of imports and finalizers). Anything else is a bug in this
+exit 130 (interrupts.py keeps it out of imports and finalizers); SIGTERM alike, exit 143. Anything else is a bug in this
 repository and keeps its traceback.
 """
 
@@ -31,11 +31,18 @@ class Stop(BaseException):
         self.message, self.code = message, code
 
 
+def starting_line(signame: str) -> str:
+    """The line for a stop signal before anything was written."""
+    return INTERRUPTED if signame == "SIGINT" else f"stopped by {signame} while starting; nothing was written"
+
+
 def _exit(message: str, code: int):
-    if code == 2 and interrupts.received():  # e.g. OmegaConf's error about a node Ctrl-C left half built
-        message, code = INTERRUPTED, 130
-    if code == 130 and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one Ctrl-C, one line: the exit is not interrupted again
+    signame = interrupts.received()
+    if code == 2 and signame:  # e.g. OmegaConf's error about a node Ctrl-C left half built
+        message, code = starting_line(signame), interrupts.exit_code(signame)
+    if code in (130, 143) and threading.current_thread() is threading.main_thread():
+        for sig in interrupts.STOP_SIGNALS:  # one signal, one line: the exit is not interrupted again
+            signal.signal(sig, signal.SIG_IGN)
     sys.stdout.flush()
     print(message, file=sys.stderr, flush=True)
     sys.exit(code)
@@ -52,8 +59,9 @@ def run(hydra_main: Callable[[], object]) -> None:
         _exit(stop.message, stop.code)
     except UserError as err:
         _exit(f"error: {err}", 2)
-    except KeyboardInterrupt:
-        _exit(INTERRUPTED, 130)
+    except KeyboardInterrupt as err:
+        signame = interrupts.signal_name(err)
+        _exit(starting_line(signame), interrupts.exit_code(signame))
 
 
 def _hydra_errors_as_user_errors(hydra_main: Callable[[], object]) -> None:
@@ -95,6 +103,7 @@ def run_plain(command: Callable[[], int | None]) -> None:
         code = command()
     except UserError as err:
         _exit(f"error: {err}", 2)
-    except KeyboardInterrupt:
-        _exit("stopped by SIGINT (Ctrl-C)", 130)
+    except KeyboardInterrupt as err:
+        signame = interrupts.signal_name(err)
+        _exit(f"stopped by {interrupts.described(signame)}", interrupts.exit_code(signame))
     sys.exit(code or 0)

@@ -12,6 +12,7 @@ Ctrl-C before anything is written, removes the (empty) run dir Hydra created for
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import interrupts
 from ..config.loader import one_line, to_typed
 from ..errors import UserError
 from ..invocation import resume_command, set_command
@@ -69,8 +71,9 @@ def main(cfg: DictConfig) -> float | None:
             return _record_failed_job(run_dir, err)
         _discard(run_dir, fresh)
         raise runner.Stop(f"error: {err}", 2) from None
-    except KeyboardInterrupt:
-        raise runner.Stop(_interrupted(run_dir, fresh, hydra_cfg), 130) from None
+    except KeyboardInterrupt as err:
+        signame = interrupts.signal_name(err)
+        raise runner.Stop(_interrupted(run_dir, fresh, hydra_cfg, signame), interrupts.exit_code(signame)) from None
 
 
 def _checked_train(composed: DictConfig, run_dir: Path, hydra_cfg, multirun: bool) -> float | None:
@@ -93,14 +96,24 @@ def _checked_train(composed: DictConfig, run_dir: Path, hydra_cfg, multirun: boo
     try:
         result = train(cfg, run_dir, dict(hydra_cfg.runtime.choices), on_write=on_write)
     except Preempted as stop:
-        raise runner.Stop(
-            f"stopped by {stop.signame} at step {stop.step}; checkpoint {stop.checkpoint}; resume with: "
-            + _resume_command(hydra_cfg, run_dir),
-            143 if stop.signame == "SIGTERM" else 130,
-        ) from None
+        raise runner.Stop(_preempted_line(stop, hydra_cfg, run_dir), interrupts.exit_code(stop.signame)) from None
     except OmegaConfBaseException as err:
         raise UserError(one_line(err)) from None
     return result.get("eval_loss")  # the objective an Optuna sweep minimises
+
+
+def _preempted_line(stop, hydra_cfg, run_dir: Path) -> str:
+    """What a stop signal kept and how to go on: during training, the checkpoint at that step and
+    the resume command; after it, the saved adapter and the command that evaluates and finishes."""
+    resume = _resume_command(hydra_cfg, run_dir)
+    if stop.adapter is None:
+        return f"stopped by {stop.signame} at step {stop.step}; checkpoint {stop.checkpoint}; resume with: {resume}"
+    line = f"stopped by {stop.signame} {stop.phase}, after step {stop.step}; kept the adapter ({stop.adapter})"
+    if stop.checkpoint is None:  # trainer.save_steps=0: nothing a resume could evaluate from
+        return (
+            f"{line}, not evaluated (trainer.save_steps=0 kept no checkpoint to finish from); merge or generate from it"
+        )
+    return f"{line} and checkpoint {stop.checkpoint}; to evaluate and finish: {resume}"
 
 
 def _record_failed_job(run_dir: Path, err: UserError) -> None:
@@ -155,13 +168,26 @@ def _discard(run_dir: Path, fresh: bool) -> bool:
     return False
 
 
-def _interrupted(run_dir: Path, fresh: bool, hydra_cfg) -> str:
-    """The Ctrl-C line, outside the training loop (which saves a checkpoint and says so itself)."""
+def _interrupted(run_dir: Path, fresh: bool, hydra_cfg, signame: str = "SIGINT") -> str:
+    """The line for Ctrl-C or SIGTERM outside the training loop (which saves a checkpoint and says so
+    itself): while loading, or before anything was written."""
+    stopped = f"stopped by {interrupts.described(signame)}"
     if _discard(run_dir, fresh) or not run_dir.is_dir() or not any(run_dir.iterdir()):
-        return "stopped by SIGINT (Ctrl-C) before anything was written"
+        return f"{stopped} before anything was written"
+    if _finished(run_dir):  # the signal came after metrics.json was written: nothing is missing
+        return f"{stopped} after the run finished; {run_dir} holds its adapter/ and metrics.json"
     if any((run_dir / "checkpoints").glob("checkpoint-*")):
-        return f"stopped by SIGINT (Ctrl-C); resume with: {_resume_command(hydra_cfg, run_dir)}"
-    return f"stopped by SIGINT (Ctrl-C) before a checkpoint was saved; nothing in {run_dir} to resume from"
+        return f"{stopped}; the checkpoints in {run_dir / 'checkpoints'} are kept; resume with: " + _resume_command(
+            hydra_cfg, run_dir
+        )
+    return f"{stopped} before a checkpoint was saved; nothing in {run_dir} to resume from (run it again)"
+
+
+def _finished(run_dir: Path) -> bool:
+    try:
+        return json.loads((run_dir / "metrics.json").read_text()).get("status") == "ok"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _hydra_main() -> None:

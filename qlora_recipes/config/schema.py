@@ -102,6 +102,9 @@ class DataConfig:
     split: str = option("train", "the split of a hub dataset or dataset dir")
     eval_path: str | None = option(None, "a separate eval file; otherwise eval_fraction of path")
     eval_fraction: float = option(0.1, "the share of rows held out for eval", range="[0, 1)")
+    eval_max_rows: int | None = option(
+        2000, "the most rows eval_fraction holds out (the rest train); null: no cap", range=">= 1|null"
+    )
     packing: bool = option(False, "pack several rows into each trainer.seq_len row")
     # TRL's, with packing (see padding_free_on)
     packing_strategy: str = option("bfd", "how rows are packed", choices=PACKING_STRATEGIES)

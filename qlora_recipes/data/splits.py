@@ -72,7 +72,7 @@ def load_splits(data: DataConfig, tokenizer: Any, seq_len: Any, seed: int) -> tu
         if eval_fraction:
             log.info("data.eval_path is set, so data.eval_fraction=%s is not used", eval_fraction)
     elif eval_fraction > 0:
-        train, eval_ds, eval_source = _hold_out(train, eval_fraction, source, seed)
+        train, eval_ds, eval_source = _hold_out(train, eval_fraction, source, seed, data.eval_max_rows)
 
     chat = fmt == "messages" or conversational
     stats: dict[str, Any] = {
@@ -154,12 +154,28 @@ def _eval_file(eval_path: Any, split: str, configured: str, fmt: str, conversati
     return eval_ds, eval_source
 
 
-def _hold_out(train: Dataset, eval_fraction: float, source: str, seed: int) -> tuple[Dataset, Dataset, str]:
-    """A seeded `eval_fraction` of the train rows as the eval set; both keep the file's row order."""
+def _hold_out(
+    train: Dataset, eval_fraction: float, source: str, seed: int, max_rows: int | None = None
+) -> tuple[Dataset, Dataset, str]:
+    """A seeded `eval_fraction` of the train rows as the eval set, at most `max_rows` of them (the
+    rest train: a large file's tenth would make the final evaluation take longer than training);
+    both keep the file's row order."""
     import numpy as np
 
     n = len(train)
     n_eval = max(1, int(round(n * eval_fraction)))
+    if max_rows is not None and n_eval > max_rows:
+        log.info(
+            "data: the eval split is capped at data.eval_max_rows=%d rows (data.eval_fraction=%g of %d rows in %s "
+            "would hold out %d); the other %d train. Set data.eval_max_rows=N (null: no cap) to change it",
+            max_rows,
+            eval_fraction,
+            n,
+            source,
+            n_eval,
+            n_eval - max_rows,
+        )
+        n_eval = max_rows
     if n_eval >= n:
         raise UserError(
             f"data.eval_fraction: {eval_fraction} of {n} rows in {source} leaves no rows to train on; "

@@ -1,6 +1,8 @@
-"""Trainer callbacks: memory timeline (memory.jsonl, TensorBoard scalars, memory.png)."""
+"""Trainer callbacks: memory timeline (memory.jsonl, TensorBoard scalars, memory.png), and how far
+an evaluation has got."""
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -8,6 +10,31 @@ import torch
 from transformers import TrainerCallback
 
 from .memory import GiB, PeakTracker, rss_bytes
+
+log = logging.getLogger("train")
+EVAL_PROGRESS_S = 30.0  # a line about an evaluation this often, however it is displayed
+
+
+class EvalProgress(TrainerCallback):
+    """A long evaluation is not silent: every EVAL_PROGRESS_S seconds one line with the batches done
+    of all, and the time so far (the progress bar, when shown, is no log: trainer.progress_bar=false
+    and batch jobs show none)."""
+
+    def __init__(self, every_s: float = EVAL_PROGRESS_S):
+        self.every_s, self.started, self.last, self.done = every_s, None, 0.0, 0
+
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        now = time.monotonic()
+        if self.started is None:
+            self.started, self.last, self.done = now, now, 0
+        self.done += 1
+        if state.is_world_process_zero and now - self.last >= self.every_s:
+            total = len(eval_dataloader) if eval_dataloader is not None and hasattr(eval_dataloader, "__len__") else "?"
+            log.info("evaluation: batch %d of %s, %.0f s so far", self.done, total, now - self.started)
+            self.last = now
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.started = None
 
 
 def memory_sample(tracker: PeakTracker | None = None) -> dict:

@@ -10,6 +10,8 @@ import hashlib
 import json
 import os
 import re
+import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 # transformers' name for a Trainer checkpoint (trainer_utils.PREFIX_CHECKPOINT_DIR + "-N"), matched exactly.
@@ -46,15 +48,30 @@ def fsync_dir(path) -> None:
         os.close(fd)
 
 
+# torch.save's words for a write that failed (its stream writer sees no errno): "file write failed",
+# "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598" (after "basic_ios::clear:
+# iostream error"), what a full disk gives it.
+_TORCH_WRITE_FAILED = ("file write failed", "basic_ios::clear", "unexpected pos")
+
+
 def disk_full(err: BaseException | None) -> bool:
     """ENOSPC / EDQUOT anywhere in the chain; torch.save reports a full disk as a RuntimeError."""
     while err is not None:
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if "No space left on device" in str(err) or "file write failed" in str(err):
+        text = str(err)
+        if "No space left on device" in text or any(words in text for words in _TORCH_WRITE_FAILED):
             return True
         err = err.__cause__ or err.__context__
     return False
+
+
+def free_bytes(path) -> int | None:
+    """Free space of the filesystem holding `path` (None when it cannot be read)."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -124,6 +141,12 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def recorded_bytes(checkpoint: str | Path | None) -> int | None:
+    """What a sealed checkpoint's files take, from its RECORD (None without one)."""
+    files = read_record(checkpoint).get("files")
+    return sum(int(meta.get("bytes", 0)) for meta in files.values()) if isinstance(files, dict) else None
+
+
 def read_record(checkpoint: str | Path | None) -> dict:
     """A checkpoint's RECORD ({} for none, or one written before RECORD existed)."""
     if checkpoint is None:
@@ -139,3 +162,67 @@ def trainer_state(checkpoint: str | Path) -> dict:
         return json.loads((Path(checkpoint) / "trainer_state.json").read_text())
     except (OSError, ValueError):
         return {}
+
+
+# ---------------------------------------------------------------- finite values
+def first_nonfinite(named: Iterable[tuple[str, object]]) -> str | None:
+    """The name of the first floating-point tensor holding NaN or Inf, or None."""
+    import torch
+
+    for name, value in named:
+        if not torch.is_tensor(value) or not value.is_floating_point():
+            continue
+        local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor (FSDP2): this rank's shard
+        if not bool(torch.isfinite(local).all()):
+            return name
+    return None
+
+
+def tensors_in(state, prefix: str = "") -> Iterator[tuple[str, object]]:
+    """(dotted name, tensor) for every tensor in nested dicts and lists (an optimizer's state_dict)."""
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, (list, tuple)) else ()
+    for key, value in items:
+        name = f"{prefix}{key}"
+        if isinstance(value, (dict, list, tuple)):
+            yield from tensors_in(value, f"{name}.")
+        else:
+            yield name, value
+
+
+def nonfinite_values(checkpoint: Path) -> str | None:
+    """What in a checkpoint holds NaN or Inf ("adapter_model.safetensors: NAME"), or None: the
+    adapter's weights (every .safetensors file) and the optimizer state (optimizer*.pt). A NaN update
+    saved in a checkpoint poisons every run resumed from it."""
+    import torch
+    from safetensors.torch import load_file
+
+    for f in sorted(checkpoint.rglob("*.safetensors")):
+        bad = first_nonfinite(load_file(f).items())
+        if bad:
+            return f"{f.relative_to(checkpoint)}: {bad}"
+    for f in sorted(checkpoint.glob("optimizer*.pt")):
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception:  # a layout torch will not load safely (a ZeRO shard): unchecked
+            continue
+        bad = first_nonfinite(tensors_in(state))
+        if bad:
+            return f"{f.name}: {bad}"
+    return None
+
+
+def newest_finite(checkpoints_dir: Path, remove: bool = True) -> tuple[str | None, list[str]]:
+    """The newest sound checkpoint whose values are all finite; each newer one that is not (a NaN
+    update saved before the loss showed it) is removed (`remove`; ranks other than 0 leave that to
+    rank 0): (its path or None, "checkpoint-N (what)" for each one passed over)."""
+    removed = []
+    for path in _newest_first(checkpoints_dir):
+        if checkpoint_problem(path) is not None:
+            continue
+        bad = nonfinite_values(path)
+        if bad is None:
+            return str(path), removed
+        if remove:
+            shutil.rmtree(path, ignore_errors=True)
+        removed.append(f"{path.name} ({bad} holds NaN/Inf)")
+    return None, removed

@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +37,21 @@ from ..config.loader import with_overrides
 from ..config.schema import TrainConfig
 from ..errors import UserError
 from ..integrations import cluster
-from .checkpoints import RECORD, STAGING, disk_full, find_checkpoint, fsync_dir, sync_file, trainer_state
+from ..units import fmt_bytes
+from .checkpoints import (
+    RECORD,
+    STAGING,
+    disk_full,
+    find_checkpoint,
+    first_nonfinite,
+    free_bytes,
+    fsync_dir,
+    newest_finite,
+    recorded_bytes,
+    sync_file,
+    tensors_in,
+    trainer_state,
+)
 from .resume import base_fingerprint, data_fingerprint
 from .schedule import continue_schedule, scheduler_for
 
@@ -48,15 +63,20 @@ class NonFiniteLoss(UserError):
 
 
 class Preempted(Exception):
-    def __init__(self, signame: str, step: int, checkpoint: str | None):
-        super().__init__(f"{signame} at step {step}")
+    """A stop signal ended the run: during training at `step` (a checkpoint saved there), or after
+    it, `phase` (e.g. "during the final evaluation"), with the trained `adapter` saved."""
+
+    def __init__(self, signame: str, step: int, checkpoint: str | None, adapter: str | None = None, phase: str = ""):
+        super().__init__(f"{signame} {phase or f'at step {step}'}")
         self.signame, self.step, self.checkpoint = signame, step, checkpoint
+        self.adapter, self.phase = adapter, phase
 
 
 # ---------------------------------------------------------------- fault injection (tests only)
 def faults() -> dict[str, int]:
     """QLORA_RECIPES_FAULTS="oom_above_micro_batch=2,nan_at_step=3,sigterm_at_step=4" makes the
-    run fail on purpose, so the guards are tested on CPU through the real entry point."""
+    run fail on purpose, so the guards are tested on CPU through the real entry point
+    (`eval_wait_s=N`: each evaluation waits N seconds in its first batch, for a signal to land in)."""
     spec = os.environ.get("QLORA_RECIPES_FAULTS", "")
     return {k: int(v) for k, v in (item.split("=") for item in spec.split(",") if item)}
 
@@ -75,12 +95,19 @@ class GuardedTrainer(SFTTrainer):
         self._resumed_from: str | None = None
         self._steps_per_epoch: int | None = None
         self._schedule: dict | None = None
+        self._eval_wait_s = 0  # faults(): eval_wait_s
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         self._resumed_from = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
         if self._resumed_from is not None and self._no_step_left(self._resumed_from):
             return self._finish_from(self._resumed_from)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        result = super().train(resume_from_checkpoint, *args, **kwargs)
+        bad = self._nonfinite_values()
+        if bad:  # the last update was NaN and no checkpoint save saw it (trainer.save_steps=0)
+            raise self._nonfinite_stop(
+                f"training made {bad} NaN/Inf by step {self.state.global_step}; no adapter was saved"
+            )
+        return result
 
     def _no_step_left(self, checkpoint: str) -> bool:
         """Whether the checkpoint is at (or past) the run's total; transformers would train one
@@ -126,13 +153,53 @@ class GuardedTrainer(SFTTrainer):
         step = self.state.global_step + 1
         if injected.get("nan_at_step") == step:
             loss = loss * float("nan")
+        if injected.get("nan_grads_at_step") == step:  # a finite loss whose update is NaN (backward overflowed)
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.grad.fill_(float("nan"))
         if not torch.isfinite(loss).all():
-            best = find_checkpoint(Path(self.args.output_dir))
-            raise NonFiniteLoss(
-                f"training loss became {loss.item()} at step {step}; the run stopped and kept its last good "
-                f"checkpoint ({best or 'none yet'}); lower optim.lr, raise optim.warmup_ratio or use precision=bf16"
-            )
+            raise self._nonfinite_stop(f"training loss became {loss.item()} at step {step}")
         return loss
+
+    def _optimizer_state(self) -> list:
+        return list(getattr(self.optimizer, "state", {}).values()) if self.optimizer is not None else []
+
+    def _nonfinite_values(self) -> str | None:
+        """The first trainable weight or optimizer-state tensor holding NaN or Inf, or None. Ranks
+        agree (each checks its own shard): one that stops alone would leave the others waiting."""
+        weights = ((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
+        found = first_nonfinite(weights) or first_nonfinite(tensors_in(self._optimizer_state(), "optimizer state."))
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return found
+        flag = torch.tensor([1.0 if found else 0.0], device=self.args.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return found or ("a trainable tensor of another rank" if flag.item() else None)
+
+    def _nonfinite_stop(self, what: str) -> "NonFiniteLoss":
+        """The stop: the newest checkpoint whose values are finite is kept, newer ones that are not are
+        removed, and the advice fits this stack (its learning rate, warmup and precision)."""
+        kept, removed = newest_finite(Path(self.args.output_dir), remove=self.args.should_save)
+        gone = f"; removed {', '.join(removed)}" if removed else ""
+        args = self.args
+        tips = [f"lower optim.lr (now {args.learning_rate:g})"]
+        if not args.warmup_steps:
+            tips.append("add warmup (optim.warmup_ratio=0.03)")
+        if args.fp16:  # fp16 overflows where bf16, with fp32's range, does not
+            tips.append("use precision=bf16 where the GPU has it")
+        return NonFiniteLoss(
+            f"{what}; the run stopped and kept its last good checkpoint ({kept or 'none yet'}; its values are "
+            f"finite{gone}); {', '.join(tips[:-1]) + ' or ' if len(tips) > 1 else ''}{tips[-1]}"
+        )
+
+    def evaluate(self, *args, **kwargs):
+        self._eval_wait_s = faults().get("eval_wait_s", 0)
+        return super().evaluate(*args, **kwargs)
+
+    def prediction_step(self, *args, **kwargs):
+        if self._eval_wait_s:  # tests: an evaluation that lasts, for a signal to land in
+            time.sleep(self._eval_wait_s)
+            self._eval_wait_s = 0
+        return super().prediction_step(*args, **kwargs)
 
     def _finalize_training(self, trial, num_train_samples, start_time):
         # With save_total_limit=1 and a best checkpoint, transformers deletes every other checkpoint
@@ -150,6 +217,11 @@ class GuardedTrainer(SFTTrainer):
         root = self.args.output_dir
         staging = os.path.join(root, STAGING)
         name = f"checkpoint-{self.state.global_step}"
+        bad = self._nonfinite_values()
+        if bad:  # a NaN update shows in the weights a step before the loss: never saved as a checkpoint
+            raise self._nonfinite_stop(
+                f"training made {bad} NaN/Inf at step {self.state.global_step}, so {name} was not saved"
+            )
         if self.args.should_save:
             shutil.rmtree(staging, ignore_errors=True)
         self.accelerator.wait_for_everyone()  # ranks: none writes into staging before it is cleared
@@ -165,12 +237,7 @@ class GuardedTrainer(SFTTrainer):
             self._final_best_path(staging, root)
             shutil.rmtree(staging, ignore_errors=True)  # nothing half-written stays behind
             if disk_full(err):
-                previous = find_checkpoint(Path(root))
-                raise UserError(
-                    f"disk full while saving {name} in {root}: nothing of it was kept and the previous checkpoint "
-                    f"({previous or 'none yet'}) is intact; free space (or lower trainer.save_total_limit) and "
-                    "relaunch with resume=auto"
-                ) from None
+                raise UserError(self._disk_full_line(name, root)) from None
             raise
         finally:
             self.args.output_dir = root
@@ -183,6 +250,25 @@ class GuardedTrainer(SFTTrainer):
         fsync_dir(root)
         shutil.rmtree(staging, ignore_errors=True)
         rotate_checkpoints(root, self.args.save_total_limit, self.state.best_model_checkpoint)
+
+    def _disk_full_line(self, name: str, root: str) -> str:
+        """What a checkpoint needs (the previous one's size; without one, the trainable weights and
+        optimizer state it would hold) against what is free, and what was kept."""
+        previous = find_checkpoint(Path(root))
+        needed = recorded_bytes(previous)
+        if needed is None:
+            weights = [p for p in self.model.parameters() if p.requires_grad]
+            tensors = weights + [t for _, t in tensors_in(self._optimizer_state()) if torch.is_tensor(t)]
+            needed = sum(t.numel() * t.element_size() for t in tensors)
+        free = free_bytes(root)
+        space = f"a checkpoint needs about {fmt_bytes(needed)}" + (
+            f", {fmt_bytes(free)} free" if free is not None else ""
+        )
+        return (
+            f"disk full while saving {name} in {root} ({space}): nothing of it was kept and the previous checkpoint "
+            f"({previous or 'none yet'}) is intact; free space (or lower trainer.save_total_limit) and relaunch "
+            "with resume=auto"
+        )
 
     def _final_best_path(self, staging: str, root: str) -> None:
         """HF records the best checkpoint where it wrote it (the staging dir); it lives in root."""

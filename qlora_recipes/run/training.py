@@ -3,7 +3,10 @@
 Order: validate (config, model dir, target modules) -> plan -> tokenizer -> data, all before
 anything is written (a plan that does not fit writes config.yaml and plan.json, for its ladder, and
 is refused) -> config.yaml + plan.json -> model (quantized, device map) -> k-bit prep + adapters -> TRL SFTTrainer, guarded (atomic checkpoints,
-NaN stop, OOM ladder, preemption) -> eval -> adapter + metrics.json. Tests call `train` in-process.
+NaN stop, OOM ladder, preemption) -> adapter -> eval -> metrics.json. Tests call `train` in-process.
+A stop signal (SIGTERM, Ctrl-C, SLURM's warning) at any phase raises (interrupts.raising): while
+loading, the caller's one line; while training, a checkpoint at that step (lifecycle); in the
+final evaluation, the adapter is already saved.
 """
 
 from __future__ import annotations
@@ -11,26 +14,28 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import data, planner
+from .. import data, interrupts, planner
 from ..config.devices import precision_line
 from ..config.loader import to_yaml as config_yaml
 from ..config.schema import TrainConfig
 from ..console import next_commands, print_stack, print_summary, shown_path
 from ..data.readers import check_local_source
 from ..errors import UserError
-from ..integrations import hub, trackers
+from ..integrations import cluster, hub, trackers
 from ..interrupts import sigint_deferred
 from ..invocation import command, resume_command, task_overrides
 from ..model import loading
 from ..model.check import check_hub_model, validate_model
 from ..outputs.runfiles import give_umask_modes, remove_manifest, run_file_names, write_manifest
+from ..units import fmt_bytes
 from . import dist, lifecycle, metrics, trainer_args
-from .checkpoints import disk_full, find_checkpoint
+from .checkpoints import disk_full, find_checkpoint, free_bytes
 from .lock import RunDirLock
 from .memory import PeakTracker, pin_malloc_thresholds, planned_peak_gib
 from .resume import AlreadyComplete, resume_checkpoint
@@ -65,8 +70,9 @@ def train(cfg: TrainConfig, run_dir: Path, choices: dict | None = None, on_write
         pin_malloc_thresholds()  # CPU: RSS follows the live tensors, as the plan counts them (peak.py)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed, imported by the trainer, warns when it guesses
     tracker = PeakTracker(gpu).start()
+    stops = (signal.SIGINT, signal.SIGTERM, cluster.preemption_signal())  # at any phase: raised, then one line
     try:
-        with RunDirLock(run_dir, enabled=_main_rank()):  # one run per run dir
+        with interrupts.raising(*stops), RunDirLock(run_dir, enabled=_main_rank()):  # one run per run dir
             return _train(cfg, run_dir, choices, tracker, on_write)
     finally:
         tracker.stop()
@@ -106,9 +112,12 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
     try:
         splits = (train_ds, eval_ds)
         fitted = _fit(cfg, run_dir, model, tokenizer, splits, data_stats["format"], plan, resume_from, (tb, tracker))
-        eval_loss = fitted.trainer.evaluate()["eval_loss"] if eval_ds is not None else None
-        scores = _scores(cfg, model, tokenizer, pairs, eval_loss, em_before)
-        _save_adapter(fitted.trainer, tokenizer, run_dir)
+        try:
+            with sigint_deferred():  # the trained adapter first, whole: a signal in the evaluation keeps it
+                _save_adapter(fitted.trainer, tokenizer, run_dir)
+            scores = _scores(cfg, model, tokenizer, pairs, _final_eval_loss(fitted.trainer, eval_ds), em_before)
+        except KeyboardInterrupt as err:
+            raise _stopped_in_final_eval(interrupts.signal_name(err), fitted.trainer, run_dir) from None
         out = {**_run_figures(fitted, plan, resume_from), **scores, "wall_s": time.time() - started, "data": data_stats}
         out.update(metrics.memory_figures(tracker.peak_gib(), plan, tracker.gpu))  # after eval and saving
         sharded = cfg.dist.strategy in dist.SHARDED  # whole weights gathered; this rank's share, measured
@@ -117,9 +126,10 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
         if sharded:
             out["sharding"] = dist.sharding_figures(fitted.trainer)
         rank = int(os.environ.get("RANK", 0))
-        metrics.write_metrics(run_dir, out, name="metrics.json" if _main_rank() else f"metrics.rank{rank}.json")
-        if _main_rank():  # what merge and generate check the run's files against when they read them back
-            write_manifest(run_dir, run_file_names(run_dir))
+        with sigint_deferred():
+            metrics.write_metrics(run_dir, out, name="metrics.json" if _main_rank() else f"metrics.rank{rank}.json")
+            if _main_rank():  # what merge and generate check the run's files against when they read them back
+                write_manifest(run_dir, run_file_names(run_dir))
         finished = True
     finally:
         if tb is not None:
@@ -184,7 +194,7 @@ def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan,
     `watch`: the TensorBoard writer (or None) and the run's PeakTracker, for the memory timeline."""
     from transformers.integrations import TensorBoardCallback
 
-    from .callbacks import MemoryLogger
+    from .callbacks import EvalProgress, MemoryLogger
 
     train_ds, eval_ds = splits
     tb, tracker = watch
@@ -204,7 +214,7 @@ def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan,
             train_dataset=train_ds,
             eval_dataset=eval_ds,
             processing_class=tokenizer,
-            callbacks=[memory_log, *tb_callbacks, preemption],
+            callbacks=[memory_log, *tb_callbacks, EvalProgress(), preemption],
         )
         trainer.adapter_sha256_step0 = dist.sync_adapters(model)  # every rank starts from rank 0's adapters
         return trainer
@@ -225,6 +235,28 @@ def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan,
         metrics.write_metrics(run_dir, status)
         raise lifecycle.Preempted(preemption.received, step, checkpoint)
     return _Fitted(trainer, result, fit_cfg, time.time() - started)
+
+
+def _final_eval_loss(trainer, eval_ds) -> float | None:
+    """The eval loss after training, announced first: a long evaluation is no silent one (the
+    trainer's callback says how far it got every EVAL_PROGRESS_S seconds)."""
+    if eval_ds is None:
+        return None
+    batch = trainer.args.per_device_eval_batch_size
+    log.info("final evaluation: %d eval rows in %d batches of %d", len(eval_ds), -(-len(eval_ds) // batch), batch)
+    return trainer.evaluate()["eval_loss"]
+
+
+def _stopped_in_final_eval(signame: str, trainer, run_dir: Path) -> lifecycle.Preempted:
+    """A stop signal after the adapter was saved: metrics.json says so (no eval figures), and the
+    newest checkpoint (at the last step) lets resume=auto evaluate and finish."""
+    step = trainer.state.global_step
+    checkpoint = find_checkpoint(run_dir / "checkpoints")
+    adapter = str(run_dir / "adapter")
+    status = {"status": "preempted", "signal": signame, "phase": "final evaluation", "steps": step}
+    with sigint_deferred():
+        metrics.write_metrics(run_dir, {**status, "checkpoint": checkpoint, "adapter": adapter})
+    return lifecycle.Preempted(signame, step, checkpoint, adapter=adapter, phase="during the final evaluation")
 
 
 def _exact_match(cfg: TrainConfig, model, tokenizer, pairs) -> float | None:
@@ -296,8 +328,11 @@ def _save_adapter(trainer, tokenizer, run_dir: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         if disk_full(err):
             kept = find_checkpoint(run_dir / "checkpoints")
+            weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
+            free = free_bytes(run_dir)
+            space = f"its weights take {fmt_bytes(weights)}" + (f", {fmt_bytes(free)} free" if free is not None else "")
             raise UserError(
-                f"disk full while saving the adapter in {run_dir}: nothing of it was kept"
+                f"disk full while saving the adapter in {run_dir} ({space}): nothing of it was kept"
                 + (f" and the checkpoints are intact (newest: {kept})" if kept else "")
                 + f"; free space and resume from the newest checkpoint: {resume_command(task_overrides(), shown_path(run_dir))}"
             ) from None

@@ -24,6 +24,8 @@ FAULT_KEYS = (
     "nan_at_step",
     "sigterm_at_step",
     "preempt_at_step",
+    "eval_wait_s",
+    "nan_grads_at_step",
     "adapter_skew_rank",
 )  # the last: dist.py
 

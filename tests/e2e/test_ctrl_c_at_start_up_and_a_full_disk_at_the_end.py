@@ -1,6 +1,6 @@
-"""Ctrl-C at any moment of start-up is one line and exit 130 (imports
-included, before our handlers exist), and a full disk while the final adapter is written is one
-line, with no adapter.partial left and the checkpoints intact."""
+"""Ctrl-C at any moment of start-up is one line and exit 130 (imports included, before our
+handlers exist), SIGTERM one line and exit 143, and a full disk while the final adapter is
+written is one line, with no adapter.partial left and the checkpoints intact."""
 
 import errno
 import os
@@ -62,6 +62,33 @@ def test_ctrl_c_at_any_moment_of_start_up_is_one_line_and_exit_130(tmp_path):
         assert not any(p.is_file() for p in cwd.rglob("*")), where  # nothing written, no empty run dir left
 
 
+def test_sigterm_during_start_up_is_one_line_and_exit_143(tmp_path):
+    """SIGTERM (a preemption before the job got going) used to end the process with no line: it is
+    raised as Ctrl-C is, one line, exit 143, nothing written."""
+    base = 1.5 * interpreter_start_s()
+    for delay in (0.1, 1.0, 3.0):
+        cwd = tmp_path / f"at-{delay}"
+        cwd.mkdir()
+        child = subprocess.Popen(
+            [sys.executable, str(REPO / "train.py"), "trainer=smoke", "hydra.run.dir=runs/x"],
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(base + delay)
+        child.send_signal(signal.SIGTERM)
+        out, err = child.communicate(timeout=300)
+        where = f"SIGTERM {base + delay:.2f}s after the start: rc={child.returncode} stderr={err!r}"
+        assert "Traceback" not in err, where
+        lines = (
+            "stopped by SIGTERM while starting; nothing was written",
+            "stopped by SIGTERM before anything was written",
+        )
+        assert child.returncode == 143 and err.strip() in lines, where
+        assert not any(p.is_file() for p in cwd.rglob("*")), where
+
+
 def test_disk_full_while_saving_the_adapter_is_one_line_and_leaves_no_partial(small_data, tmp_path, monkeypatch):
     real = Trainer.save_model
 
@@ -74,7 +101,10 @@ def test_disk_full_while_saving_the_adapter_is_one_line_and_leaves_no_partial(sm
     monkeypatch.setattr(Trainer, "save_model", disk_full_in_the_adapter)
     run_dir = tmp_path / "run"
     overrides = [*SMOKE, "trainer.max_steps=2", "trainer.save_steps=1", *small_data]
-    with pytest.raises(UserError, match=r"disk full while saving the adapter in .*checkpoints are intact") as err:
+    with pytest.raises(
+        UserError,
+        match=r"disk full while saving the adapter in .* \(its weights take [0-9.]+ MiB, .* free\): .*checkpoints are intact",
+    ) as err:
         train(compose_cfg(*overrides), run_dir)
     assert "\n" not in str(err.value) and "resume=auto hydra.run.dir=" in str(err.value)
     assert not (run_dir / "adapter.partial").exists() and not (run_dir / "adapter").exists()

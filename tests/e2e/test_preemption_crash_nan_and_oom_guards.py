@@ -2,18 +2,24 @@
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, SMOKE, compose_cfg
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from transformers import Trainer
 
 from qlora_recipes.errors import UserError
-from qlora_recipes.run.checkpoints import find_checkpoint
+from qlora_recipes.run.checkpoints import RECORD, checkpoint_problem, find_checkpoint, newest_finite, nonfinite_values
 from qlora_recipes.run.lifecycle import Preempted
 from qlora_recipes.run.resume import resume_checkpoint
 from qlora_recipes.run.training import train
+from qlora_recipes.units import fmt_bytes
 
 BASE = [
     *SMOKE,
@@ -67,6 +73,32 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint(tmp_path, monkeypa
     assert m["resumed_from"].endswith("checkpoint-3") and m["steps"] == 6
 
 
+def test_a_full_disk_at_a_checkpoint_is_one_line_with_the_space_needed(tmp_path, monkeypatch):
+    """torch.save on a full disk raises "[enforce fail at inline_container.cc] . unexpected pos" after
+    "basic_ios::clear": that was a traceback. One line now names the dir and the space a checkpoint
+    needs, and the previous checkpoint is intact."""
+    real = Trainer._save_optimizer_and_scheduler
+
+    def disk_full_at_step_6(self, output_dir):
+        if self.state.global_step == 6:  # torch.save's errors on a full disk, as a user saw them
+            try:
+                raise RuntimeError("basic_ios::clear: iostream error")
+            except RuntimeError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904
+        return real(self, output_dir)
+
+    monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", disk_full_at_step_6)
+    with pytest.raises(UserError) as stop:
+        train(compose_cfg(*BASE), tmp_path)
+    line, checkpoints = str(stop.value), tmp_path / "checkpoints"
+    previous = checkpoints / "checkpoint-3"
+    needed = sum(f.stat().st_size for f in previous.rglob("*") if f.is_file()) - (previous / RECORD).stat().st_size
+    assert "\n" not in line and line.startswith(f"disk full while saving checkpoint-6 in {checkpoints} (")
+    assert f"a checkpoint needs about {fmt_bytes(needed)}, " in line and f"checkpoint ({previous}) is intact" in line
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-3"]
+    assert checkpoint_problem(previous, deep=True) is None
+
+
 def test_resume_refuses_a_different_stack(tmp_path):
     train(compose_cfg(*BASE, "trainer.max_steps=3"), tmp_path)
     with pytest.raises(UserError, match=r"differs .* in peft\.r, quant\.method.*allow_changes"):
@@ -91,6 +123,36 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch
         train(compose_cfg(*BASE), tmp_path)
     assert find_checkpoint(tmp_path / "checkpoints").endswith("checkpoint-3")
     assert not (tmp_path / "metrics.json").exists()
+
+
+def test_a_nan_update_is_never_kept_as_a_checkpoint(tmp_path, monkeypatch):
+    """A NaN gradient at step 4 (the loss still finite) made NaN weights, saved as checkpoint-4 and
+    then kept as "the last good checkpoint" when the loss showed NaN at step 5. The weights are
+    checked before each save: the run stops at step 4 keeping checkpoint-3, with advice that fits."""
+    monkeypatch.setenv("QLORA_RECIPES_FAULTS", "nan_grads_at_step=4")
+    cfg = compose_cfg(*BASE, "trainer.save_steps=1")
+    with pytest.raises(UserError) as stop:
+        train(cfg, tmp_path)
+    line = str(stop.value)
+    assert re.search(r"NaN/Inf at step 4, so checkpoint-4 was not saved; .*checkpoint-3; its values are finite", line)
+    assert f"lower optim.lr (now {cfg.optim.lr:g})" in line and f"precision={cfg.precision.name}" not in line, line
+    kept = tmp_path / "checkpoints"
+    assert sorted(p.name for p in kept.iterdir()) == ["checkpoint-2", "checkpoint-3"]
+    assert nonfinite_values(kept / "checkpoint-3") is None
+
+    # A poisoned checkpoint on disk (saved before the weights were checked) is passed over and removed.
+    adapter = kept / "checkpoint-3" / "adapter_model.safetensors"
+    with safe_open(adapter, "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(adapter)
+    name = next(k for k in tensors if "lora_B" in k)
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, adapter, metadata=metadata)
+    found, removed = newest_finite(kept)
+    assert found.endswith("checkpoint-2") and removed == [
+        f"checkpoint-3 (adapter_model.safetensors: {name} holds NaN/Inf)"
+    ]
+    assert not (kept / "checkpoint-3").exists()
 
 
 def test_oom_halves_the_micro_batch_and_keeps_the_effective_batch(tmp_path, monkeypatch):
@@ -139,3 +201,39 @@ def test_sigterm_from_outside_prints_how_to_resume(tmp_path):
     line = [ln for ln in proc.stderr.splitlines() if ln.startswith("stopped by SIGTERM at step 2")]
     assert line and f"resume=auto hydra.run.dir={run_dir}" in line[0]
     assert find_checkpoint(run_dir / "checkpoints").endswith("checkpoint-2")
+
+
+def test_sigterm_in_the_final_evaluation_keeps_the_adapter_and_says_how_to_finish(tmp_path):
+    """A SIGTERM while the final evaluation ran used to end the process at once: no line, no adapter,
+    run.lock left. The adapter is saved before the evaluation; the signal is one line, exit 143."""
+    run_dir = tmp_path / "run"
+    overrides = [*SMOKE, "trainer.save_steps=3"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "QLORA_RECIPES_FAULTS": "eval_wait_s=300"}  # the eval lasts
+    child = subprocess.Popen(
+        [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen = []
+    for line in child.stdout:  # the marker: the final evaluation has started
+        seen.append(line)
+        if line.startswith("final evaluation: 64 eval rows in 4 batches of 16"):
+            child.send_signal(signal.SIGTERM)
+            break
+    rest, _ = child.communicate(timeout=120)
+    lines = (("".join(seen) + rest).strip()).splitlines()
+    assert child.returncode == 143, lines[-20:]
+    assert lines[-1] == (
+        f"stopped by SIGTERM during the final evaluation, after step 3; kept the adapter ({run_dir / 'adapter'}) "
+        f"and checkpoint {run_dir / 'checkpoints' / 'checkpoint-3'}; to evaluate and finish: python train.py "
+        f"{' '.join(overrides)} resume=auto hydra.run.dir={run_dir}"
+    ), lines[-5:]
+    assert "Traceback" not in "".join(lines)
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file() and not (run_dir / "run.lock").exists()
+    assert json.loads((run_dir / "metrics.json").read_text())["status"] == "preempted"
+
+    finished = train(compose_cfg(*overrides, "resume=auto"), run_dir)  # the command the line gives
+    assert finished["status"] == "ok" and finished["steps"] == 3 and finished["eval_loss"] > 0

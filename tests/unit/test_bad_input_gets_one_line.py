@@ -143,6 +143,7 @@ OVERRIDES = [
     (["data.format=yaml"], ["data.format"]),
     (["data.packing_strategy=ffd"], ["data.packing_strategy=ffd", "bfd"]),
     (["data.eval_fraction=1.0"], ["data.eval_fraction=1.0"]),
+    (["data.eval_max_rows=0"], ["data.eval_max_rows=0", ">= 1"]),
     (["data.metric=bleu"], ["data.metric=bleu"]),
     (["data.metric_examples=0"], ["data.metric_examples=0"]),
     (["data.max_new_tokens=0"], ["data.max_new_tokens=0"]),

@@ -3,6 +3,7 @@ the import has finished, or the finalizer has returned, and is then a KeyboardIn
 Each case runs in a child Python, with and without our handler: without it the import is left half
 done (numpy failed that way once) or the Ctrl-C is lost."""
 
+import os
 import re
 import signal
 import subprocess
@@ -46,9 +47,17 @@ def _as_in_a_terminal() -> None:
 
 
 def _python(code: str, cwd) -> str:
-    """What a child Python running `code` prints (its stderr too, after it, for the failure message)."""
+    """What a child Python running `code` prints (its stderr too, after it, for the failure message).
+    It imports this checkout's package, wherever `cwd` is."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=60, preexec_fn=_as_in_a_terminal
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=_as_in_a_terminal,
     )
     return done.stdout.strip() + ("\n" + done.stderr if done.stderr else "")
 
@@ -95,3 +104,18 @@ def test_a_second_ctrl_c_while_the_first_waits_is_not_held(tmp_path):
     said = _python(code, tmp_path)
     waited = re.match(r"interrupted after (\d+) s", said)
     assert waited and int(waited.group(1)) < 25, said  # not the 30 s the import would hang
+
+
+def test_sigterm_is_raised_as_ctrl_c_is_and_names_itself(tmp_path):
+    """SIGTERM (a preemption, a scheduler's kill) used to end the process at once, mid-write, with no
+    line: with our handler it waits for the import under way, then raises as Ctrl-C does, named."""
+    (tmp_path / "slow_module.py").write_text(textwrap.dedent(INTERRUPTED_IN_AN_IMPORT).replace("SIGINT", "SIGTERM"))
+    code = (
+        "import sys, time; from qlora_recipes import interrupts\n"
+        "interrupts.install()\n"
+        "try:\n    import slow_module\n    time.sleep(5)\n"
+        "except KeyboardInterrupt as err:\n"
+        "    print(interrupts.signal_name(err), interrupts.exit_code(interrupts.signal_name(err)),"
+        " getattr(sys.modules.get('slow_module'), 'DONE', False))"
+    )
+    assert _python(code, tmp_path).splitlines()[0] == "SIGTERM 143 True"

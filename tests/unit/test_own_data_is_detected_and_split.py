@@ -68,6 +68,22 @@ def test_own_file_of_each_format_is_detected_and_split(tmp_path, tok, caplog, fm
     assert "18 train rows, 2 eval held out (data.eval_fraction=0.1); metric: eval loss" in lines[0]
 
 
+def test_eval_split_of_a_large_file_is_capped_and_says_so(tmp_path, caplog):
+    """A tenth of a 200,000-row file made a final evaluation of 20,000 rows that ran for minutes,
+    silently: the held-out split stops at data.eval_max_rows (2,000), the rest trains, one line says so."""
+    path = write_jsonl(tmp_path / "big.jsonl", own_rows("text", 30_000))
+    with caplog.at_level("INFO", logger="qlora_recipes.data"):
+        train, eval_ds, stats = load_splits(compose_cfg(f"data.path={path}").data, None, 512, 0)
+    assert stats["rows"] == {"train": 28_000, "eval": 2_000}
+    capped = [r.getMessage() for r in caplog.records if "data.eval_max_rows" in r.getMessage()]
+    assert len(capped) == 1 and "capped at data.eval_max_rows=2000 rows" in capped[0] and "hold out 3000" in capped[0]
+
+    caplog.clear()
+    with caplog.at_level("INFO", logger="qlora_recipes.data"):
+        _, _, stats = load_splits(compose_cfg(f"data.path={path}", "data.eval_max_rows=null").data, None, 512, 0)
+    assert stats["rows"]["eval"] == 3_000 and not any("capped" in r.getMessage() for r in caplog.records)
+
+
 # --------------------------------------------------------------------------------------------------
 # Bounded evaluation: prompts cut to seq_len, at most max_new_tokens, whatever the eval rows hold
 # --------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from .ladder import ladder_rungs, offload_params_rungs
 from .loss import with_metric
 from .peaks import ok
 from .placement import loader_max_memory
+from .process import measured_start
 from .report import DoesNotFit, refuse_unless_fits, render_table, write_plan
 from .search import longest_seq_len as _longest_seq_len
 from .seqlen import auto_cap, is_auto, plan_note, refuse_past_positions, resolve_auto, with_seq_len
@@ -41,6 +42,7 @@ __all__ = [
     "DoesNotFit",
     "loader_max_memory",
     "longest_seq_len",
+    "measured_start",
     "model_figures",
     "plan",
     "refuse_unless_fits",
@@ -66,7 +68,8 @@ def plan(
     DDP, ZeRO-2); under FSDP / ZeRO-3 the parameters are sharded across `world_size` ranks. Without
     GPUs, several ranks of dist=ddp|fsdp|zero2|zero3 are CPU processes (gloo): the plan is one
     rank process's (sharded.plan_cpu_rank). precision=auto is planned as it picks on those devices
-    (config/loader.precision_for).
+    (config/loader.precision_for). On a CPU, inside `measured_start` (a run), the process baseline
+    is the run's own start RSS plus what follows it (planner/process.py), else the stated constant.
     trainer.seq_len=auto is planned at the most it resolves to (planner/seqlen.py).
     Returns the plan.json dict.
     """

@@ -22,6 +22,9 @@ CUDA_CONTEXT_BYTES = 1 * GiB
 # on a 2-core CPU box, torch 2.13: the 1 M-parameter cases of bench/results/planner-cpu.json peak at
 # 0.74-0.76 GiB, of which the plan's model, adapters and step are 0.12-0.13 GiB.
 CPU_PROCESS_BASELINE_BYTES = int(0.62 * GiB)
+# What a run adds after train()'s start, when it plans with its own start RSS (planner/process.py):
+# the tokenizer, the tokenized data, the trainer's late imports, thread pools (0.62 - 0.51 GiB).
+CPU_PROCESS_AFTER_START_BYTES = CPU_PROCESS_BASELINE_BYTES - int(0.51 * GiB)
 # torch's CUDA caching allocator: long-lived tensors waste little (512-byte rounding, 2 MiB / 20 MiB
 # segments); the per-step tensors of varying size fragment segments. Rules of thumb: 1 % of static
 # bytes, 15 % of the dynamic (per-step) bytes. GPUs only: a CPU run caches nothing (peaks.py).

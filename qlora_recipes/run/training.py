@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from ..units import fmt_bytes
 from . import dist, lifecycle, metrics, trainer_args
 from .checkpoints import disk_full, find_checkpoint, free_bytes
 from .lock import RunDirLock
-from .memory import PeakTracker, pin_malloc_thresholds, planned_peak_gib
+from .memory import PeakTracker, pin_malloc_thresholds, planned_peak_gib, rss_bytes
 from .resume import AlreadyComplete, resume_checkpoint
 from .reuse import clear_previous_run, held_run, refuse_silent_reuse
 from .validate import validate
@@ -69,10 +70,12 @@ def train(cfg: TrainConfig, run_dir: Path, choices: dict | None = None, on_write
     if not gpu:
         pin_malloc_thresholds()  # CPU: RSS follows the live tensors, as the plan counts them (peak.py)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed, imported by the trainer, warns when it guesses
+    # CPU: the plan's process baseline is this process's own footprint, its libraries imported
+    footprint = nullcontext() if gpu else planner.measured_start(rss_bytes())
     tracker = PeakTracker(gpu).start()
     stops = (signal.SIGINT, signal.SIGTERM, cluster.preemption_signal())  # at any phase: raised, then one line
     try:
-        with interrupts.raising(*stops), RunDirLock(run_dir, enabled=_main_rank()):  # one run per run dir
+        with footprint, interrupts.raising(*stops), RunDirLock(run_dir, enabled=_main_rank()):  # one run per run dir
             return _train(cfg, run_dir, choices, tracker, on_write)
     finally:
         tracker.stop()

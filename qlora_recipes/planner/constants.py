@@ -25,6 +25,10 @@ CPU_PROCESS_BASELINE_BYTES = int(0.62 * GiB)
 # What a run adds after train()'s start, when it plans with its own start RSS (planner/process.py):
 # the tokenizer, the tokenized data, the trainer's late imports, thread pools (0.62 - 0.51 GiB).
 CPU_PROCESS_AFTER_START_BYTES = CPU_PROCESS_BASELINE_BYTES - int(0.51 * GiB)
+# ... and on a CPU that computes bf16 natively (AVX512-BF16 / AMX), a bf16 run's oneDNN kernels and
+# their scratch space: the tiny default's smoke run measured 0.726 GiB in bf16 and 0.668 in fp32 after
+# the same start on an AMX Xeon (2 cores, torch 2.13), with plans 0.001 GiB apart.
+CPU_NATIVE_BF16_KERNELS_BYTES = int(0.06 * GiB)
 # torch's CUDA caching allocator: long-lived tensors waste little (512-byte rounding, 2 MiB / 20 MiB
 # segments); the per-step tensors of varying size fragment segments. Rules of thumb: 1 % of static
 # bytes, 15 % of the dynamic (per-step) bytes. GPUs only: a CPU run caches nothing (peaks.py).

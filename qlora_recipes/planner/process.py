@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .constants import CPU_PROCESS_AFTER_START_BYTES, CPU_PROCESS_BASELINE_BYTES
+from ..config.devices import BF16_CPU_FLAGS, cpu_flags
+from .constants import CPU_NATIVE_BF16_KERNELS_BYTES, CPU_PROCESS_AFTER_START_BYTES, CPU_PROCESS_BASELINE_BYTES
 
 _start_rss: int | None = None
 
@@ -30,19 +31,22 @@ def measured_start(rss: int) -> Iterator[None]:
         _start_rss = previous
 
 
-def cpu_process_baseline() -> int:
-    """Bytes of a CPU training process apart from what the plan models."""
+def after_start_bytes(dtype: str) -> int:
+    """What a run adds to its footprint after its start: libraries, data, thread pools, and the
+    bf16 kernels' workspace where this CPU computes bf16 natively."""
+    native_bf16 = dtype == "bfloat16" and any(flag in cpu_flags() for flag in BF16_CPU_FLAGS)
+    return CPU_PROCESS_AFTER_START_BYTES + (CPU_NATIVE_BF16_KERNELS_BYTES if native_bf16 else 0)
+
+
+def cpu_process_baseline(dtype: str) -> int:
+    """Bytes of a CPU training process computing in `dtype` apart from what the plan models."""
     if _start_rss is None:
         return CPU_PROCESS_BASELINE_BYTES
-    return _start_rss + CPU_PROCESS_AFTER_START_BYTES
+    return _start_rss + after_start_bytes(dtype)
 
 
-def baseline_source() -> dict:
+def baseline_source(dtype: str) -> dict:
     """What the baseline is, for plan.json: the measured start RSS and the allowance, or the constant."""
     if _start_rss is None:
         return {"kind": "constant", "bytes": CPU_PROCESS_BASELINE_BYTES}
-    return {
-        "kind": "measured at the run's start",
-        "start_rss": _start_rss,
-        "after_start": CPU_PROCESS_AFTER_START_BYTES,
-    }
+    return {"kind": "measured at the run's start", "start_rss": _start_rss, "after_start": after_start_bytes(dtype)}

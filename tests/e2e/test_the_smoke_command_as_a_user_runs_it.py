@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO
 
 
@@ -49,3 +50,19 @@ def test_smoke_run_from_another_directory_writes_a_run_dir(smoke_command):
     assert json.loads((out / "metrics.json").read_text())["steps"] == 3
     assert (out / ".hydra" / "config.yaml").is_file() and (out / "adapter" / "adapter_config.json").is_file()
     assert "quant = nf4" in proc.stdout  # the composed stack printed as a tree
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU process baseline; a GPU run plans its allocations")
+def test_the_plan_counts_the_process_footprint_the_run_measures(smoke_command):
+    """On a CPU the plan's process baseline is the run's own RSS at its start (the shared libraries'
+    resident pages vary with the venv and the page cache) plus a stated allowance for what follows;
+    the measured peak then stays within 10 % of the plan. A library that grows what a run allocates
+    after its start, or a baseline read at the wrong moment, fails here."""
+    _, run_dir = smoke_command
+    plan = json.loads((run_dir / "plan.json").read_text())
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    source = plan["constants"]["cpu_process_baseline"]
+    assert source["kind"] == "measured at the run's start"
+    baseline = source["start_rss"] + source["after_start"]
+    assert plan["components"]["process_baseline"] == {"cpu": baseline}
+    assert 0.9 <= metrics["plan_ratio"] <= 1.1, (metrics["peak_mem_gib"], metrics["planned_peak_gib"])

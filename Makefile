@@ -41,13 +41,8 @@ setup: $(VENV)/.installed ## create .venv and install the pinned requirements (C
 train: $(VENV)/.installed ## set up, then run the embedded default (tiny model, NF4 + LoRA + paged 8-bit AdamW); ARGS= adds overrides
 	$(PY) train.py $(ARGS)
 
-# Test files spread over TEST_JOBS processes (pytest-xdist), each file whole in one process, so a
-# module's shared trained run is made once: most tests wait on single-threaded Python (imports, tiny
-# models), so 2 processes on 2 cores take about half the time. TEST_JOBS=0 runs them in this process.
-TEST_JOBS ?= 2
-
 test: $(VENV)/.installed ## set up, then run the fast CPU test suite
-	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile $(ARGS)
+	$(PY) -m pytest $(ARGS)
 
 test-all: $(VENV)/.installed ## the fast suite plus the slow tests
 	$(PY) -m pytest -m 'not gpu' $(ARGS)

@@ -207,12 +207,12 @@ def _check_data(cfg: TrainConfig, checkpoint: Path, record: dict) -> None:
         f"{saved['bytes']} bytes, sha256 {saved['sha256'][:12]} -> {now['files']} file(s), {now['bytes']} bytes, "
         f"sha256 {now['sha256'][:12]})"
     )
-    if cfg.resume.allow_changes:
-        log.warning("resume: %s; continuing on the new data (resume.allow_changes=true)", what)
-        return
-    raise UserError(
-        f"resume: {what}, so the saved data position would point into other examples; restore the original data, "
-        "train in a new run dir, or set resume.allow_changes=true to continue on the new data"
+    _refuse_unless_allowed(
+        cfg,
+        what,
+        "on the new data",
+        "so the saved data position would point into other examples; restore the original data, train in a new "
+        "run dir, or set resume.allow_changes=true to continue on the new data",
     )
 
 
@@ -231,13 +231,21 @@ def _check_base(cfg: TrainConfig, checkpoint: Path | None, record: dict) -> None
         f"{saved['files']} file(s), {saved['bytes']} bytes, sha256 {saved['sha256'][:12]} -> {now['files']} file(s), "
         f"{now['bytes']} bytes, sha256 {now['sha256'][:12]})"
     )
-    if cfg.resume.allow_changes:
-        log.warning("resume: %s; continuing on the new weights (resume.allow_changes=true)", what)
-        return
-    raise UserError(
-        f"resume: {what}, and the adapter was trained on the other weights; restore them, train in a new run dir, or "
-        "set resume.allow_changes=true to continue on these"
+    _refuse_unless_allowed(
+        cfg,
+        what,
+        "on the new weights",
+        "and the adapter was trained on the other weights; restore them, train in a new run dir, or set "
+        "resume.allow_changes=true to continue on these",
     )
+
+
+def _refuse_unless_allowed(cfg: TrainConfig, what: str, continuing: str, refusal: str) -> None:
+    """A change since the checkpoint: one warning under resume.allow_changes=true, else one line."""
+    if cfg.resume.allow_changes:
+        log.warning("resume: %s; continuing %s (resume.allow_changes=true)", what, continuing)
+        return
+    raise UserError(f"resume: {what}, {refusal}")
 
 
 def _check_schedule_goes_on(cfg: TrainConfig, checkpoint: Path, record: dict) -> None:

@@ -35,6 +35,28 @@ def _sigint_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _signal_while_starting(cwd, after_s: float, sig, preexec_fn=None):
+    """`train.py trainer=smoke` started in a new `cwd`, sent `sig` `after_s` seconds later: (the
+    finished child, its stderr, a description for the assertions)."""
+    cwd.mkdir()
+    child = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), "trainer=smoke", "hydra.run.dir=runs/x"],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=preexec_fn,
+    )
+    time.sleep(after_s)
+    child.send_signal(sig)
+    _, err = child.communicate(timeout=300)
+    return (
+        child,
+        err,
+        f"{signal.Signals(sig).name} {after_s:.2f}s after the start: rc={child.returncode} stderr={err!r}",
+    )
+
+
 # The fresh-check of 2026-11-23 saw a SIGINT 0.82 s in land inside numpy's lazy `np.dtypes` import
 # (reached from accelerate via transformers): numpy was left half-imported and the KeyboardInterrupt
 # became a RecursionError traceback. interrupts.py now holds a Ctrl-C until the import under way is
@@ -44,19 +66,7 @@ def test_ctrl_c_at_any_moment_of_start_up_is_one_line_and_exit_130(tmp_path):
     # dense over the first tenths (our package's imports: a traceback there before), then sparse
     for delay in (0.0, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.4, 0.8, 1.5, 3.0):
         cwd = tmp_path / f"at-{delay}"
-        cwd.mkdir()
-        child = subprocess.Popen(
-            [sys.executable, str(REPO / "train.py"), "trainer=smoke", "hydra.run.dir=runs/x"],
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            preexec_fn=_sigint_as_in_a_terminal,
-        )
-        time.sleep(base + delay)
-        child.send_signal(signal.SIGINT)
-        out, err = child.communicate(timeout=300)
-        where = f"SIGINT {base + delay:.2f}s after the start: rc={child.returncode} stderr={err!r}"
+        child, err, where = _signal_while_starting(cwd, base + delay, signal.SIGINT, _sigint_as_in_a_terminal)
         assert "Traceback" not in err, where
         assert child.returncode == 130 and err.strip() in INTERRUPTED_LINES, where
         assert not any(p.is_file() for p in cwd.rglob("*")), where  # nothing written, no empty run dir left
@@ -68,18 +78,7 @@ def test_sigterm_during_start_up_is_one_line_and_exit_143(tmp_path):
     base = 1.5 * interpreter_start_s()
     for delay in (0.1, 1.0, 3.0):
         cwd = tmp_path / f"at-{delay}"
-        cwd.mkdir()
-        child = subprocess.Popen(
-            [sys.executable, str(REPO / "train.py"), "trainer=smoke", "hydra.run.dir=runs/x"],
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        time.sleep(base + delay)
-        child.send_signal(signal.SIGTERM)
-        out, err = child.communicate(timeout=300)
-        where = f"SIGTERM {base + delay:.2f}s after the start: rc={child.returncode} stderr={err!r}"
+        child, err, where = _signal_while_starting(cwd, base + delay, signal.SIGTERM)
         assert "Traceback" not in err, where
         lines = (
             "stopped by SIGTERM while starting; nothing was written",

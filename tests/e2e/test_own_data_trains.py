@@ -9,20 +9,26 @@ from conftest import REPO, compose_cfg
 from helpers_data import GenerateRecorder, own_rows, words, write_jsonl
 
 
-def test_python_train_py_with_only_data_path(tmp_path):
-    """The case users met: a prompt/completion file trained with nothing else set used to evaluate on the
-    shipped sample's eval file with its exact-match metric. Now: split from the file, eval loss."""
-    path = write_jsonl(tmp_path / "pc.jsonl", own_rows("prompt_completion", 30))
-    run_dir = tmp_path / "run"
+def _smoke_on(path, run_dir):
+    """`python train.py data.path=PATH trainer=smoke` as a user runs it, offline; it must succeed."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "train.py"), f"data.path={path}", "trainer=smoke", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
+        cwd=run_dir.parent,
         capture_output=True,
         text=True,
         timeout=600,
         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_python_train_py_with_only_data_path(tmp_path):
+    """The case users met: a prompt/completion file trained with nothing else set used to evaluate on the
+    shipped sample's eval file with its exact-match metric. Now: split from the file, eval loss."""
+    path = write_jsonl(tmp_path / "pc.jsonl", own_rows("prompt_completion", 30))
+    run_dir = tmp_path / "run"
+    proc = _smoke_on(path, run_dir)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("data: ")]
     assert lines == [
         f"data: {path}: prompt_completion rows (detected from the fields); 27 train rows, "
@@ -82,15 +88,7 @@ def test_alpaca_rows_longer_than_64_tokens_train_on_the_default_without_a_seq_le
     plans at that length."""
     path = write_jsonl(tmp_path / "my.jsonl", own_rows("alpaca", 24))
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), f"data.path={path}", "trainer=smoke", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _smoke_on(path, run_dir)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     chosen = metrics["data"]["seq_len"]
     longest = metrics["data"]["max_tokens"]["train"]

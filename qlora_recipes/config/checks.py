@@ -148,6 +148,26 @@ def _check_values(cfg: TrainConfig) -> None:
             "(or a hub kernel, org/name)"
         )
     check_target_modules(cfg.peft.target_modules, cfg.peft.modules_to_save)
+    check_rope_scaling(cfg.model.rope_scaling)
+
+
+ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")  # the ones that scale by `factor` (modeling_rope_utils)
+
+
+def check_rope_scaling(scaling) -> None:
+    """model.rope_scaling: a rope_type that scales by a factor, and a factor past 1 (1 scales nothing)."""
+    if scaling is None:
+        return
+    fix = "e.g. model.rope_scaling={rope_type:linear,factor:2.0}"
+    if not hasattr(scaling, "get"):
+        raise UserError(f"model.rope_scaling={scaling} is not a mapping; {fix}")
+    kind, factor = scaling.get("rope_type", scaling.get("type")), scaling.get("factor")
+    if kind not in ROPE_TYPES:
+        raise UserError(f"model.rope_scaling.rope_type={kind} is not an option; choose one of: {', '.join(ROPE_TYPES)}")
+    if factor is None:
+        raise UserError(f"model.rope_scaling needs a factor (the positions' multiple); {fix}")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
+        raise UserError(f"model.rope_scaling.factor={factor} must be a number > 1 (the positions' multiple); {fix}")
 
 
 def check_target_modules(targets, to_save) -> None:

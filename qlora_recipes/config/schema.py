@@ -91,6 +91,12 @@ class ModelConfig:
     trust_remote_code: bool = option(False, "run the model repo's own code (transformers trust_remote_code)")
     revision: str | None = option(None, "a hub branch, tag or commit; null: main")
     attn_implementation: str = option("sdpa", "transformers' attention implementation (or a hub kernel, org/name)")
+    # Any, not a typed dict: OmegaConf cannot merge a command line's {...} into a null or struct dict
+    rope_scaling: Any = option(
+        None,
+        "transformers' RoPE scaling, {rope_type: linear|dynamic|yarn|llama3, factor: > 1, ...}: "
+        "positions past max_position_embeddings, up to it x factor; null: the model's own",
+    )
     # the learning rate this model size wants (QLoRA paper, Table 9)
     lora_lr: float = option(2e-4, "the default learning rate of this model", range="> 0")
 

@@ -117,6 +117,22 @@ def _model_class(model: ModelConfig):
         return None
 
 
+def rope_scaled_config(model: ModelConfig):
+    """The model's AutoConfig with model.rope_scaling over its rope_parameters (transformers 5 keeps
+    rope_theta there too, so the option's keys are merged in, not swapped for the whole dict)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(**source(model))
+    scaling = {str(k): v for k, v in dict(model.rope_scaling).items()}
+    own = dict(config.rope_parameters or {})
+    if own.get("rope_type") != scaling.get("rope_type"):  # another type's keys (llama3's low_freq_factor) go
+        own = {key: own[key] for key in ("rope_theta", "partial_rotary_factor") if key in own}
+    config.rope_parameters = {**own, **scaling}
+    config.standardize_rope_params()  # yarn and llama3 read original_max_position_embeddings from here
+    config.validate_rope()
+    return config
+
+
 def attention_for(model: ModelConfig) -> str:
     """The attention implementation to load with: model.attn_implementation, except that the sdpa
     default becomes eager for a family that has no sdpa path (logged)."""
@@ -173,6 +189,8 @@ def load_model(cfg: TrainConfig, run_dir: Path, max_memory: dict | None = None):
         use_safetensors=True,
         attn_implementation=attn,
     )
+    if cfg.model.rope_scaling:
+        kwargs["config"] = rope_scaled_config(cfg.model)
     if cfg.offload.folder:
         folder = Path(cfg.offload.folder)
         kwargs["offload_folder"] = str(folder if folder.is_absolute() else run_dir / folder)

@@ -2,7 +2,7 @@
 
 Plans grow with the sequence length (activations, the loss tiles, the eval batch), so the fitting
 lengths are the ones below some bound; the search asks `plan` about a multiple of `granularity` at a
-time, up to the model's max_position_embeddings, without the ladder (the stack as given).
+time, up to the model's positions (max_position_embeddings, times model.rope_scaling's factor), without the ladder (the stack as given).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .figures import model_figures
+from .seqlen import positions
 
 if TYPE_CHECKING:
     from ..config.schema import TrainConfig
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 def longest_seq_len(
     cfg: TrainConfig, plan_fn: Callable[..., dict], gpus: list[int] | None, host_ram: int | None, granularity: int = 64
 ) -> int | None:
-    """The largest multiple of `granularity` (at most max_position_embeddings) whose plan fits;
+    """The largest multiple of `granularity` (at most the model's positions) whose plan fits;
     None when not even `granularity` tokens fit."""
 
     def fits(seq_len: int) -> bool:
@@ -28,7 +28,7 @@ def longest_seq_len(
         trial.trainer.seq_len = seq_len
         return bool(plan_fn(trial, gpus=gpus, host_ram=host_ram, ladder=False)["fits"])
 
-    top = model_figures(cfg.model).max_position_embeddings // granularity
+    top = positions(cfg.model) // granularity
     if top < 1 or not fits(granularity):
         return None
     good, bad = 1, top + 1  # fits(good * granularity) holds; bad is the first multiple known not to

@@ -1,7 +1,7 @@
 """`trainer.seq_len`: the model's positions bound it, and `auto` picks it from the data.
 
 `auto` is the train rows' longest tokenized length (or `trainer.seq_len_percentile` of their lengths),
-rounded up to a multiple of ROUND, capped by the model's max_position_embeddings and by the longest
+rounded up to a multiple of ROUND, capped by the model's max_position_embeddings (times model.rope_scaling's factor) and by the longest
 sequence whose plan fits the hardware. Before the data is read (`qlora plan`, and a run's first
 plan) auto stands for that cap alone: the most it can resolve to, so the plan is an upper bound.
 """
@@ -19,7 +19,7 @@ from .figures import model_figures
 from .peaks import worst_device
 
 if TYPE_CHECKING:
-    from ..config.schema import TrainConfig
+    from ..config.schema import ModelConfig, TrainConfig
 
 AUTO = "auto"
 ROUND = 64  # the search's granularity too; the shipped sample (22 tokens at most) stays at 64
@@ -29,14 +29,28 @@ def is_auto(cfg: TrainConfig) -> bool:
     return cfg.trainer.seq_len == AUTO
 
 
+def positions(model: ModelConfig) -> int:
+    """The positions a run may use: max_position_embeddings, times model.rope_scaling's factor when set."""
+    native = model_figures(model).max_position_embeddings
+    scaling = model.rope_scaling
+    return int(native * float(scaling["factor"])) if scaling else native
+
+
 def refuse_past_positions(cfg: TrainConfig) -> None:
     """A numeric seq_len past the model's positions: the model has no position for those tokens."""
-    positions = model_figures(cfg.model).max_position_embeddings
+    most = positions(cfg.model)
     seq_len = cfg.trainer.seq_len
-    if not is_auto(cfg) and positions and int(seq_len) > positions:
+    if not is_auto(cfg) and most and int(seq_len) > most:
+        scaled = " with model.rope_scaling" if cfg.model.rope_scaling else ""
+        further = (
+            "raise model.rope_scaling.factor"
+            if cfg.model.rope_scaling
+            else "set model.rope_scaling={rope_type:linear,factor:F} for F times more"
+        )
         raise UserError(
-            f"trainer.seq_len={seq_len} is past {cfg.model.name_or_path}'s {positions:,} positions "
-            f"(max_position_embeddings): use trainer.seq_len={positions} or less, or trainer.seq_len=auto"
+            f"trainer.seq_len={seq_len} is past {cfg.model.name_or_path}'s {most:,} positions "
+            f"(max_position_embeddings{scaled}): use trainer.seq_len={most} or less, or trainer.seq_len=auto, "
+            f"or {further}"
         )
 
 
@@ -49,9 +63,10 @@ def with_seq_len(cfg: TrainConfig, seq_len: int) -> TrainConfig:
 def auto_cap(cfg: TrainConfig, plan_fn: Callable[..., dict], longest_fit: Callable[[], int | None]) -> tuple[int, str]:
     """(the most auto may resolve to, why): the model's positions, or the longest length that fits
     when the plan at the positions does not. Not even ROUND tokens fitting: ROUND, which its plan refuses."""
-    positions = model_figures(cfg.model).max_position_embeddings
-    if plan_fn(with_seq_len(cfg, positions))["fits"]:
-        return positions, f"the model's positions (max_position_embeddings={positions:,})"
+    most = positions(cfg.model)
+    if plan_fn(with_seq_len(cfg, most))["fits"]:
+        scaled = f" x model.rope_scaling.factor={cfg.model.rope_scaling['factor']}" if cfg.model.rope_scaling else ""
+        return most, f"the model's positions (max_position_embeddings{scaled}={most:,})"
     fit = longest_fit() or ROUND
     worst = worst_device(plan_fn(with_seq_len(cfg, fit))["devices"])
     return fit, f"the longest sequence that fits {worst['device']}'s {worst['budget'] / GiB:.1f} GiB"

@@ -107,7 +107,15 @@ OVERRIDES = [
     (["trainer.grad_accum=0"], ["trainer.grad_accum=0"]),
     (["trainer.seq_len=0"], ["trainer.seq_len=0"]),
     (["trainer.seq_len=longest"], ["trainer.seq_len=longest", "or auto"]),
-    (["trainer.seq_len=300"], ["trainer.seq_len=300", "256 positions", "max_position_embeddings"]),
+    (
+        ["trainer.seq_len=300"],
+        ["trainer.seq_len=300", "256 positions", "max_position_embeddings", "model.rope_scaling"],
+    ),
+    (["trainer.seq_len=600", "model.rope_scaling={rope_type:linear,factor:2}"], ["512 positions", "factor"]),
+    # model
+    (["model.rope_scaling={rope_type:ntk,factor:2}"], ["model.rope_scaling.rope_type=ntk", "linear, dynamic"]),
+    (["model.rope_scaling={rope_type:linear,factor:1}"], ["model.rope_scaling.factor=1", "> 1"]),
+    (["model.rope_scaling={rope_type:yarn}"], ["model.rope_scaling needs a factor"]),
     (["trainer.seq_len_percentile=0"], ["trainer.seq_len_percentile=0", "(0, 100]"]),
     (["trainer.max_steps=-2"], ["trainer.max_steps=-2"]),
     (["trainer.max_steps=-1", "trainer.epochs=0"], ["trainer.max_steps", "trainer.epochs", "set one of them"]),

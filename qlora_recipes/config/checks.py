@@ -152,6 +152,7 @@ def _check_values(cfg: TrainConfig) -> None:
 
 
 ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")  # the ones that scale by `factor` (modeling_rope_utils)
+ROPE_NEEDS = {"llama3": ("low_freq_factor", "high_freq_factor")}  # transformers' required keys past factor
 
 
 def check_rope_scaling(scaling) -> None:
@@ -168,6 +169,9 @@ def check_rope_scaling(scaling) -> None:
         raise UserError(f"model.rope_scaling needs a factor (the positions' multiple); {fix}")
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
         raise UserError(f"model.rope_scaling.factor={factor} must be a number > 1 (the positions' multiple); {fix}")
+    missing = [key for key in ROPE_NEEDS.get(kind, ()) if key not in scaling]
+    if missing:
+        raise UserError(f"model.rope_scaling with rope_type={kind} needs {' and '.join(missing)} too")
 
 
 def check_target_modules(targets, to_save) -> None:

@@ -128,8 +128,11 @@ def rope_scaled_config(model: ModelConfig):
     if own.get("rope_type") != scaling.get("rope_type"):  # another type's keys (llama3's low_freq_factor) go
         own = {key: own[key] for key in ("rope_theta", "partial_rotary_factor") if key in own}
     config.rope_parameters = {**own, **scaling}
-    config.standardize_rope_params()  # yarn and llama3 read original_max_position_embeddings from here
-    config.validate_rope()
+    try:
+        config.standardize_rope_params()  # yarn and llama3 read original_max_position_embeddings from here
+        config.validate_rope()
+    except (KeyError, ValueError) as err:  # transformers' own word on keys the option's checks do not know
+        raise UserError(f"model.rope_scaling={model.rope_scaling}: {str(err).strip(chr(34))}") from None
     return config
 
 

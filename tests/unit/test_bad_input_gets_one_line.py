@@ -116,6 +116,7 @@ OVERRIDES = [
     (["model.rope_scaling={rope_type:ntk,factor:2}"], ["model.rope_scaling.rope_type=ntk", "linear, dynamic"]),
     (["model.rope_scaling={rope_type:linear,factor:1}"], ["model.rope_scaling.factor=1", "> 1"]),
     (["model.rope_scaling={rope_type:yarn}"], ["model.rope_scaling needs a factor"]),
+    (["model.rope_scaling={rope_type:llama3,factor:8}"], ["rope_type=llama3", "low_freq_factor and high_freq_factor"]),
     (["trainer.seq_len_percentile=0"], ["trainer.seq_len_percentile=0", "(0, 100]"]),
     (["trainer.max_steps=-2"], ["trainer.max_steps=-2"]),
     (["trainer.max_steps=-1", "trainer.epochs=0"], ["trainer.max_steps", "trainer.epochs", "set one of them"]),

@@ -43,3 +43,12 @@ def test_the_loaded_model_carries_the_scaling(tmp_path):
     assert rope["rope_type"] == "yarn" and rope["factor"] == 4
     assert rope["original_max_position_embeddings"] == 256 and "rope_theta" in rope
     assert model.model.rotary_emb.rope_type == "yarn"
+
+
+def test_a_scaling_transformers_refuses_is_one_line_at_load():
+    from qlora_recipes.model.loading import rope_scaled_config
+
+    cfg = compose_cfg(*SMOKE)
+    cfg.model.rope_scaling = {"rope_type": "llama3", "factor": 2.0}  # past the checks: transformers' own KeyError
+    with pytest.raises(UserError, match=r"model\.rope_scaling=.*low_freq_factor"):
+        rope_scaled_config(cfg.model)

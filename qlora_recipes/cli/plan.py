@@ -122,6 +122,8 @@ def plan_and_print(composed: DictConfig) -> None:
     if chosen:
         print(chosen)
     print(planner.render_table(plan))
+    if not (cfg.data.packing or "seq_len_auto" in plan):  # no data read: rows planned at their longest
+        print(planner.upper_bound_note(int(cfg.trainer.seq_len)))
     print(f"plan: {path}  (planned in {plan_s:.2f} s, {time.perf_counter() - _STARTED:.2f} s since start)")
     _RESULT["fits"] = plan["fits"]
     if _HARDWARE["longest"]:

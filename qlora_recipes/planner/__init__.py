@@ -28,7 +28,17 @@ from .placement import loader_max_memory
 from .process import measured_start
 from .report import DoesNotFit, refuse_unless_fits, render_table, write_plan
 from .search import longest_seq_len as _longest_seq_len
-from .seqlen import auto_cap, is_auto, plan_note, refuse_past_positions, resolve_auto, with_seq_len
+from .seqlen import (
+    auto_cap,
+    data_length,
+    data_note,
+    is_auto,
+    plan_note,
+    refuse_past_positions,
+    resolve_auto,
+    upper_bound_note,
+    with_seq_len,
+)
 from .sharded import CPU_RANKS, SHARDED, plan_cpu_rank, plan_sharded
 from .single import plan_single
 from .spec import spec_from_cfg
@@ -48,7 +58,8 @@ __all__ = [
     "refuse_unless_fits",
     "render_table",
     "seq_len_for_data",
-    "settle_seq_len",
+    "settle_for_data",
+    "upper_bound_note",
     "write_plan",
 ]
 
@@ -131,8 +142,15 @@ def seq_len_for_data(cfg: TrainConfig, first_plan: dict):
     return resolve
 
 
-def settle_seq_len(cfg: TrainConfig, first_plan: dict, seq_len: int, gpus: list[int] | None = None) -> tuple:
-    """(cfg, plan) with trainer.seq_len=auto resolved to `seq_len` and planned at it; otherwise as they were."""
-    if not is_auto(cfg):
-        return cfg, first_plan
-    return with_seq_len(cfg, seq_len), plan(with_seq_len(cfg, seq_len), gpus)
+def settle_for_data(cfg: TrainConfig, first_plan: dict, data_stats: dict, gpus: list[int] | None = None) -> tuple:
+    """(cfg, plan) once the data is tokenized: trainer.seq_len=auto resolved to what the rows gave
+    (data_stats["seq_len"]), and the plan made for the batches the rows really make - their longest
+    row when shorter than seq_len (planner/seqlen.py) - else as planned before the data."""
+    settled = with_seq_len(cfg, data_stats["seq_len"]) if is_auto(cfg) else cfg
+    longest = data_length(settled, data_stats.get("max_tokens"))
+    if longest is None:
+        return settled, (first_plan if settled is cfg else plan(settled, gpus))
+    result = plan(with_seq_len(settled, longest), gpus)
+    result.setdefault("notes", []).append(data_note(longest, int(settled.trainer.seq_len)))
+    result["data_longest_row"] = longest
+    return settled, result

@@ -4,6 +4,11 @@
 rounded up to a multiple of ROUND, capped by the model's max_position_embeddings (times model.rope_scaling's factor) and by the longest
 sequence whose plan fits the hardware. Before the data is read (`qlora plan`, and a run's first
 plan) auto stands for that cap alone: the most it can resolve to, so the plan is an upper bound.
+
+Once the data is tokenized a run plans the batches it really makes: a micro-batch is padded to its
+longest row (padding-free: no longer than that many tokens per row), so rows all shorter than
+seq_len are planned at the longest of them. Packed rows are filled to seq_len and stay planned there.
+A plan without the data (`qlora plan`) assumes every row is seq_len long and says so.
 """
 
 from __future__ import annotations
@@ -94,3 +99,27 @@ def resolve_auto(lengths: Sequence[int], percentile: float, cap: int, why: str, 
     if rounded > cap:
         return cap, f"trainer.seq_len=auto -> {cap} ({what}; capped at {cap}: {why})"
     return rounded, f"trainer.seq_len=auto -> {rounded} ({what}, rounded up to a multiple of {ROUND})"
+
+
+def data_length(cfg: TrainConfig, max_tokens: dict | None) -> int | None:
+    """The length a run's batches reach, when its data makes them shorter than trainer.seq_len: the
+    longest tokenized row of the train and eval splits. None when rows are packed (filled to seq_len)
+    or some row reaches seq_len."""
+    if cfg.data.packing or not max_tokens:
+        return None
+    longest = max(int(n or 0) for n in max_tokens.values())
+    return longest if 0 < longest < int(cfg.trainer.seq_len) else None
+
+
+def data_note(longest: int, seq_len: int) -> str:
+    return (
+        f"planned for the batches the data makes: its longest tokenized row is {longest} tokens "
+        f"(trainer.seq_len={seq_len} bounds it; a plan without the data assumes every row is seq_len long)"
+    )
+
+
+def upper_bound_note(seq_len: int) -> str:
+    return (
+        f"planned as if every row were trainer.seq_len={seq_len:,} tokens long: an upper bound; "
+        "a run plans the batches its data makes"
+    )

@@ -99,7 +99,7 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
     tokenizer = loading.load_tokenizer(cfg.model)
     seq_len = planner.seq_len_for_data(cfg, plan)  # trainer.seq_len=auto: from the train rows' tokens
     train_ds, eval_ds, data_stats = data.load_splits(cfg.data, tokenizer, seq_len, cfg.seed)
-    cfg, plan = planner.settle_seq_len(cfg, plan, data_stats["seq_len"])  # planned at what it resolved to
+    cfg, plan = planner.settle_for_data(cfg, plan, data_stats)  # planned for the batches the rows make
     _write_run_files(cfg, run_dir, choices, plan, on_write, replace=True)  # every check has passed
     model = loading.make_trainable(cfg, loading.load_model(cfg, run_dir, planner.loader_max_memory(plan)))
     trainable, total = model.get_nb_trainable_parameters()
@@ -107,7 +107,7 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
 
     want_em = cfg.data.metric == "exact_match" and eval_ds is not None
     pairs = data.generation_pairs(eval_ds, data_stats["format"], cfg.data.metric_examples) if want_em else []
-    em_before = _exact_match(cfg, model, tokenizer, pairs)
+    em_before = _exact_match(cfg, model, tokenizer, pairs, plan)
 
     tb = _tensorboard(run_dir) if "tensorboard" in trackers.enabled(cfg.logger) else None
     tracking = trackers.start(cfg.logger, run_dir) if _main_rank() else None  # the logger group's W&B / MLflow runs
@@ -118,7 +118,7 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
         try:
             with sigint_deferred():  # the trained adapter first, whole: a signal in the evaluation keeps it
                 _save_adapter(fitted.trainer, tokenizer, run_dir)
-            scores = _scores(cfg, model, tokenizer, pairs, _final_eval_loss(fitted.trainer, eval_ds), em_before)
+            scores = _scores(cfg, model, tokenizer, pairs, _final_eval_loss(fitted.trainer, eval_ds), em_before, plan)
         except KeyboardInterrupt as err:
             raise _stopped_in_final_eval(interrupts.signal_name(err), fitted.trainer, run_dir) from None
         out = {**_run_figures(fitted, plan, resume_from), **scores, "wall_s": time.time() - started, "data": data_stats}
@@ -262,22 +262,23 @@ def _stopped_in_final_eval(signame: str, trainer, run_dir: Path) -> lifecycle.Pr
     return lifecycle.Preempted(signame, step, checkpoint, adapter=adapter, phase="during the final evaluation")
 
 
-def _exact_match(cfg: TrainConfig, model, tokenizer, pairs) -> float | None:
+def _exact_match(cfg: TrainConfig, model, tokenizer, pairs, plan: dict) -> float | None:
     """The task metric: prompts cut to seq_len tokens, at most max_new_tokens generated, batches no
-    larger than an eval batch (eval_batch_size x seq_len positions): the bound the memory plan
-    counts (planner/loss.py)."""
+    larger than an eval batch of the planned length (eval_batch_size x the plan's seq_len
+    positions): the bound the memory plan counts (planner/loss.py)."""
     t = cfg.trainer
+    planned_len = plan.get("stack", {}).get("seq_len") or t.seq_len
     return metrics.exact_match(
         model,
         tokenizer,
         pairs,
         cfg.data.max_new_tokens,
-        max_batch_tokens=t.eval_batch_size * t.seq_len,
+        max_batch_tokens=t.eval_batch_size * planned_len,
         max_prompt_tokens=t.seq_len,
     )
 
 
-def _scores(cfg: TrainConfig, model, tokenizer, pairs, eval_loss, em_before) -> dict:
+def _scores(cfg: TrainConfig, model, tokenizer, pairs, eval_loss, em_before, plan: dict) -> dict:
     """Eval loss, perplexity, the task metric before and after, and lm-eval tasks when asked for."""
     t = cfg.trainer
     lm_eval = (
@@ -289,7 +290,7 @@ def _scores(cfg: TrainConfig, model, tokenizer, pairs, eval_loss, em_before) -> 
         "eval_loss": eval_loss,
         "eval_perplexity": metrics.perplexity(eval_loss),
         "eval_exact_match_before": em_before,
-        "eval_exact_match": _exact_match(cfg, model, tokenizer, pairs),
+        "eval_exact_match": _exact_match(cfg, model, tokenizer, pairs, plan),
         "lm_eval": lm_eval,
     }
 

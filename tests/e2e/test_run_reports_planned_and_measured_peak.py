@@ -4,10 +4,12 @@ plan's cpu-device peak), each run's peak is its own within one process, memory.p
 
 import json
 import resource
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import train_smoke
+from conftest import REPO, SMOKE, train_smoke
 from omegaconf import OmegaConf
 
 from qlora_recipes.integrations import sweep
@@ -69,3 +71,19 @@ def test_second_run_in_a_process_reports_its_own_peak(two_runs):
     assert [r["peak_mem_gib"] for r in rows] == [first["peak_mem_gib"], second["peak_mem_gib"]]
     assert [r["plan_ratio"] for r in rows] == [first["plan_ratio"], second["plan_ratio"]]
     assert {r["peak_quantity"] for r in rows} == {"process RSS"}
+
+
+def test_rows_much_shorter_than_seq_len_are_planned_as_the_batches_they_make(tmp_path):
+    """64 rows of the shipped sample (22 tokens at most) per micro-batch at seq_len 256: planned as if
+    every row were seq_len long, the run measures ~0.74 of its plan; planned at the data's longest row,
+    within 10 %. Its own process, as a user runs it: the RSS of a process that trained before is not a
+    first run's."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(REPO / "train.py"), *SMOKE, "trainer.micro_batch_size=64", "trainer.seq_len=256"]
+    proc = subprocess.run([*cmd, f"hydra.run.dir={run}"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads((run / "plan.json").read_text())
+    saved = json.loads((run / "metrics.json").read_text())
+    assert plan["stack"]["seq_len"] == plan["data_longest_row"] < 64
+    assert any("longest tokenized row" in note for note in plan["notes"])
+    assert 0.9 <= saved["plan_ratio"] <= 1.1, saved

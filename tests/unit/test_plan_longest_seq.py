@@ -36,3 +36,5 @@ def test_plan_command_prints_the_longest_sequence(tmp_path):
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("longest sequence that fits"))
     assert "7.6 GiB GPU" in line and "trainer.seq_len=" in line
     assert int(line.split("trainer.seq_len=")[1].split()[0]) >= 2048  # the recipe's own length fits
+    # no data read: every row planned seq_len long, and said (a run plans the batches its rows make)
+    assert "planned as if every row were trainer.seq_len=2,048 tokens long: an upper bound" in proc.stdout

@@ -70,11 +70,14 @@ def test_a_run_plans_and_saves_what_auto_resolved_to():
     first = planner.plan(cfg)
     resolve = planner.seq_len_for_data(cfg, first)
     value = resolve([30, 70], "my.jsonl")
-    settled, plan = planner.settle_seq_len(cfg, first, value)
+    settled, plan = planner.settle_for_data(cfg, first, {"seq_len": value, "max_tokens": {"train": 128}})
     assert value == 128 and settled.trainer.seq_len == 128 and plan["stack"]["seq_len"] == 128
     assert "seq_len: 128" in to_yaml(settled) and cfg.trainer.seq_len == "auto"
     fixed = compose_cfg("trainer=smoke", "trainer.seq_len=64")  # an explicit number: as it is
-    assert planner.seq_len_for_data(fixed, first) == 64 and planner.settle_seq_len(fixed, first, 64)[0] is fixed
+    assert (
+        planner.seq_len_for_data(fixed, first) == 64
+        and planner.settle_for_data(fixed, first, {"seq_len": 64})[0] is fixed
+    )
 
 
 def test_resuming_with_auto_is_not_a_stack_change():

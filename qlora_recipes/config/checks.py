@@ -59,10 +59,14 @@ def check_stack(cfg: TrainConfig) -> None:
 
 
 def _check_seq_len(t: TrainerConfig) -> None:
-    """trainer.seq_len: a positive number of tokens, or auto (planner/seqlen.py resolves it from the data)."""
+    """trainer.seq_len: a positive number of tokens, or auto (planner/seqlen.py resolves it from the data);
+    trainer.eval_batch_size: a positive number of rows, or auto (planner/evalbatch.py)."""
     value = t.seq_len
     if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
         raise UserError(f"trainer.seq_len={value} must be a positive number of tokens, or auto (from the data)")
+    rows = t.eval_batch_size
+    if rows != "auto" and (isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0):
+        raise UserError(f"trainer.eval_batch_size={rows} must be a positive number of rows, or auto (from the plan)")
     if not 0 < t.seq_len_percentile <= 100:
         raise UserError(f"trainer.seq_len_percentile={t.seq_len_percentile} must be in (0, 100]; 100: the longest row")
 

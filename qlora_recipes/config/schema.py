@@ -217,7 +217,12 @@ class PrecisionConfig:
 class TrainerConfig:
     micro_batch_size: int = option(4, "rows per forward/backward", positive=True)
     grad_accum: int = option(4, "micro-batches per optimizer step", positive=True)
-    eval_batch_size: int = option(16, "rows per eval forward", positive=True, resume_safe=True)
+    # int | str: a number, or "auto" (planner/evalbatch.py), resolved by the plan before it is read
+    eval_batch_size: int | str = option(
+        "auto",
+        "rows per eval forward; auto: the most, up to 16, whose evaluation needs no more memory than training",
+        resume_safe=True,
+    )
     # int | str: a number, or "auto" (planner/seqlen.py), resolved before anything reads it as tokens
     seq_len: int | str = option(
         2048,

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..config import devices as _dev
 from ..config.loader import precision_for
+from . import evalbatch
 from .figures import model_figures
 from .ladder import ladder_rungs, offload_params_rungs
 from .loss import with_metric
@@ -58,6 +59,7 @@ __all__ = [
     "refuse_unless_fits",
     "render_table",
     "seq_len_for_data",
+    "settle_eval_batch",
     "settle_for_data",
     "upper_bound_note",
     "write_plan",
@@ -90,6 +92,12 @@ def plan(
         result = plan(with_seq_len(cfg, cap), gpus, host_ram, world_size, ladder)
         result.setdefault("notes", []).append(plan_note(cap, why))
         result["seq_len_auto"] = {"cap": cap, "why": why}
+        return result
+    if evalbatch.is_auto(cfg):  # the most eval rows whose evaluation needs no more than training
+        rows, why = evalbatch.resolve(cfg, _planner(gpus, host_ram, world_size))
+        result = plan(evalbatch.with_eval_batch(cfg, rows), gpus, host_ram, world_size, ladder)
+        result.setdefault("notes", []).append(why)
+        result["eval_batch_auto"] = {"rows": rows, "why": why}
         return result
     cfg = precision_for(cfg, gpus)  # precision=auto as it picks on the GPUs planned for
     strategy = cfg.dist.strategy
@@ -140,6 +148,16 @@ def seq_len_for_data(cfg: TrainConfig, first_plan: dict):
         return value
 
     return resolve
+
+
+def settle_eval_batch(cfg: TrainConfig, first_plan: dict) -> TrainConfig:
+    """cfg with trainer.eval_batch_size=auto resolved as `first_plan` resolved it (the line saying
+    why is logged); otherwise as it was."""
+    if not evalbatch.is_auto(cfg):
+        return cfg
+    auto = first_plan["eval_batch_auto"]
+    log.info("%s", auto["why"])
+    return evalbatch.with_eval_batch(cfg, auto["rows"])
 
 
 def settle_for_data(cfg: TrainConfig, first_plan: dict, data_stats: dict, gpus: list[int] | None = None) -> tuple:

@@ -13,6 +13,8 @@ from ..config.schema import padding_free_on
 from ..errors import UserError
 from ..units import DTYPE_BYTES, dtype_bytes
 from .constants import DEVICE_MAP_STRATEGIES
+from .evalbatch import AUTO as AUTO_ROWS
+from .evalbatch import MOST as MOST_EVAL_ROWS
 from .figures import Figures, given, model_figures
 
 if TYPE_CHECKING:
@@ -163,6 +165,8 @@ def _sizes(trainer: TrainerConfig, peft: PeftConfig) -> dict[str, int]:
     ]:
         group = "peft" if node is peft else "trainer"
         value = getattr(node, name)
+        if name == "eval_batch_size" and value == AUTO_ROWS:  # unresolved (plan() resolves it): its most
+            value = MOST_EVAL_ROWS
         if value is None or int(value) < lo:
             raise UserError(f"{group}.{name}={value!r} must be an integer >= {lo}")
         ints[key] = int(value)

@@ -95,6 +95,7 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
         log.warning("%s", done)
         return done.metrics
 
+    cfg = planner.settle_eval_batch(cfg, plan)  # eval_batch_size=auto: as the plan resolved it
     set_seed(cfg.seed)
     tokenizer = loading.load_tokenizer(cfg.model)
     seq_len = planner.seq_len_for_data(cfg, plan)  # trainer.seq_len=auto: from the train rows' tokens

@@ -669,14 +669,16 @@ def test_refusal_is_one_line_with_the_first_fitting_rung():
 
 def test_ladder_reaches_cpu_offload_for_70b_on_a_24gb_card():
     plan = plan_for(*LLAMA2_70B, gpus=[24 * GiB], host_ram=256 * GiB)
-    rung = plan["ladder"][-1]
-    assert rung["change"] == "cpu_offload" and rung["fits"] and rung["cost"] == "large"
+    # (eval_batch_size=auto: after the offload an eval-batch rung may follow; a replan resolves it anew)
+    rung = next(r for r in plan["ladder"] if r["change"] == "cpu_offload")
+    assert rung["cost"] == "large"
     assert "offload=cpu" in rung["overrides"] and "offload.max_memory.gpu=" in rung["overrides"]
     replanned = plan_for(*LLAMA2_70B, *rung["overrides"].split(), gpus=[24 * GiB], host_ram=256 * GiB, ladder=False)
     assert replanned["fits"] and "cpu" in replanned["device_map"].values()
     # a host too small for the rest of the model: disk offload, with the folder of offload=disk
     small = plan_for(*LLAMA2_70B, gpus=[24 * GiB], host_ram=24 * GiB)
-    assert small["ladder"][-1]["change"] == "disk_offload" and "offload=disk" in small["ladder"][-1]["overrides"]
+    disk = next(r for r in small["ladder"] if r["change"] == "disk_offload")
+    assert "offload=disk" in disk["overrides"]
 
 
 def test_write_plan_and_table(tmp_path):

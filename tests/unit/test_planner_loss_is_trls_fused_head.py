@@ -139,7 +139,7 @@ def test_no_key_of_ours_takes_trl_off_the_fused_head(tmp_path):
 
 def test_generation_metric_is_planned_from_its_lengths():
     assert inspect.signature(metrics.exact_match).parameters["batch_size"].default == loss.GEN_METRIC_BATCH
-    base = ("model=llama3.1-8b", "trainer=standard", "data=order", "quant=nf4")
+    base = ("model=llama3.1-8b", "trainer=standard", "data=order", "quant=nf4", "trainer.eval_batch_size=1")
     st = loss.with_metric(spec_from_cfg(compose_cfg(*base), 1), compose_cfg(*base).data)
     assert isinstance(st, loss.MetricStack) and st.gen_batch == min(32, 64) and st.gen_new_tokens == 8
     assert replace(st, seq_len=1024).gen_batch == 32  # the ladder's copies keep the metric

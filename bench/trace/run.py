@@ -82,10 +82,9 @@ def run_child(spec: dict, log: Path | None = None, timeout: float | None = None)
 def slice_layers(cfg: Any) -> tuple[int, int] | None:
     """(k, k + 1) decoder layers to trace, or None to trace the model whole."""
     from qlora_recipes.planner import model_figures
-    from qlora_recipes.planner.constants import TRL_OFFLOAD_FWD_STASH
 
     layers = model_figures(cfg.model).num_layers
-    k = 2 + (TRL_OFFLOAD_FWD_STASH if cfg.trainer.activation_offloading else 0)
+    k = 2 + (cfg.trainer.activation_offload_stash if cfg.trainer.activation_offloading else 0)
     if layers <= max(FULL_TRACE_MAX_LAYERS, k + 1):
         return None
     return k, k + 1

@@ -144,7 +144,7 @@ def _offload_ctx(cfg: Any, model):
         return contextlib.nullcontext
     from trl.models.activation_offloading import get_act_offloading_ctx_manager
 
-    ctx = get_act_offloading_ctx_manager(model=model)
+    ctx = get_act_offloading_ctx_manager(model=model, max_fwd_stash_size=cfg.trainer.activation_offload_stash)
     return lambda: ctx
 
 

@@ -27,6 +27,7 @@ TOLERANCE = 0.10  # traced within 10 % of planned
 LEAN = {
     "precision.upcast_frozen=false": ["precision.upcast_frozen=false"],
     "trainer.activation_offloading=true": ["trainer.activation_offloading=true"],
+    "trainer.activation_offload_stash=1": ["trainer.activation_offloading=true", "trainer.activation_offload_stash=1"],
     "data.padding_free=true": ["data.packing=true", "data.padding_free=true"],
     "quant=none": ["quant=none"],
     "trainer.gradient_checkpointing=false": ["trainer.gradient_checkpointing=false"],

@@ -245,6 +245,14 @@ class TrainerConfig:
     activation_offloading: bool = option(
         False, "TRL: saved activations to pinned host RAM (CUDA only)", resume_safe=True
     )
+    # how many offloaded layer inputs stay on the GPU while their copies to host RAM run
+    activation_offload_stash: int = option(
+        5,
+        "trainer.activation_offloading: the newest offloaded tensors kept on the GPU while their copies run "
+        "(TRL's 5 overlaps the most; 1 keeps only the one in flight: the least GPU memory)",
+        range=">= 1",
+        resume_safe=True,
+    )
     liger: bool = option(False, "Liger kernels through TRL/transformers' use_liger_kernel (Triton: CUDA only)")
     logging_steps: int = option(10, "steps between logged losses", positive=True, resume_safe=True)
     eval_steps: int = option(0, "0: evaluate at the end only", range=">= 0", resume_safe=True)

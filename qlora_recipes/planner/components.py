@@ -24,7 +24,6 @@ from .constants import (
     BNB_OPTIM_BLOCKSIZE,
     BNB_PAGED_MIN_ELEMENTS,
     OPTIMIZERS,
-    TRL_OFFLOAD_FWD_STASH,
     TRL_OFFLOAD_MIN_BYTES,
 )
 from .figures import Block, inventory
@@ -401,9 +400,9 @@ def offloaded_activations(st: StackSpec, per_layer: list[int]) -> tuple[int, int
     torch.utils.checkpoint saves the layer's positional inputs under the outer saved-tensor hooks,
     while the recompute's tensors stay inside the checkpoint (RoPE cos/sin and the mask are keyword
     arguments, kept; shared_per_device_bytes). Left on the GPU: the forward stash, the last
-    TRL_OFFLOAD_FWD_STASH offloaded tensors, alive until their copy completes and the newest until
-    backward starts - the inputs of the last 5 layers (without checkpointing, at most the last
-    layer's tensors). Pinned blocks come from torch's CachingHostAllocator, which rounds each to a
+    `st.offload_stash` offloaded tensors, alive until their copy completes and the newest until
+    backward starts - the inputs of the last trainer.activation_offload_stash layers (TRL's default 5;
+    without checkpointing, at most the last layer's tensors). Pinned blocks come from torch's CachingHostAllocator, which rounds each to a
     power of two and caches it; without checkpointing the sum is unrounded (tensor sizes not tallied).
     The saved tensors of the final norm and the loss move too; they stay counted on the GPU.
     """
@@ -412,7 +411,7 @@ def offloaded_activations(st: StackSpec, per_layer: list[int]) -> tuple[int, int
     if not st.checkpointing:
         return max(per_layer), sum(per_layer)
     moved = [x for x in per_layer if x >= TRL_OFFLOAD_MIN_BYTES]
-    kept = sum(per_layer) - sum(moved) + sum(sorted(moved)[-TRL_OFFLOAD_FWD_STASH:])
+    kept = sum(per_layer) - sum(moved) + sum(sorted(moved)[-st.offload_stash :])
     return kept, sum(1 << (x - 1).bit_length() for x in moved)
 
 

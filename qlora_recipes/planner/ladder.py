@@ -77,8 +77,13 @@ def _candidates(kind: str, st: StackSpec, hw: _dev.Hardware, plan: dict) -> list
         if st.upcast_frozen and st.frozen_bytes > st.act_bytes:  # k-bit prep's fp32 upcast is on and does something
             out.append((replace(st, upcast_frozen=False), {"precision.upcast_frozen": "false"}))
     elif kind == "activation_offload":
-        if hw.has_gpu and st.device_map != "cpu" and st.checkpointing and not st.activation_offloading:
-            out.append((replace(st, activation_offloading=True), {"trainer.activation_offloading": "true"}))
+        if hw.has_gpu and st.device_map != "cpu" and st.checkpointing:
+            on = {"trainer.activation_offloading": "true"}
+            if not st.activation_offloading:
+                out.append((replace(st, activation_offloading=True), on))
+            if st.offload_stash > 1:  # then only the layer input in flight stays on the GPU
+                least = replace(st, activation_offloading=True, offload_stash=1)
+                out.append((least, {**on, "trainer.activation_offload_stash": 1}))
     elif kind == "checkpointing":
         if not st.checkpointing:
             out.append((replace(st, checkpointing=True), {"trainer.gradient_checkpointing": "true"}))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..config.schema import padding_free_on
 from ..errors import UserError
 from ..units import DTYPE_BYTES, dtype_bytes
-from .constants import DEVICE_MAP_STRATEGIES
+from .constants import DEVICE_MAP_STRATEGIES, TRL_OFFLOAD_FWD_STASH
 from .evalbatch import AUTO as AUTO_ROWS
 from .evalbatch import MOST as MOST_EVAL_ROWS
 from .figures import Figures, given, model_figures
@@ -56,6 +56,7 @@ class StackSpec:
     checkpointing: bool = True
     checkpointing_mode: str = "non_reentrant"
     activation_offloading: bool = False  # trainer.activation_offloading (TRL): saved activations in host RAM
+    offload_stash: int = TRL_OFFLOAD_FWD_STASH  # trainer.activation_offload_stash: offloaded tensors left on the GPU
     attn: str = "sdpa"
     packing: bool = False  # data.packing: micro-batches filled from the data, no pads
     padding_free: bool = False  # schema.padding_free_on: one flat row of b*s tokens, position_ids apart
@@ -119,6 +120,7 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         checkpointing=bool(trainer.gradient_checkpointing),
         checkpointing_mode=mode,
         activation_offloading=bool(trainer.activation_offloading),
+        offload_stash=int(trainer.activation_offload_stash),
         attn=str(model.attn_implementation),
         packing=bool(data.packing),
         padding_free=padding_free_on(data),

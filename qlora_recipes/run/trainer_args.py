@@ -7,6 +7,19 @@ from pathlib import Path
 from ..config.schema import OptimConfig, TrainConfig
 
 log = logging.getLogger("train")
+DEFAULT_OFFLOAD_STASH = 5  # trl.models.get_act_offloading_ctx_manager's max_fwd_stash_size
+
+
+def offload_stash(trainer, t) -> None:
+    """trainer.activation_offload_stash other than TRL's default: the trainer's offloading context
+    rebuilt with that forward stash (SFT, DPO and KTO trainers all keep it in
+    `maybe_activation_offload_context`); copies still overlap compute on TRL's side stream."""
+    from trl.models import get_act_offloading_ctx_manager
+
+    if t.activation_offloading and t.activation_offload_stash != DEFAULT_OFFLOAD_STASH:
+        trainer.maybe_activation_offload_context = get_act_offloading_ctx_manager(
+            model=trainer.model, max_fwd_stash_size=t.activation_offload_stash
+        )
 
 
 def sft_config(cfg: TrainConfig, run_dir: Path, data_format: str, on_gpu: bool, has_eval: bool):

@@ -220,6 +220,7 @@ def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan,
             processing_class=tokenizer,
             callbacks=[memory_log, *tb_callbacks, EvalProgress(), preemption],
         )
+        trainer_args.offload_stash(trainer, c.trainer)
         trainer.adapter_sha256_step0 = dist.sync_adapters(model)  # every rank starts from rank 0's adapters
         return trainer
 

@@ -25,7 +25,7 @@ def test_longer_sequences_evaluate_fewer_rows_and_never_above_training():
     short, long = _plan("trainer.seq_len=2048"), _plan("trainer.seq_len=32768")
     rows = short["eval_batch_auto"]["rows"], long["eval_batch_auto"]["rows"]
     assert rows[0] > rows[1] >= 1, rows
-    for plan, n in zip((short, long), rows):
+    for plan, n in zip((short, long), rows, strict=True):
         assert plan["stack"]["eval_batch_size"] == n and _eval_within_training(plan)
         assert f"trainer.eval_batch_size=auto -> {n} (the most rows, up to 16" in " ".join(plan["notes"])
     # one row more than auto picked: evaluation would be the peak

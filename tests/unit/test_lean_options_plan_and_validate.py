@@ -5,7 +5,7 @@ moving by the bytes the option moves. Training with them: e2e/test_lean_options_
 
 import pytest
 import torch
-from conftest import compose_cfg
+from conftest import compose_cfg, requires_gpu
 
 from qlora_recipes import planner
 from qlora_recipes.config.loader import precision_for
@@ -160,7 +160,8 @@ def test_ladder_leaves_out_lean_rungs_that_cannot_help():
     assert offered("frozen_dtype", gpu) == [{"precision.upcast_frozen": "false"}]
     assert offered("frozen_dtype", gpu, "quant=none") == offered("frozen_dtype", gpu, "precision=fp32") == []
     assert offered("frozen_dtype", gpu, "precision.upcast_frozen=false") == []
-    assert offered("activation_offload", gpu) == [{"trainer.activation_offloading": "true"}]
+    on = {"trainer.activation_offloading": "true"}
+    assert offered("activation_offload", gpu) == [on, {**on, "trainer.activation_offload_stash": 1}]
     assert offered("activation_offload", cpu) == []
     assert offered("activation_offload", gpu, "trainer.gradient_checkpointing=false") == []
 
@@ -177,3 +178,43 @@ def test_liger_is_refused_on_cpu_or_without_the_package_and_reaches_sft_config(t
         with pytest.raises(UserError, match=r"pip install -r requirements-gpu.txt"):
             validate(cfg, gpu_available=True, world_size=1)
     assert trainer_args.sft_config(cfg, tmp_path, "text", on_gpu=False, has_eval=False).use_liger_kernel is True
+
+
+def test_a_stash_of_one_keeps_only_the_layer_input_in_flight_on_the_gpu():
+    """trainer.activation_offload_stash: TRL's forward stash keeps the newest N offloaded layer inputs
+    on the GPU while their copies run (5 by default); 1 leaves one. The ladder offers it after
+    offloading itself, and 0 is one line."""
+    long = ("model=llama3.1-8b", "trainer=standard", "trainer.seq_len=32768", "trainer.activation_offloading=true")
+    five, one = (
+        planner.plan(compose_cfg(*long, f"trainer.activation_offload_stash={n}"), gpus=[80 * GiB], host_ram=HOST)
+        for n in (5, 1)
+    )
+    layer_input = 32768 * 4096 * 4  # one row of hidden states, fp32 (k-bit prep upcasts the residual stream)
+    kept = five["components"]["activations"]["cuda:0"] - one["components"]["activations"]["cuda:0"]
+    assert kept == 4 * layer_input
+    assert five["components"]["activations"]["cpu"] == one["components"]["activations"]["cpu"]
+    st = planner.spec_from_cfg(precision_for(compose_cfg(*long), [24 * GiB]), 1)
+    offered = [ov for _, ov in _candidates("activation_offload", st, planner_hw(24), {})]
+    assert offered == [{"trainer.activation_offloading": "true", "trainer.activation_offload_stash": 1}]
+    with pytest.raises(UserError, match="trainer.activation_offload_stash"):
+        validate(compose_cfg("trainer.activation_offload_stash=0"), gpu_available=True, world_size=1)
+
+
+def planner_hw(gib: int):
+    from qlora_recipes.config import devices
+
+    return devices.hardware([gib * GiB], HOST)
+
+
+@pytest.mark.gpu
+@requires_gpu("TRL's offloading context needs a CUDA stream")
+def test_the_stash_reaches_trls_offloading_context():
+    from types import SimpleNamespace
+
+    from qlora_recipes.run.trainer_args import offload_stash
+
+    trainer = SimpleNamespace(model=torch.nn.Linear(8, 8).cuda())
+    offload_stash(
+        trainer, compose_cfg("trainer.activation_offloading=true", "trainer.activation_offload_stash=1").trainer
+    )
+    assert trainer.maybe_activation_offload_context.max_fwd_stash_size == 1

@@ -68,10 +68,7 @@ def trace(spec: dict) -> dict:
             outer.enter_context(ctx)
         model = materialize(model, linears, device)
         tracker_ref: dict = {}
-        if offload_map:
-            from bench.trace.offload import offload_blocks
-
-            offload_blocks(model, offload_map, device, tracker_ref)
+        _place_as_the_loader(cfg, model, offload_map, device, tracker_ref)
         built = time.perf_counter()
         tracker = PlanTracker()
         tracker_ref["t"] = tracker
@@ -104,6 +101,19 @@ def trace(spec: dict) -> dict:
         "wall_s": round(time.perf_counter() - started, 2),
         "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
     }
+
+
+def _place_as_the_loader(cfg, model, offload_map, device: str, tracker_ref: dict) -> None:
+    """What the loader moves off the device: offloaded blocks, and the input embeddings kept in host
+    RAM (model/host_embeddings.py)."""
+    if offload_map:
+        from bench.trace.offload import offload_blocks
+
+        offload_blocks(model, offload_map, device, tracker_ref)
+    if cfg.offload.embeddings and device == "cuda":
+        from qlora_recipes.model.host_embeddings import keep_on_host
+
+        keep_on_host(model, device)
 
 
 def _kernel_modes(cfg, spec: dict, fake: bool, device: str) -> list:

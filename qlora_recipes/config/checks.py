@@ -96,6 +96,28 @@ def check_precision(cfg: TrainConfig) -> None:
         )
 
 
+def _check_host_embeddings(cfg: TrainConfig) -> None:
+    """offload.embeddings keeps a frozen table in host RAM on a one-device model."""
+    if not cfg.offload.embeddings:
+        return
+    if cfg.offload.device_map is not None:
+        raise UserError(
+            "offload.embeddings=true with offload=cpu|disk: accelerate places the embeddings already; use one or the other"
+        )
+    if cfg.dist.strategy in ("fsdp", "zero3"):
+        raise UserError(
+            f"offload.embeddings=true cannot run under dist={cfg.dist.strategy} (it shards the table itself); drop it"
+        )
+    trained = [m for m in (cfg.peft.modules_to_save or []) if "embed" in str(m)]
+    if "embed" in str(cfg.peft.target_modules):
+        trained.append(f"an adapter on {cfg.peft.target_modules}")
+    if trained:
+        raise UserError(
+            f"offload.embeddings=true keeps the input embeddings frozen in host RAM, but peft.modules_to_save "
+            f"trains {trained[0]}: drop one of them"
+        )
+
+
 def _check_placement(cfg: TrainConfig) -> None:
     """Offload settings and method pairs that cannot work whatever the machine."""
     o = cfg.offload
@@ -107,6 +129,7 @@ def _check_placement(cfg: TrainConfig) -> None:
         )
     if o.disk and o.device_map != "auto":
         raise UserError("offload=disk needs offload.device_map=auto so accelerate can place layers on disk")
+    _check_host_embeddings(cfg)
     if cfg.peft.method == "dora" and cfg.quant.method == "int8":
         # peft's DoRA weight norm needs the dequantized base; with LLM.int8 layers bitsandbytes
         # 0.50 fails in MatMul8bitFp (seen on CPU): a traceback after minutes of loading.

@@ -192,6 +192,12 @@ class OffloadConfig:
     max_memory: dict[str, str] = option(dict, "budgets passed to from_pretrained as max_memory")
     disk: bool = option(False, "let what overflows CPU RAM go to `folder` on disk")
     folder: str | None = option(None, "offload folder for layers placed on disk (relative: in the run dir)")
+    # model/host_embeddings.py: the frozen table in host RAM, only the looked-up rows cross to the GPU
+    embeddings: bool = option(
+        False,
+        "the input embeddings in host RAM, looked up there: only the rows a batch uses move to the GPU "
+        "(CUDA GPU, one process or DDP, untied embeddings, not trained)",
+    )
 
 
 @dataclass

@@ -206,6 +206,11 @@ def load_model(cfg: TrainConfig, run_dir: Path, max_memory: dict | None = None):
             raise
         raise _load_failed(cfg.model, "weights", err) from None
     model.config.use_cache = False  # the KV cache only costs memory while training
+    if cfg.offload.embeddings and on_gpu():  # validate refuses it without a GPU
+        from .host_embeddings import keep_on_host
+
+        keep_on_host(model, model.get_output_embeddings().weight.device)
+        torch.cuda.empty_cache()  # the table's block, back for the activations
     head = model.get_output_embeddings()
     if head is not None and head.weight.device.type == "meta":
         # TRL's fused LM head reads lm_head.weight outside the offload hook (placement.pin_output_head

@@ -98,8 +98,8 @@ def plan_single(st: StackSpec, hw: _dev.Hardware) -> dict:
         comp["offload_staging"]["cpu"] += max(t.disk_max, t.host_cast_max)
     if on_one_device(st):
         dev_names = [exec_dev]
-        if exec_dev != "cpu" and comp["activations"].get("cpu"):
-            dev_names.append("cpu")  # activation offloading: the layer inputs in pinned host RAM
+        if exec_dev != "cpu" and (comp["activations"].get("cpu") or comp["other_params"].get("cpu")):
+            dev_names.append("cpu")  # activation offloading's layer inputs, offload.embeddings' table
     else:
         dev_names = [f"cuda:{i}" for i in range(len(hw.gpus))] + ["cpu"]
         if st.offload_folder or disk_bytes:
@@ -129,9 +129,12 @@ def _tally_blocks(st: StackSpec, hw: _dev.Hardware, bbs: list, dmap: dict, exec_
     comp, counts = t.comp, t.counts
     unquantized = unquantized_blocks(st, dmap, [blk.name for blk, _ in bbs])
     for blk, bb in bbs:
-        where = dev_name(place(blk.name, dmap))
-        t.placed[blk.name] = where
-        compute = where if where.startswith("cuda") or not hw.has_gpu else exec_dev
+        where = t.placed[blk.name] = dev_name(place(blk.name, dmap))  # where the loader puts it
+        if st.embeddings_on_host and hw.has_gpu and blk.embeddings and not blk.is_layer:
+            where = "cpu"  # model/host_embeddings.py: stored and looked up in host RAM, not onloaded
+            # loaded on the GPU with the rest, then moved: the load phase holds it there
+            t.comp["load_transient"][exec_dev] = max(t.comp["load_transient"][exec_dev], bb.other + bb.buffers)
+        compute = where if where.startswith("cuda") or not hw.has_gpu or where == "cpu" and blk.embeddings else exec_dev
         if where == "disk" and not hw.has_gpu:
             compute = "cpu"
         holder = "cpu" if where == "disk" else where
@@ -329,6 +332,11 @@ def _notes(
         notes.append(
             f"{paged_total / 2**20:,.0f} MiB of optimizer state is paged (CUDA managed memory): under pressure it "
             "spills to host RAM instead of failing"
+        )
+    if st.embeddings_on_host and hw.has_gpu:
+        notes.append(
+            "offload.embeddings: the input embeddings in host RAM, looked up there (only the batch's rows move to "
+            "the GPU); loaded on the GPU with the model and moved before training, so the load phase holds them"
         )
     if st.device_map is None and hw.has_gpu and len(hw.gpus) > 1:
         notes.append("offload.device_map null: every data-parallel rank holds a full copy; planned for one rank's GPU")

@@ -56,6 +56,7 @@ class StackSpec:
     checkpointing: bool = True
     checkpointing_mode: str = "non_reentrant"
     activation_offloading: bool = False  # trainer.activation_offloading (TRL): saved activations in host RAM
+    embeddings_on_host: bool = False  # offload.embeddings: the input embeddings in host RAM, looked up there
     offload_stash: int = TRL_OFFLOAD_FWD_STASH  # trainer.activation_offload_stash: offloaded tensors left on the GPU
     attn: str = "sdpa"
     packing: bool = False  # data.packing: micro-batches filled from the data, no pads
@@ -121,6 +122,7 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         checkpointing_mode=mode,
         activation_offloading=bool(trainer.activation_offloading),
         offload_stash=int(trainer.activation_offload_stash),
+        embeddings_on_host=bool(cfg.offload.embeddings),
         attn=str(model.attn_implementation),
         packing=bool(data.packing),
         padding_free=padding_free_on(data),

@@ -41,6 +41,21 @@ def check_config(cfg: TrainConfig) -> None:
     check_model_dir(cfg.model)
 
 
+def _check_host_embeddings(cfg: TrainConfig, gpu_available: bool) -> None:
+    """offload.embeddings: a GPU to keep them off, and a table no output head shares."""
+    if not cfg.offload.embeddings:
+        return
+    if not gpu_available:
+        raise UserError("offload.embeddings=true needs a CUDA GPU (it keeps the embeddings off it); drop it here")
+    from ..planner import model_figures
+
+    if model_figures(cfg.model).tie_embeddings:
+        raise UserError(
+            f"offload.embeddings=true: {cfg.model.name_or_path} ties its input embeddings to the LM head, which "
+            "the loss needs on the GPU; drop it for this model"
+        )
+
+
 def validate(cfg: TrainConfig, gpu_available: bool, world_size: int | None = None) -> None:
     """check_config, then what depends on the devices and the number of processes."""
     check_config(cfg)
@@ -64,6 +79,7 @@ def validate(cfg: TrainConfig, gpu_available: bool, world_size: int | None = Non
             "host RAM); drop it on this machine"
         )
     _check_liger(t.liger, gpu_available)
+    _check_host_embeddings(cfg, gpu_available)
     o = cfg.offload
     if o.device_map == "auto" and world_size > 1:
         raise UserError(

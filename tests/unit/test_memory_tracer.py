@@ -209,3 +209,22 @@ def test_fake_tensors_count_what_real_ones_allocate_on_cpu():
     fake = run_child({"overrides": small, "device": "cpu", "fake": True})
     assert fake["peak"]["cpu"] == pytest.approx(real["peak"]["cpu"], rel=0.01)
     assert fake["peak_phase"] == real["peak_phase"]
+
+
+@pytest.mark.slow
+@needs_fake_cuda
+def test_embeddings_kept_in_host_ram_leave_the_gpu_and_the_step_still_runs():
+    """offload.embeddings on the tiny model, traced on the fake CUDA device: the table is no GPU
+    static row (the plan moves it to the host's), the looked-up rows still reach the layers, and
+    the training phases agree with the plan."""
+    from bench.trace.run import compare, plan_for, run_child
+
+    overrides = ["trainer.micro_batch_size=4", "trainer.seq_len=32", "offload.embeddings=true"]
+    r = run_child({"overrides": overrides, "device": "cuda"})
+    plan = plan_for(overrides, [24 * GiB])
+    table = 100 * 128 * 4  # vocab x hidden, fp32 after k-bit prep's upcast
+    assert plan["components"]["other_params"]["cpu"] == table
+    assert r["static"]["cuda:0"]["other_params"] == plan["components"]["other_params"]["cuda:0"]
+    assert {"forward", "loss", "backward", "optimizer"} <= {k.split("|")[1] for k in r["phases"]}
+    cmp = compare(r, plan, "cuda:0")
+    assert 0.8 < cmp["traced_gib"] / cmp["planned_train_gib"] < 1.25, cmp

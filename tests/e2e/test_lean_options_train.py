@@ -90,3 +90,18 @@ def test_activation_offloading_is_refused_in_one_line_on_cpu(run_dir, smoke_run)
 def test_activation_offloading_trains_on_a_gpu(smoke_run):
     m, _ = smoke_run("trainer.activation_offloading=true")
     assert m["steps"] == 3 and all(math.isfinite(x) for x in m["train_losses"])
+
+
+@pytest.mark.gpu
+@requires_gpu("offload.embeddings keeps the table off a CUDA GPU")
+def test_embeddings_in_host_ram_train_on_a_gpu(smoke_run, monkeypatch):
+    placed = {}
+    real = loading.make_trainable
+
+    def spy(cfg, model):
+        placed["table"] = model.get_input_embeddings().weight.device.type
+        return real(cfg, model)
+
+    monkeypatch.setattr(loading, "make_trainable", spy)
+    m, _ = smoke_run("offload.embeddings=true", "trainer.activation_offloading=true")
+    assert placed["table"] == "cpu" and m["steps"] == 3 and all(math.isfinite(x) for x in m["train_losses"])

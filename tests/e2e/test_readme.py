@@ -13,9 +13,12 @@ exact-match metric over 8 eval rows instead of 64); placeholders (`runs/DATE/TIM
 `runs/multirun/DATE/TIME`) become the run dir an earlier command wrote. `make train` runs in full:
 it is the default run the README's figures describe, and the run the walk merges and generates from.
 
-Every command runs in CI (`make test`), sweeps included, at these sizes: the 9-job `+sweep=rank_lr`
-runs all 9 jobs, each in its own process; `+sweep=optuna` runs 3 of its 20 trials
-(`hydra.sweeper.n_trials`, the study's length: the same search, objective, sampler and study file).
+Every command runs in CI (`make test`), sweeps included, but one: the 9-job `+sweep=rank_lr` (all 9
+jobs, each in its own process: 3 min here) is `slow` (`make test-all`), as what it runs is run in
+CI by cheaper commands: a preset's jobs each in a fresh process (`+sweep=optuna` here), the 9
+launches of rank_lr (e2e/test_sweeps_run_their_jobs.py), a sweep's summary (the 4-job sweep).
+`+sweep=optuna` runs 3 of its 20 trials (`hydra.sweeper.n_trials`, the study's length: the same
+search, objective, sampler and study file).
 """
 
 from __future__ import annotations
@@ -112,10 +115,15 @@ REGISTRY: dict[str, How] = {
     ),
     "make plan-llama2-70b-a100": How(expect=r"FITS"),
     # docs/sweeps-and-clusters.md
-    SWEEP_9: How(suffix=SMOKE, creates=("runs/multirun/DATE/TIME/summary.md",), jobs=9, timeout=1800),
+    SWEEP_9: How(suffix=SMOKE, creates=("runs/multirun/DATE/TIME/summary.md",), jobs=9, timeout=1800, slow=True),
     "python train.py -m +sweep=optuna": How(
         suffix=(*SMOKE, "hydra.sweeper.n_trials=3"),  # 3 of the study's 20 trials: its length, not its kind
-        creates=("runs/DATE/TIME/optuna.db", "runs/DATE/TIME/optimization_results.yaml"),
+        creates=(
+            "runs/DATE/TIME/optuna.db",
+            "runs/DATE/TIME/optimization_results.yaml",
+            "runs/DATE/TIME/summary.csv",
+            "runs/DATE/TIME/summary.png",
+        ),
         jobs=3,
         timeout=1800,
     ),
@@ -326,8 +334,9 @@ def _assert_sweep_ran(sweep: Path, jobs: int, fresh_processes: bool):
         assert len(list(sweep.glob(".submitit/*/*_result.pkl"))) == jobs
     results = sweep / "optimization_results.yaml"
     if results.is_file():  # Optuna: the best trial is the lowest eval loss the jobs returned
-        best = yaml.safe_load(results.read_text())["best_value"]
-        assert best == pytest.approx(min(m["eval_loss"] for m in metrics))
+        best = yaml.safe_load(results.read_text())
+        assert best["best_value"] == pytest.approx(min(m["eval_loss"] for m in metrics))
+        assert set(best["best_params"]) == {"optim.lr", "peft.r", "peft.dropout"}  # the preset's search space
 
 
 # ----------------------------------------------------------------------------------------------

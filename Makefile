@@ -57,6 +57,7 @@ format: $(VENV)/.installed ## apply ruff's fixes and formatting
 
 # FSDP and DeepSpeed ZeRO-2/3 as 2 CPU ranks (gloo), slow tests included: installs the optional
 # requirements-dist.txt (DeepSpeed) and compiles DeepSpeed's CPU extensions once (a few minutes).
+# `make test` (CI) needs no DeepSpeed: its 2-rank run is FSDP; the ZeRO runs are `slow`, run here.
 test-dist: $(VENV)/.installed ## install DeepSpeed (requirements-dist.txt), then the multi-rank tests on CPU (FSDP, ZeRO-2/3), slow ones too
 	$(PY) -m pip install -q -r requirements-dist.txt
 	$(PY) -c "from qlora_recipes.run.dist import build_deepspeed_cpu_ops as b; b()"

@@ -9,13 +9,18 @@ runs once): a command added to the README or to docs/*.md without an entry fails
 after the README's own `source .venv/bin/activate`, from a sandbox dir whose entries link to the
 checkout (so runs/, merged dirs and data files land in the sandbox, never in the checkout). Commands
 that train get `trainer=smoke data.metric_examples=8` appended (size only: 3 steps, and the
-exact-match metric over 8 eval rows instead of 64); placeholders (`runs/DATE/TIME`, `RUN`,
+exact-match metric over 8 eval rows instead of 64), a sweep's jobs `trainer=smoke trainer.max_steps=1
+data.metric=null` (SWEEP_JOB: one step each, eval loss only; what a sweep is checked for is its
+jobs, their processes, its summary and study); placeholders (`runs/DATE/TIME`, `RUN`,
 `runs/multirun/DATE/TIME`) become the run dir an earlier command wrote. `make train` runs in full:
 it is the default run the README's figures describe, and the run the walk merges and generates from.
 
-Every command runs in CI (`make test`), sweeps included, at these sizes: the 9-job `+sweep=rank_lr`
-runs all 9 jobs, each in its own process; `+sweep=optuna` runs 3 of its 20 trials
-(`hydra.sweeper.n_trials`, the study's length: the same search, objective, sampler and study file).
+Every command runs in CI (`make test`), sweeps included, but one: the 9-job `+sweep=rank_lr` (all 9
+jobs, each in its own process: 3 min here) is `slow` (`make test-all`), as what it runs is run in
+CI by cheaper commands: a preset's jobs each in a fresh process (`+sweep=optuna` here), the 9
+launches of rank_lr (e2e/test_sweeps_run_their_jobs.py), a sweep's summary (the 4-job sweep).
+`+sweep=optuna` runs 3 of its 20 trials (`hydra.sweeper.n_trials`, the study's length: the same
+search, objective, sampler and study file).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ DOCS = REPO / "docs"
 SHELL_BLOCK = re.compile(r"```(?:bash|sh|shell)\n(.*?)```", re.S)
 GiB = 2**30
 SMOKE = ("trainer=smoke", "data.metric_examples=8")  # size only: 3 steps; exact match over 8 eval rows
+SWEEP_JOB = ("trainer=smoke", "trainer.max_steps=1", "data.metric=null")  # each job of a sweep: size only
 MAKE_VARIABLES = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "ARGS")
 NOT_LINKED = {"runs", ".git", "outputs", "multirun", ".pytest_cache", ".ruff_cache"}
 MAKE_OWN_LINE = re.compile(r"^make(\[\d+\])?: \*\*\* ")  # make's "Error 2" line after a refused target
@@ -81,7 +87,7 @@ REGISTRY: dict[str, How] = {
         kind="refuse", expect=r"data\.path.*my\.jsonl"
     ),
     "python train.py recipe=tiny-cpu": How(suffix=(*SMOKE, "trainer.max_steps=3")),
-    SWEEP_4: How(suffix=SMOKE, creates=("runs/multirun/DATE/TIME/summary.csv",), jobs=4, timeout=1800),
+    SWEEP_4: How(suffix=SWEEP_JOB, creates=("runs/multirun/DATE/TIME/summary.csv",), jobs=4, timeout=1800),
     "python train.py --cfg job": How(expect=r"(?m)^quant:$"),
     # docs/trackers-and-hub.md
     "python train.py logger=none": How(suffix=SMOKE),
@@ -112,14 +118,19 @@ REGISTRY: dict[str, How] = {
     ),
     "make plan-llama2-70b-a100": How(expect=r"FITS"),
     # docs/sweeps-and-clusters.md
-    SWEEP_9: How(suffix=SMOKE, creates=("runs/multirun/DATE/TIME/summary.md",), jobs=9, timeout=1800),
+    SWEEP_9: How(suffix=SWEEP_JOB, creates=("runs/multirun/DATE/TIME/summary.md",), jobs=9, timeout=1800, slow=True),
     "python train.py -m +sweep=optuna": How(
-        suffix=(*SMOKE, "hydra.sweeper.n_trials=3"),  # 3 of the study's 20 trials: its length, not its kind
-        creates=("runs/DATE/TIME/optuna.db", "runs/DATE/TIME/optimization_results.yaml"),
+        suffix=(*SWEEP_JOB, "hydra.sweeper.n_trials=3"),  # 3 of the study's 20 trials: its length, not its kind
+        creates=(
+            "runs/DATE/TIME/optuna.db",
+            "runs/DATE/TIME/optimization_results.yaml",
+            "runs/DATE/TIME/summary.csv",
+            "runs/DATE/TIME/summary.png",
+        ),
         jobs=3,
         timeout=1800,
     ),
-    "python train.py -m peft.r=4,8 hydra/launcher=local hydra/sweeper=sequential": How(suffix=SMOKE, jobs=2),
+    "python train.py -m peft.r=4,8 hydra/launcher=local hydra/sweeper=sequential": How(suffix=SWEEP_JOB, jobs=2),
     "python train.py -m +sweep=rank_lr recipe=llama3.1-8b-24gb hydra/launcher=slurm": How(
         kind="refuse",
         expect=r"srun|SLURM|slurm",
@@ -326,8 +337,9 @@ def _assert_sweep_ran(sweep: Path, jobs: int, fresh_processes: bool):
         assert len(list(sweep.glob(".submitit/*/*_result.pkl"))) == jobs
     results = sweep / "optimization_results.yaml"
     if results.is_file():  # Optuna: the best trial is the lowest eval loss the jobs returned
-        best = yaml.safe_load(results.read_text())["best_value"]
-        assert best == pytest.approx(min(m["eval_loss"] for m in metrics))
+        best = yaml.safe_load(results.read_text())
+        assert best["best_value"] == pytest.approx(min(m["eval_loss"] for m in metrics))
+        assert set(best["best_params"]) == {"optim.lr", "peft.r", "peft.dropout"}  # the preset's search space
 
 
 # ----------------------------------------------------------------------------------------------

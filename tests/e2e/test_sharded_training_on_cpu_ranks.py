@@ -15,8 +15,10 @@ test_what_the_libraries_refuse_on_cpu):
   oneCCL; it compiles two small C++ extensions (CPU Adam, shared-memory comm) once per machine.
 - Not tested here: CUDA kernels, NCCL, real GPU memory (README, Multi-GPU).
 
-The fast tests (one 2-rank smoke per strategy) run in `make test`; the rest are `slow`
-(`make test-dist`, `make test-all`). Each rank's peak RSS is in its metrics file (peak_mem_gib).
+`make test` (CI) runs the FSDP 2-rank smoke and needs no DeepSpeed; the ZeRO-2/3 smokes (2-3 min
+each on 2 cores) and the rest are `slow`: `make test-dist` installs DeepSpeed and runs them all
+(`make test-all` too, where DeepSpeed is installed). Each rank's peak RSS is in its metrics file
+(peak_mem_gib).
 """
 
 import importlib.util
@@ -44,6 +46,11 @@ ENV = {
     "CUDA_VISIBLE_DEVICES": "",
 }
 STRATEGIES = [pytest.param(s, marks=needs_deepspeed if s != "fsdp" else ()) for s in ("fsdp", "zero2", "zero3")]
+# The 2-rank smoke: FSDP in the fast suite, ZeRO-2/3 `slow` (DeepSpeed's engine on CPU ranks).
+SMOKE_STRATEGIES = [
+    STRATEGIES[0],
+    *(pytest.param(s, marks=(needs_deepspeed, pytest.mark.slow)) for s in ("zero2", "zero3")),
+]
 
 
 def _torchrun(*args: str, nproc: int = 2) -> list[str]:
@@ -126,7 +133,7 @@ def _peaks(ranks: list[dict]) -> str:
     return ", ".join(f"rank {i} peak RSS {m['peak_mem_gib']:.3f} GiB" for i, m in enumerate(ranks))
 
 
-# ------------------------------------------------------------------------------------ fast (CI)
+# ------------------------------------------------------------------------------------ fast (CI), ZeRO slow
 
 
 def test_what_the_libraries_refuse_on_cpu(tmp_path):
@@ -170,7 +177,7 @@ print("RESULT " + json.dumps(out))
     assert out["unpinned"] == "ok"
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", SMOKE_STRATEGIES)
 def test_two_cpu_ranks_shard_train_and_agree(strategy, tmp_path):
     """`torchrun --nproc_per_node 2 train.py dist=S trainer=smoke`: 3 steps on 2 ranks through the
     trainer's FSDP / DeepSpeed path, equal finite losses on both ranks, the weights really split

@@ -57,6 +57,7 @@ def test_stacks_that_do_not_fit_are_skipped_not_crashed(tmp_path):
     assert float(rows[0]["planned_peak_gib"]) > 24
 
 
+@pytest.mark.slow  # e2e/test_readme.py runs `+sweep=optuna` in CI (3 trials, same checks, fresh processes)
 def test_optuna_preset_minimises_the_returned_eval_loss(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run("-m", "+sweep=optuna", IN_PROCESS, "hydra.sweeper.n_trials=2", *SMOKE, "trainer.max_steps=2",

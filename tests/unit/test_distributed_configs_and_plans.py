@@ -3,7 +3,10 @@ qlora_recipes/dist.py passes to the trainer; combinations that cannot work are r
 line; FSDP/ZeRO-3 plans are per rank; ranks agree on one run dir. Training on CPU ranks:
 e2e/test_ddp_ranks_on_cpu.py (DDP) and e2e/test_sharded_training_on_cpu_ranks.py (FSDP, ZeRO-2/3)."""
 
+import importlib.machinery
 import json
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -152,33 +155,36 @@ FSDP_OK = ("recipe=llama3.1-70b-2x24gb",)
         (["hardware.gpus=2"], True, "needs hardware.gpu_memory_gib"),
     ],
 )
-def test_impossible_distributed_combinations_are_rejected_before_launch(overrides, gpu, message):
+def test_impossible_distributed_combinations_are_rejected_before_launch(overrides, gpu, message, monkeypatch):
     try:
         cfg = compose_cfg(*overrides)
     except Exception as err:  # an unknown option fails at composition, with the options listed
         assert "fsdp2" in str(err) and "fsdp" in str(err), err
         return
-    if "zero2" in str(overrides) and _has_deepspeed():
-        pytest.skip("deepspeed is installed here")
+    deepspeed_installed(monkeypatch, "not installed" not in message)
     with pytest.raises(UserError, match=message.replace("(", r"\(")):
         validate(cfg, gpu_available=gpu, world_size=2)
 
 
-def _has_deepspeed() -> bool:
-    import importlib.util
+def deepspeed_installed(monkeypatch, installed: bool) -> None:
+    """What validation finds for `deepspeed` (importlib.util.find_spec), whether or not this machine
+    installed it: `make test` runs without DeepSpeed, `make test-dist` installs it."""
+    spec = importlib.machinery.ModuleSpec("deepspeed", None) if installed else None
+    module = types.ModuleType("deepspeed") if installed else None
+    if module is not None:
+        module.__spec__ = spec
+    monkeypatch.setitem(sys.modules, "deepspeed", module)  # find_spec reads sys.modules first
 
-    return importlib.util.find_spec("deepspeed") is not None
 
-
-def test_valid_distributed_stacks_pass():
+def test_valid_distributed_stacks_pass(monkeypatch):
+    deepspeed_installed(monkeypatch, True)
     for name in ("llama3.1-70b-2x24gb", "llama3.1-405b-8xa100"):
         cfg = compose_cfg(f"recipe={name}")
         validate(cfg, gpu_available=True, world_size=devices.ranks(cfg))
     validate(compose_cfg("dist=ddp"), gpu_available=False, world_size=2)  # DDP on CPU (gloo) is fine
     # and so are the sharded strategies (e2e/test_sharded_training_on_cpu_ranks.py)
     for option in ("fsdp", "zero2", "zero3"):
-        if option == "fsdp" or _has_deepspeed():
-            validate(compose_cfg(f"dist={option}"), gpu_available=False, world_size=2)
+        validate(compose_cfg(f"dist={option}"), gpu_available=False, world_size=2)
 
 
 def test_dist_option_brings_an_optimizer_it_can_shard():
@@ -197,10 +203,12 @@ def test_dist_option_brings_an_optimizer_it_can_shard():
         ("llama3.1-405b-8xa100", ["dist=zero3", "hardware.gpus=2"], "zero3_offload.yaml"),
     ],
 )
-def test_launch_cpu_dry_run_starts_the_recipes_ranks_on_cpu(recipe, extra, config, capsys):
+def test_launch_cpu_dry_run_starts_the_recipes_ranks_on_cpu(recipe, extra, config, capsys, monkeypatch):
     """`qlora launch --cpu RECIPE`: no GPU check, the GPUs hidden from the ranks, and the same
     accelerate launch command (config, ranks) a GPU machine gets."""
     from qlora_recipes.cli.launch import launch
+
+    deepspeed_installed(monkeypatch, True)
 
     assert launch(recipe, [*extra, "model=tiny", "data=order", "trainer=smoke"], dry_run=True, cpu=True) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]

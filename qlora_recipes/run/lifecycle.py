@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -317,6 +318,11 @@ class GuardedDPOTrainer(Guarded, DPOTrainer):
     trainer the initial adapter)."""
 
     def __init__(self, *args, **kwargs):
+        # TRL's reference forward turns checkpointing off and on by transformers 5's deprecated names
+        # (trl.models.utils.disable_gradient_checkpointing): a warning per step that says nothing to a user
+        warnings.filterwarnings(
+            "ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning
+        )
         super().__init__(*args, **kwargs)
         model = self.accelerator.unwrap_model(self.model)
         if "ref" in getattr(model, "peft_config", {}):

@@ -97,6 +97,12 @@ def check_objective(cfg: TrainConfig) -> None:
                     f"objective.{key}={getattr(o, key)} only applies to objective={name}, not objective={o.name}; "
                     f"drop it or train with objective={name}"
                 )
+    if o.name != "sft" and (cfg.data.packing or cfg.data.padding_free):
+        key = "data.packing" if cfg.data.packing else "data.padding_free"
+        raise UserError(
+            f"{key}=true does not apply to objective={o.name}: TRL pads each pair's sequences (its padding-free "
+            f"path is off since its refactor); drop {key}"
+        )
     for key in own:
         if getattr(o, key) is None:
             raise UserError(f"objective={o.name} needs objective.{key}; pick the group (objective={o.name}) or set it")

@@ -153,6 +153,7 @@ OVERRIDES = [
     (["objective.beta=0.2"], ["objective.beta=0.2", "objective=dpo", "objective=sft"]),
     (["objective=dpo", "objective.beta=0"], ["objective.beta=0", "> 0"]),
     (["objective=dpo", "objective.loss_type=kl"], ["objective.loss_type=kl", "sigmoid"]),
+    (["objective=dpo", "data.packing=true"], ["data.packing=true", "objective=dpo"]),
     # data keys
     (["data.format=yaml"], ["data.format"]),
     (["data.packing_strategy=ffd"], ["data.packing_strategy=ffd", "bfd"]),

@@ -30,6 +30,8 @@ def test_pair_lengths_and_answer_starts_are_trls(tok, tmp_path):
     args = DPOConfig(output_dir=str(tmp_path), max_length=None, use_cpu=True, report_to=[])
     theirs = DPOTrainer._prepare_dataset(SimpleNamespace(_tokenizer=tok), rows, tok, args, "train")
     prompt = np.array([len(p) for p in theirs["prompt_ids"]])
-    longer = prompt + np.array([max(len(c), len(r)) for c, r in zip(theirs["chosen_ids"], theirs["rejected_ids"])])
+    longer = prompt + np.array(
+        [max(len(c), len(r)) for c, r in zip(theirs["chosen_ids"], theirs["rejected_ids"], strict=True)]
+    )
     assert (starts == prompt).all() and (lengths == longer).all()
     assert stats["max_tokens"]["train"] >= lengths.max()  # the figure of all 2000 rows

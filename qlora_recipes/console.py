@@ -92,9 +92,14 @@ def _duration(seconds: float | None) -> str:
 def summary_rows(out: dict) -> list[tuple[str, str]]:
     """The few figures a user reads after a run (metrics.json keeps every figure at full precision)."""
     loss = f"{_num(out.get('train_loss_first'))} -> {_num(out.get('train_loss_last'))}  ({out.get('steps')} steps)"
-    rows = [("train loss", loss)]
+    rows = [("objective", out["objective"])] if out.get("objective", "sft") != "sft" else []
+    rows.append(("train loss", loss))
     if out.get("eval_loss") is not None:
         rows.append(("eval loss", f"{_num(out['eval_loss'])}  (perplexity {_num(out.get('eval_perplexity'))})"))
+    if out.get("eval_reward_accuracy") is not None:  # dpo: TRL's eval rewards/accuracies and margins
+        before, after = out.get("eval_reward_accuracy_before"), out["eval_reward_accuracy"]
+        margin = f"  (margin {_num(out.get('eval_reward_margin'), 3)})"
+        rows.append(("reward accuracy", f"{_num(before, 3)} -> {_num(after, 3)}{margin}"))
     if out.get("eval_exact_match") is not None:
         before, after = out.get("eval_exact_match_before"), out["eval_exact_match"]
         rows.append(("exact match", f"{_num(before, 3)} -> {_num(after, 3)}"))

@@ -4,6 +4,11 @@ The tiny base (scripts/make_tiny_model.py) knows `sort: s` but has never seen `o
 fine-tune, greedy generations on held-out strings match the sorted string. Eval strings never occur
 in train. Seeded, so the files are reproducible byte for byte.
 
+Beside them, `preference/` holds the same prompts as preference pairs for `objective=dpo`: chosen the
+sorted string, rejected a plausible wrong answer (the string as given, two neighbouring letters of the
+sorted string swapped, or the sorted string reversed), picked by a second seeded generator so the SFT
+files stay as they were.
+
     python scripts/make_sample_data.py [--out assets/data/order] [--train 2000] [--eval 64]
 """
 
@@ -17,6 +22,19 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 def row(s: str) -> dict:
     return {"prompt": f"order: {s}\n", "completion": "".join(sorted(s))}
+
+
+def wrong(s: str, rng: random.Random) -> str:
+    """A plausible wrong answer to `order: s`, never the sorted string."""
+    right = "".join(sorted(s))
+    i = rng.randrange(len(right) - 1)
+    candidates = [s, right[:i] + right[i + 1] + right[i] + right[i + 2 :], right[::-1]]
+    return rng.choice([c for c in candidates if c != right])
+
+
+def pair(sft_row: dict, rng: random.Random) -> dict:
+    s = sft_row["prompt"].removeprefix("order: ").rstrip("\n")
+    return {"prompt": sft_row["prompt"], "chosen": sft_row["completion"], "rejected": wrong(s, rng)}
 
 
 def make(out: Path, n_train: int, n_eval: int, seed: int = 0) -> None:
@@ -36,7 +54,12 @@ def make(out: Path, n_train: int, n_eval: int, seed: int = 0) -> None:
     for name, rows in (("train", train_rows), ("eval", eval_rows)):
         with open(out / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    print(f"wrote {n_train} train and {n_eval} eval rows to {out}")
+    pairs_rng = random.Random(seed + 1)
+    (out / "preference").mkdir(exist_ok=True)
+    for name, rows in (("train", train_rows), ("eval", eval_rows)):
+        with open(out / "preference" / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(pair(r, pairs_rng)) + "\n" for r in rows)
+    print(f"wrote {n_train} train and {n_eval} eval rows to {out} (and as preference pairs to {out / 'preference'})")
 
 
 def main() -> None:

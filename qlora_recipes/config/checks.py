@@ -12,6 +12,7 @@ import re
 from ..errors import UserError
 from ..units import PRECISION_DTYPE, dtype_name
 from .fields import keys, range_ok, values
+from .objectives import OBJECTIVES
 from .schema import ATTENTION, COMPUTE_DTYPES, TrainConfig, TrainerConfig
 
 CHOICES = {key: f.metadata["choices"] for key, f in keys(TrainConfig) if "choices" in f.metadata}
@@ -51,6 +52,7 @@ def check_stack(cfg: TrainConfig) -> None:
     if cfg.data.metric not in (None, "exact_match"):
         raise UserError(f"data.metric={cfg.data.metric} is not a metric; use exact_match, or null for eval loss only")
     check_ranges(cfg)
+    check_objective(cfg)
     _check_values(cfg)
     _check_combinations(cfg)
     check_precision(cfg)
@@ -86,6 +88,28 @@ def check_ranges(cfg: TrainConfig) -> None:
             hint = "; a large value such as 1e9 turns clipping off"
         meaning = f.metadata["help"]
         raise UserError(f"{key}={value} must be {want}{' or null' if nullable else ''} ({meaning}){hint}")
+
+
+def check_objective(cfg: TrainConfig) -> None:
+    """An objective.* key another objective reads, set under this one: one line naming both."""
+    o = cfg.objective
+    own = OBJECTIVES[o.name].keys
+    for name, row in OBJECTIVES.items():
+        for key in row.keys:
+            if key not in own and getattr(o, key) is not None:
+                raise UserError(
+                    f"objective.{key}={getattr(o, key)} only applies to objective={name}, not objective={o.name}; "
+                    f"drop it or train with objective={name}"
+                )
+    if o.name != "sft" and (cfg.data.packing or cfg.data.padding_free):
+        key = "data.packing" if cfg.data.packing else "data.padding_free"
+        raise UserError(
+            f"{key}=true does not apply to objective={o.name}: TRL pads each pair's sequences (its padding-free "
+            f"path is off since its refactor); drop {key}"
+        )
+    for key in own:
+        if getattr(o, key) is None:
+            raise UserError(f"objective={o.name} needs objective.{key}; pick the group (objective={o.name}) or set it")
 
 
 def check_precision(cfg: TrainConfig) -> None:

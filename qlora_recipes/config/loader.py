@@ -35,6 +35,11 @@ def register_schemas() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     if not OmegaConf.has_resolver("shipped"):
         OmegaConf.register_new_resolver("shipped", shipped_path)
+    if not OmegaConf.has_resolver("order_sample"):  # conf/data/order.yaml: the sample of the objective
+        from .objectives import by_objective, sample_file
+
+        OmegaConf.register_new_resolver("order_sample", sample_file)
+        OmegaConf.register_new_resolver("by_objective", by_objective)
     if not OmegaConf.has_resolver("if_data_path"):
         OmegaConf.register_new_resolver("if_data_path", if_data_path)
     if not OmegaConf.has_resolver("auto_precision"):  # conf/precision/auto.yaml: this machine's pick

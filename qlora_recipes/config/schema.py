@@ -18,12 +18,13 @@ from typing import Any
 from omegaconf import MISSING
 
 from .fields import option
+from .objectives import DPO_LOSS_TYPES, OBJECTIVES
 
 # The value sets of keys with a fixed set of values: the one list each, for the checks and the planner.
 QUANT_METHODS = ("nf4", "fp4", "int8", "none")
 PEFT_METHODS = ("lora", "dora", "rslora")
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # TRL 1.16 SFTConfig.packing_strategy
-DATA_FORMATS = ("auto", "alpaca", "messages", "sharegpt", "prompt_completion", "text")
+DATA_FORMATS = ("auto", "alpaca", "messages", "sharegpt", "prompt_completion", "text", "preference")
 STORAGE_DTYPES = ("uint8", "bfloat16", "float16", "float32")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")  # short aliases (bf16, ...) accepted too
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -274,6 +275,20 @@ class TrainerConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    # The `objective` group (config/objectives.py: the trainer, data kind and planner terms each name picks).
+    # Keys one objective reads are null under the others (config/checks.py refuses them there).
+    name: str = option("sft", "what the adapter is trained for: sft | dpo", choices=tuple(OBJECTIVES))
+    beta: float | None = option(
+        None, "dpo: how far the policy may move from the reference (TRL's beta; higher: closer)", range="> 0|null"
+    )
+    loss_type: str | None = option(None, "dpo: TRL's loss", choices=(None, *DPO_LOSS_TYPES))
+    precompute_ref_log_probs: bool | None = option(
+        None, "dpo: the reference's log-probs computed once before training (no reference forward per step)"
+    )
+
+
+@dataclass
 class ResumeConfig:
     auto: bool = option(False, "continue from the newest complete checkpoint of this run dir")
     checkpoint: str | None = option(None, "or from this checkpoint dir")
@@ -375,6 +390,7 @@ class TrainConfig:
     offload: OffloadConfig = option(OffloadConfig, "where layers go when the GPU is too small", resume_safe=True)
     precision: PrecisionConfig = option(PrecisionConfig, "the compute dtype")
     trainer: TrainerConfig = option(TrainerConfig, "batch, length, steps, checkpointing, logging")
+    objective: ObjectiveConfig = option(ObjectiveConfig, "what the adapter is trained for (sft, dpo)")
     resume: ResumeConfig = option(ResumeConfig, "continuing a run", resume_safe=True)
     hardware: HardwareConfig = option(HardwareConfig, "what a recipe is sized for")
     dist: DistConfig = option(DistConfig, "how ranks share the work")

@@ -6,6 +6,9 @@
   converted to `messages` (and trained as such)
 - `prompt_completion`: `prompt`, `completion` (strings, or lists of messages for chat prompts)
 - `text`: `text`, plain language modelling
+- `preference` (objective=dpo): `prompt`, `chosen`, `rejected` as text, or as lists of messages; or
+  `chosen`/`rejected` whole conversations whose shared leading turns are the prompt (TRL's implicit
+  prompt, and the UltraFeedback-binarized layout, whose `prompt` string and `messages` are left aside)
 
 Every row is checked here before training starts; a bad row stops the run with one line naming the
 row (as `readers.Rows` names it) and the field. `format_kwargs` and `generation_pairs` give the SFTConfig
@@ -35,7 +38,10 @@ FORMAT_FIELDS = {
     "sharegpt": "conversations (a list of {from, value})",
     "prompt_completion": "prompt, completion",
     "text": "text",
+    "preference": "prompt, chosen, rejected (text or messages)",
 }
+# The rows each objective's data kind (config/objectives.py) trains on.
+KIND_FORMATS = {"preference": ("preference",), "sft": tuple(f for f in FORMAT_FIELDS if f != "preference")}
 FORMATS = tuple(FORMAT_FIELDS)
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT speakers (`from`, case-insensitive) and the role each is trained as.
@@ -104,6 +110,8 @@ def detect(rows: Rows) -> str:
     if not isinstance(first, dict):
         raise UserError(f"{rows.where(key)}: expected an object with named fields, got {type(first).__name__}")
     keys = set(first)
+    if {"chosen", "rejected"} <= keys:  # before messages: UltraFeedback-binarized rows hold both
+        return "preference"
     if "conversations" in keys:
         return "sharegpt"
     if "messages" in keys:
@@ -254,9 +262,7 @@ def convert(rows: Rows, fmt: str) -> tuple[Dataset, bool]:
     from datasets import Dataset
 
     first = rows.first()
-    conversational = (
-        fmt == "prompt_completion" and isinstance(first[1], dict) and isinstance(first[1].get("prompt"), list)
-    )
+    conversational = _conversational(first[1], fmt, rows.text_cells)
     if rows.in_memory or rows.nbytes <= IN_MEMORY_BYTES:
         columns: dict[str, list] = {}
         for key, row in rows.items():
@@ -272,6 +278,50 @@ def convert(rows: Rows, fmt: str) -> tuple[Dataset, bool]:
             raise err.__cause__ from None
         raise
     return ds, conversational
+
+
+def _conversational(first: Any, fmt: str, text_cells: bool) -> bool:
+    """Whether the first row's prompt (prompt_completion) or chosen (preference) is a message list."""
+    if not isinstance(first, dict):
+        return False
+    if fmt == "prompt_completion":
+        return isinstance(first.get("prompt"), list)
+    chosen = first.get("chosen")
+    return fmt == "preference" and (isinstance(chosen, list) or (text_cells and str(chosen).lstrip().startswith("[")))
+
+
+def _preference(rows: Rows, i: Any, row: dict, conversational: bool) -> dict[str, Any]:
+    """A preference pair as TRL's DPOTrainer reads it: prompt, chosen, rejected, all text or all message
+    lists (chat: the prompt's turns, then each answer's). Whole conversations without a prompt list (TRL's
+    implicit prompt; UltraFeedback-binarized) split where chosen and rejected stop sharing turns."""
+    if not conversational:
+        if isinstance(row.get("chosen"), list):
+            raise UserError(
+                f"{rows.where(i)}: field 'chosen' is a list of messages but the first row's is text; give every "
+                "row the same kind"
+            )
+        return {k: _string(rows, i, row, k) for k in ("prompt", "chosen", "rejected")}
+    chosen = _messages(rows, i, row, "chosen", need_assistant=True)
+    rejected = _messages(rows, i, row, "rejected", need_assistant=True)
+    if isinstance(row.get("prompt"), list) or (rows.text_cells and str(row.get("prompt", "")).lstrip().startswith("[")):
+        return {
+            "prompt": _messages(rows, i, row, "prompt", need_assistant=False),
+            "chosen": chosen,
+            "rejected": rejected,
+        }
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    while shared and chosen[shared - 1]["role"] == "assistant":  # the answers start at an assistant turn
+        shared -= 1
+    if not shared:
+        raise UserError(
+            f"{rows.where(i)}: fields 'chosen' and 'rejected' share no leading turn, so there is no prompt; start "
+            "both with the same user turn or give a 'prompt' list"
+        )
+    if chosen[shared:] == rejected[shared:]:
+        raise UserError(f"{rows.where(i)}: fields 'chosen' and 'rejected' are the same answer; remove the row")
+    return {"prompt": chosen[:shared], "chosen": chosen[shared:], "rejected": rejected[shared:]}
 
 
 def _converted(rows: Rows, fmt: str, conversational: bool) -> Iterator[dict]:
@@ -297,6 +347,8 @@ def convert_row(rows: Rows, i: Any, row: Any, fmt: str, conversational: bool) ->
         return {"messages": _messages(rows, i, row, "messages", need_assistant=True)}
     if fmt == "sharegpt":
         return {"messages": _sharegpt(rows, i, row)}
+    if fmt == "preference":
+        return _preference(rows, i, row, conversational)
     if conversational:
         if not isinstance(row.get("prompt"), list) and row.get("prompt") is not None:
             raise UserError(
@@ -307,6 +359,21 @@ def convert_row(rows: Rows, i: Any, row: Any, fmt: str, conversational: bool) ->
         completion = _messages(rows, i, row, "completion", need_assistant=True)
         return {"prompt": prompt, "completion": completion}
     return {"prompt": _string(rows, i, row, "prompt"), "completion": _string(rows, i, row, "completion")}
+
+
+def check_objective_data(fmt: str, kind: str, objective: str, source: str) -> None:
+    """Rows of the kind the objective trains on (config/objectives.py `data`), or one line naming both."""
+    if fmt in KIND_FORMATS[kind]:
+        return
+    if kind == "preference":
+        raise UserError(
+            f"objective={objective} trains on preference pairs ({FORMAT_FIELDS['preference']}) but {source} holds "
+            f"{fmt} rows; give it preference rows (docs/objectives.md) or train with objective=sft"
+        )
+    raise UserError(
+        f"{source} holds preference pairs (prompt, chosen, rejected), which objective={objective} does not train on; "
+        "train them with objective=dpo, or give SFT rows (prompt/completion, messages, ...)"
+    )
 
 
 def format_kwargs(data: DataConfig, fmt: str) -> dict:
@@ -328,7 +395,7 @@ def format_kwargs(data: DataConfig, fmt: str) -> dict:
         "completion_only_loss": None,
         "assistant_only_loss": False,
     }
-    if fmt in ("prompt_completion", "alpaca"):
+    if fmt in ("prompt_completion", "alpaca", "preference"):
         kwargs["completion_only_loss"] = only
     elif fmt == "messages":
         kwargs["assistant_only_loss"] = only
@@ -358,7 +425,8 @@ def generation_pairs(eval_ds: Dataset | None, fmt: str, limit: int | None) -> li
             prompt = [{"role": m["role"], "content": m["content"]} for m in messages[:last]]
             pairs.append((prompt, messages[last]["content"]))
         return pairs
-    for prompt, completion in zip(rows["prompt"], rows["completion"], strict=True):
+    answers = rows["chosen"] if fmt == "preference" else rows["completion"]  # preference: the chosen answer
+    for prompt, completion in zip(rows["prompt"], answers, strict=True):
         if isinstance(completion, list):  # chat prompt/completion
             prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
             completion = "".join(m["content"] for m in completion if m["role"] == "assistant")

@@ -19,10 +19,11 @@ from typing import Any
 
 from datasets import Dataset
 
-from ..config.schema import DataConfig
+from ..config.objectives import OBJECTIVES
+from ..config.schema import DataConfig, ObjectiveConfig
 from ..errors import UserError
 from .chat import resolve_template, use_chat_template
-from .formats import check_format_name, convert, detect, trains_as
+from .formats import check_format_name, check_objective_data, convert, detect, trains_as
 from .readers import BATCH_ROWS, read_source
 from .tokens import SCRATCH, quiet_datasets, token_figures, tokenization_for, tokenize_split
 
@@ -31,7 +32,9 @@ log = logging.getLogger(__name__)
 TOO_LONG = ("truncate", "drop")
 
 
-def load_splits(data: DataConfig, tokenizer: Any, seq_len: Any, seed: int) -> tuple[Dataset, Dataset | None, dict]:
+def load_splits(
+    data: DataConfig, tokenizer: Any, seq_len: Any, seed: int, objective: ObjectiveConfig | None = None
+) -> tuple[Dataset, Dataset | None, dict]:
     """Load `data.path` (and `data.eval_path`), validate every row and return
     `(train, eval_or_None, stats)`. `seq_len`: tokens, or (trainer.seq_len=auto, with a tokenizer) a
     function of the train rows' token lengths and their source that returns it (stats["seq_len"]).
@@ -65,6 +68,8 @@ def load_splits(data: DataConfig, tokenizer: Any, seq_len: Any, seed: int) -> tu
 
     detected, train, conversational, source = _load(data.path, split, "data.path", configured)
     fmt = trains_as(detected)
+    name = objective.name if objective is not None else "sft"
+    check_objective_data(fmt, OBJECTIVES[name].data, name, source)  # pairs for dpo, SFT rows for sft
     eval_ds = None
     eval_source = None
     if eval_path not in (None, ""):
@@ -194,6 +199,8 @@ def _summary_line(stats: dict[str, Any], held_out: float | None) -> str:
         shape = f"sharegpt rows ({how}) -> chat messages"
     elif detected == "alpaca":
         shape = f"alpaca rows ({how}) -> prompt/completion in the Alpaca template"
+    elif detected == "preference":
+        shape = f"preference pairs ({how})" + (", chat" if stats["conversational"] else "")
     elif stats["conversational"]:
         shape = f"{detected} rows ({how}), chat"
     else:
@@ -291,7 +298,8 @@ def _add_token_stats(
         if callable(seq_len):  # trainer.seq_len=auto: from the train rows, the first split
             seq_len = stats["seq_len"] = seq_len(token_figures(ds)[0], stats["source"])
         counts[k] = _count(ds, seq_len)
-        tokenized[k] = ds.remove_columns([c for c in SCRATCH if c in ds.column_names])
+        scratch = (*SCRATCH, "input_ids") if fmt == "preference" else SCRATCH  # DPOTrainer tokenizes the text
+        tokenized[k] = ds.remove_columns([c for c in scratch if c in ds.column_names])
         _report_prompt_left_out(k, counts[k])
     keys = ("train", "eval")
     stats["over_seq_len"] = {k: counts[k]["over"] if k in counts else 0 for k in keys}

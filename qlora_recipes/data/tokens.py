@@ -89,11 +89,15 @@ def _tokenize_batch(batch: dict, indices: list[int], tokenizer: Any, how: Tokeni
     chat = {"tokenize": True, "return_dict": True, "chat_template": how.chat_template}
     if how.fmt == "text":
         out = {"input_ids": tokenizer(text=[_with_eos(t, tokenizer.eos_token) for t in batch["text"]])["input_ids"]}
+    elif how.fmt == "preference":
+        out = _preference(batch, tokenizer, how, chat)
     elif how.fmt == "messages":
         done = tokenizer.apply_chat_template(batch["messages"], return_assistant_tokens_mask=how.assistant_only, **chat)
         out = {k: done[k] for k in ("input_ids", "assistant_masks") if k in done}
     else:
         out = _prompt_completion(batch, tokenizer, how, chat)
+    if how.fmt == "preference":
+        return out
     masks = [out["assistant_masks"]] if "assistant_masks" in out else []
     if how.completion_only and "completion_mask" in out:
         masks.append(out["completion_mask"])  # TRL applies completion_mask only under completion_only_loss
@@ -132,6 +136,36 @@ def _prompt_completion(batch: dict, tokenizer: Any, how: Tokenization, chat: dic
     out["completion_mask"] = [[0] * s + [1] * (len(f) - s) for s, f in zip(starts, full_ids, strict=True)]
     out["prompt_left_out"] = [len(p) - s for p, s in zip(prompt_ids, starts, strict=True)]
     return out
+
+
+def _preference(batch: dict, tokenizer: Any, how: Tokenization, chat: dict) -> dict:
+    """TRL 1.16 DPOTrainer's tokenize_fn, for the counts only (DPOTrainer tokenizes the text itself):
+    prompt+chosen and prompt+rejected (EOS added to plain-text answers), the answers starting where both
+    diverge from the tokenized prompt. `input_ids` is the longer of the two sequences, `trained_from` that
+    start: the collator truncates each sequence to max_length and TRL drops a pair whose prompt fills it."""
+    from trl.data_utils import common_prefix_length
+
+    prompts = batch["prompt"]
+    if how.conversational:
+        prompt_ids = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, **chat)["input_ids"]
+        full = {
+            k: tokenizer.apply_chat_template([p + a for p, a in zip(prompts, batch[k], strict=True)], **chat)[
+                "input_ids"
+            ]
+            for k in ("chosen", "rejected")
+        }
+    else:
+        eos = tokenizer.eos_token
+        full = {
+            k: tokenizer(text=[p + _with_eos(a, eos) for p, a in zip(prompts, batch[k], strict=True)])["input_ids"]
+            for k in ("chosen", "rejected")
+        }
+        prompt_ids = tokenizer(text=prompts)["input_ids"]
+    rows = zip(prompt_ids, full["chosen"], full["rejected"], strict=True)
+    starts = [min(common_prefix_length(p, c), common_prefix_length(p, r)) for p, c, r in rows]
+    longer = [max(c, r, key=len) for c, r in zip(full["chosen"], full["rejected"], strict=True)]
+    left_out = [len(p) - s for p, s in zip(prompt_ids, starts, strict=True)]
+    return {"input_ids": longer, "prompt_left_out": left_out, "trained_from": starts}
 
 
 def _first_trained(ids: list[int], masks: list[list[int]]) -> int:

@@ -19,6 +19,7 @@ import re
 import shlex
 from pathlib import Path
 
+from ..config.objectives import OBJECTIVES
 from ..config.schema import DataConfig, ModelConfig, TrainConfig
 from ..resources import ROOT
 from .trackers import run_overrides, stack_overrides
@@ -97,6 +98,14 @@ def _stack(cfg: TrainConfig, choices: dict) -> list[str]:
     return lines
 
 
+def _objective(cfg: TrainConfig) -> str:
+    o = cfg.objective
+    if o.name == "dpo":
+        reference = "precomputed log-probs" if o.precompute_ref_log_probs else "the base with the adapter off"
+        return f"dpo (loss {o.loss_type}, beta {o.beta}, reference: {reference})"
+    return o.name
+
+
 def _number(value, digits: int = 4) -> str:
     return "n/a" if value is None else f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
@@ -121,6 +130,9 @@ def _results(metrics: dict) -> list[str]:
         ("eval perplexity", metrics.get("eval_perplexity")),
         ("eval exact match, before training", metrics.get("eval_exact_match_before")),
         ("eval exact match", metrics.get("eval_exact_match")),
+        ("eval reward accuracy, before training", metrics.get("eval_reward_accuracy_before")),
+        ("eval reward accuracy", metrics.get("eval_reward_accuracy")),
+        ("eval reward margin", metrics.get("eval_reward_margin")),
         ("train loss, first logged", metrics.get("train_loss_first")),
         ("train loss, last logged", metrics.get("train_loss_last")),
         ("optimizer steps", metrics.get("steps")),
@@ -189,7 +201,7 @@ def run_card(run_dir: Path, kind: str = "adapter", repo_id: str | None = None, m
     base_id, base_text = base_model(cfg.model)
     data_id, data_text = dataset(cfg.data)
     name = repo_id or f"{run_dir.parent.name}/{run_dir.name}"
-    tags = ["qlora", "qlora-recipes", cfg.peft.method, "trl", "sft"]
+    tags = ["qlora", "qlora-recipes", cfg.peft.method, "trl", cfg.objective.name]
     if cfg.quant.method != "none":
         tags.append(f"bnb-{cfg.quant.method}")
     if base_id and kind == "adapter":
@@ -217,7 +229,8 @@ def _body(cfg: TrainConfig, kind, name, base_id, base_text, data_text, metrics, 
     sections = [
         f"# {name}",
         "",
-        f"{what} trained with QLoRA (TRL SFTTrainer, peft, bitsandbytes) by qlora-recipes.",
+        f"{what} trained with QLoRA (TRL {OBJECTIVES[cfg.objective.name].trainer}, peft, bitsandbytes) by "
+        f"qlora-recipes; objective: {_objective(cfg)}.",
         "",
         "## Base model",
         "",

@@ -160,6 +160,20 @@ def train_loss_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
     return norm + max(forward, backward)
 
 
+def reference_head_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
+    """DPO's reference forward where the LM head computes (TRL 1.16 DPOTrainer._compute_loss): the policy's
+    forward is done and holds what its backward needs - the final norm's saved input, the head's saved
+    input and per-position vectors - while the reference's forward, under no_grad with the adapter off,
+    runs the fused head's forward tiles over the same 2b sequences (eval_loss_bytes). Its layers' no_grad
+    forward is one layer's at a time (components.eval_layer_bytes), planned beside it. With
+    precompute_ref_log_probs it runs before training instead, an eval-sized pass."""
+    k = _head(st, b, on_cpu)
+    s = st.seq_len
+    out, copy = _head_input(k, b, s)
+    held = b * s * (4 * k.h + 4) + (copy or out) + 16 * k.n_pos
+    return held + eval_loss_bytes(st, b, on_cpu)
+
+
 def eval_loss_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
     """The loss of one evaluation batch (no grad): the backbone output, the head's input and the
     forward tiles."""

@@ -1,7 +1,7 @@
 """How a device's rows add up to its peak. The rows of plan.json are static (weights, adapters,
 gradients, optimizer state), fixed (CUDA context, process baseline, offload staging) or transient;
 the transient rows do not coexist: a device's peak is its fixed and static rows plus the largest
-phase - train (activations + max(lm_head_loss, layer_working + dequant_scratch)), optimizer step
+phase - train (activations + max(lm_head_loss, layer_working + dequant_scratch, reference_forward)), optimizer step
 (optimizer_scratch), eval (eval_transient) or loading (load_transient: the checkpoint's mapped
 pages on CPU, k-bit prep's upcast) - plus
 allocator overhead. The allocated peak leaves
@@ -32,6 +32,7 @@ TRANSIENT = (
     "activations",
     "layer_working",
     "lm_head_loss",
+    "reference_forward",
     "dequant_scratch",
     "optimizer_scratch",
     "eval_transient",
@@ -47,6 +48,7 @@ def _phases(row: Callable[[str], int]) -> dict[str, int]:
     return {
         "train: loss": act + row("lm_head_loss"),
         "train: layer backward": act + row("layer_working") + row("dequant_scratch"),
+        "train: reference forward": act + row("reference_forward"),
         "optimizer step": row("optimizer_scratch"),
         "eval": row("eval_transient"),
         "load": row("load_transient"),

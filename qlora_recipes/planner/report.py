@@ -25,6 +25,7 @@ _LABELS = {
     "activations": "activations kept",
     "layer_working": "* layer working set",
     "lm_head_loss": "* loss (fused LM head)",
+    "reference_forward": "* reference forward",
     "dequant_scratch": "* dequant scratch",
     "optimizer_scratch": "* optimizer step",
     "eval_transient": "* eval batch",
@@ -38,6 +39,7 @@ _LABELS = {
 _SHORT_PHASES = {
     "train: loss": "loss",
     "train: layer backward": "backward",
+    "train: reference forward": "reference",
     "optimizer step": "optim step",
     "eval": "eval",
     "load": "load",

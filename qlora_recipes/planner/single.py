@@ -35,7 +35,7 @@ from .constants import (
     HEADROOM_TARGET,
     OPTIMIZERS,
 )
-from .loss import eval_loss_bytes, generation_bytes, train_loss_bytes
+from .loss import eval_loss_bytes, generation_bytes, reference_head_bytes, train_loss_bytes
 from .peaks import COMPONENTS, STATIC, allocated_peak, allocator_bytes, device_entry, peak_allocated_gib, phase_peaks
 from .placement import (
     OFFLOADED,
@@ -225,7 +225,7 @@ def _activation_rows(st: StackSpec, t: _Tally) -> None:
     the eval phase is _eval_rows. With trainer.activation_offloading the kept tensors go to host RAM
     (components.offloaded_activations), which then is a device of the plan.
     """
-    comp, b, s = t.comp, st.micro_batch, st.seq_len
+    comp, b, s = t.comp, st.train_rows, st.seq_len
     for dev, layer_bbs in t.layers_on.items():
         if not layer_bbs:
             continue
@@ -246,7 +246,12 @@ def _activation_rows(st: StackSpec, t: _Tally) -> None:
         comp["layer_working"][dev] += working
         comp["dequant_scratch"][dev] += t.dequant_on[dev] + t.dora_on[dev]
     comp["lm_head_loss"][t.lm_dev] += train_loss_bytes(st, b, t.lm_dev == "cpu")
-    if st.evaluates:
+    if st.reference == "adapter_off":  # dpo: the reference's forward, under no_grad, after the policy's
+        for dev in dict.fromkeys([*t.layers_on, t.lm_dev]):
+            layer = eval_layer_bytes(st, b, dev == "cpu") + t.dequant_on[dev] if t.layers_on.get(dev) else 0
+            head = reference_head_bytes(st, b, dev == "cpu") if dev == t.lm_dev else 0
+            comp["reference_forward"][dev] += max(layer, head)
+    if st.evaluates or st.reference == "precomputed":
         _eval_rows(st, t)
 
 
@@ -289,14 +294,17 @@ def _eval_rows(st: StackSpec, t: _Tally) -> None:
     """The eval phase per device, the largest of: one layer's forward of an eval batch (no grad),
     the fused head's forward on it (where lm_head computes), and the exact-match metric's generation
     (its KV cache for the layers computing there); a layer's forward adds the dequantization scratch."""
+    # dpo with precompute_ref_log_probs: the reference's no_grad pass over the train split, before training
+    passes = ([st.eval_rows] if st.evaluates else []) + ([st.train_rows] if st.reference == "precomputed" else [])
     for dev in dict.fromkeys([*t.layers_on, t.lm_dev]):
         cpu, layers = dev == "cpu", len(t.layers_on.get(dev, ()))
         dequant = t.dequant_on.get(dev, 0) if layers else 0
         here = [generation_bytes(st, layers, dev == t.lm_dev, cpu) + dequant]
-        if layers:
-            here.append(eval_layer_bytes(st, st.eval_batch, cpu) + dequant)
-        if dev == t.lm_dev:
-            here.append(eval_loss_bytes(st, st.eval_batch, cpu))
+        for rows in passes:
+            if layers:
+                here.append(eval_layer_bytes(st, rows, cpu) + dequant)
+            if dev == t.lm_dev:
+                here.append(eval_loss_bytes(st, rows, cpu))
         t.comp["eval_transient"][dev] = max(here)
 
 

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..config.objectives import OBJECTIVES
 from ..config.schema import padding_free_on
 from ..errors import UserError
 from ..units import DTYPE_BYTES, dtype_bytes
@@ -66,6 +67,20 @@ class StackSpec:
     offload_folder: str | None = None
     offload_option: str = "none"  # the conf/offload option this looks like (for ladder overrides)
     world_size: int = 1
+    # the objective (config/objectives.py): sequences per example in a forward (dpo: chosen and rejected),
+    # and its reference: "adapter_off" (a no_grad forward per step), "precomputed" (before training) or "none"
+    sequences: int = 1
+    reference: str = "none"
+
+    @property
+    def train_rows(self) -> int:
+        """Sequences in one training forward: the micro-batch's examples times the objective's sequences."""
+        return self.micro_batch * self.sequences
+
+    @property
+    def eval_rows(self) -> int:
+        """Sequences in one evaluation forward (dpo: both answers of every pair)."""
+        return self.eval_batch * self.sequences
 
     @property
     def act_bytes(self) -> int:
@@ -92,6 +107,10 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
     mode = str(trainer.checkpointing_mode)
     if mode not in ("non_reentrant", "reentrant"):
         raise UserError(f"trainer.checkpointing_mode={mode!r} is not one of non_reentrant, reentrant")
+    objective = OBJECTIVES[cfg.objective.name]
+    reference = "none"
+    if objective.reference:
+        reference = "precomputed" if cfg.objective.precompute_ref_log_probs else "adapter_off"
     targets = peft.target_modules
     if targets is None:
         raise UserError("peft.target_modules is null; use all-linear or a list like [q_proj, v_proj]")
@@ -107,7 +126,8 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         peft=pmethod,
         r=ints["r"],
         alpha=float(peft.alpha),
-        lora_dropout=float(peft.dropout),
+        # DPOConfig.disable_dropout (TRL's default, kept): every dropout's p set to 0, so it saves no mask
+        lora_dropout=float(peft.dropout) if objective.name == "sft" else 0.0,
         target_modules=targets,
         modules_to_save=tuple(peft.modules_to_save or ()),
         optim=oname,
@@ -128,6 +148,8 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         padding_free=padding_free_on(data),
         **_offload(cfg.offload),
         world_size=max(1, int(world_size)),
+        sequences=objective.sequences,
+        reference=reference,
     )
 
 

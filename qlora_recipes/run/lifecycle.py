@@ -1,7 +1,8 @@
 """A training run that never loses work and never claims what it did not do: atomic checkpoints,
 resume, preemption, NaN and OOM, one run per run dir.
 
-- `GuardedTrainer` is TRL's SFTTrainer with these changes: each checkpoint is written into a staging
+- `Guarded` is the guard every objective's TRL trainer wears (`GuardedTrainer`: SFTTrainer,
+  `GuardedDPOTrainer`: DPOTrainer; `guarded(objective)` picks one). Its changes: each checkpoint is written into a staging
   dir, sealed (its files fsynced and listed with size and sha256 in `qlora_state.json`, beside the
   LR schedule, the data and base fingerprints and the step totals) and renamed into place only when complete:
   a crash, `kill -9` or a full disk mid-save leaves the previous checkpoint loadable and no staging
@@ -25,13 +26,14 @@ import os
 import shutil
 import signal
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
-from trl import SFTTrainer
+from trl import DPOTrainer, SFTTrainer
 
 from ..config.loader import with_overrides
 from ..config.schema import TrainConfig
@@ -81,7 +83,9 @@ def faults() -> dict[str, int]:
     return {k: int(v) for k, v in (item.split("=") for item in spec.split(",") if item)}
 
 
-class GuardedTrainer(SFTTrainer):
+class Guarded:
+    """The guards, over whichever TRL trainer follows it in the class's bases (every method calls super())."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # TRL casts a quantized model's trainable adapter weights to bf16. We keep fp32 master
@@ -300,6 +304,38 @@ class GuardedTrainer(SFTTrainer):
             fsync_dir(sub)
 
 
+class GuardedTrainer(Guarded, SFTTrainer):
+    """SFT (objective=sft) under the guards."""
+
+
+class GuardedDPOTrainer(Guarded, DPOTrainer):
+    """DPO (objective=dpo) under the guards. Given a PeftModel and no ref_model, TRL 1.16 adds a "ref"
+    adapter, a copy of the adapter as it is at construction, and scores the reference with it. Ours
+    start at peft's initialisation (LoRA B = 0: the base itself), so the reference is the base with the
+    adapter off, what TRL does for a model it wraps itself: the copy goes, and the saved adapter, a
+    resume and the OOM ladder's new trainer see one adapter. Under precompute_ref_log_probs TRL has
+    scored the reference with the copy by then: the same values (train_with_oom_ladder hands every
+    trainer the initial adapter)."""
+
+    def __init__(self, *args, **kwargs):
+        # TRL's reference forward turns checkpointing off and on by transformers 5's deprecated names
+        # (trl.models.utils.disable_gradient_checkpointing): a warning per step that says nothing to a user
+        warnings.filterwarnings(
+            "ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning
+        )
+        super().__init__(*args, **kwargs)
+        model = self.accelerator.unwrap_model(self.model)
+        if "ref" in getattr(model, "peft_config", {}):
+            model.delete_adapter("ref")
+
+
+def guarded(objective: str) -> type:
+    """The guarded TRL trainer of an objective (config/objectives.py names its TRL class)."""
+    from ..config.objectives import OBJECTIVES
+
+    return {"SFTTrainer": GuardedTrainer, "DPOTrainer": GuardedDPOTrainer}[OBJECTIVES[objective].trainer]
+
+
 # ---------------------------------------------------------------- preemption
 class PreemptionCallback(TrainerCallback):
     """SIGTERM (preemption), SLURM's time-limit warning (`--signal`, USR2: cluster.py) or SIGINT
@@ -380,7 +416,7 @@ def train_with_oom_ladder(
     fingerprints = data_fingerprint(cfg.data), base_fingerprint(cfg.model)
     while True:
         trainer = make_trainer(cfg)
-        if isinstance(trainer, GuardedTrainer):
+        if isinstance(trainer, Guarded):
             trainer.data_fingerprint, trainer.base_fingerprint = fingerprints
         try:
             result = trainer.train(resume_from_checkpoint=resume_from)
@@ -412,8 +448,9 @@ def train_with_oom_ladder(
             cfg, applied = rung
             log.warning("out of memory at step %d: retrying with %s", step, applied)
             resume_from = find_checkpoint(run_dir / "checkpoints")
-            if resume_from is None:  # nothing saved yet: restart from the untrained start
-                _restore_trainable(model, initial)
+            # every new trainer gets the untrained start (a checkpoint, if any, then loads over it): DPO's
+            # reference is scored from the adapter as the trainer finds it (GuardedDPOTrainer)
+            _restore_trainable(model, initial)
             if cfg.trainer.gradient_checkpointing and not model.is_activation_checkpointing:  # transformers 5 names
                 model.activation_checkpointing_enable(
                     activation_checkpointing_kwargs={"use_reentrant": cfg.trainer.checkpointing_mode == "reentrant"}

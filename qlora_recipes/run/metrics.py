@@ -109,3 +109,18 @@ def write_metrics(run_dir: Path, metrics: dict, name: str = "metrics.json") -> N
     tmp = run_dir / f"{name}.tmp"
     tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     tmp.replace(run_dir / name)  # never a half-written file
+
+
+def objective_figures(objective: str, before: dict | None, after: dict | None) -> dict:
+    """metrics.json's objective figures: its name, and for dpo TRL's eval rewards/accuracies (the share
+    of eval pairs whose chosen answer the policy rewards above the rejected one, relative to the
+    reference) before and after training, and rewards/margins after. Before training the policy is the
+    reference, so every reward is 0 and the accuracy 0 (TRL counts chosen > rejected, strictly)."""
+    out: dict = {"objective": objective}
+    if objective == "dpo":
+        pick = lambda figures, key: None if figures is None else figures.get(f"eval_rewards/{key}")  # noqa: E731
+        out["eval_reward_accuracy_before"] = pick(before, "accuracies")
+        out["eval_reward_accuracy"] = pick(after, "accuracies")
+        out["eval_reward_margin_before"] = pick(before, "margins")
+        out["eval_reward_margin"] = pick(after, "margins")
+    return out

@@ -1,4 +1,6 @@
-"""TRL's SFTConfig built from the stack: the one place the trainer's arguments are made."""
+"""TRL's trainer configs built from the stack: the one place the trainer's arguments are made.
+`trainer_config` picks the objective's (SFTConfig, DPOConfig); both share `_shared`, the trainer, optim,
+precision, logger and dist groups' keywords."""
 
 import logging
 import warnings
@@ -22,18 +24,45 @@ def offload_stash(trainer, t) -> None:
         )
 
 
+def trainer_config(cfg: TrainConfig, run_dir: Path, data_format: str, on_gpu: bool, has_eval: bool):
+    """The objective's TRL config (config/objectives.py names it)."""
+    if cfg.objective.name == "dpo":
+        return dpo_config(cfg, run_dir, on_gpu, has_eval)
+    return sft_config(cfg, run_dir, data_format, on_gpu, has_eval)
+
+
 def sft_config(cfg: TrainConfig, run_dir: Path, data_format: str, on_gpu: bool, has_eval: bool):
-    """TRL's SFTConfig: the one place it is built, from the trainer, optim and precision groups, the
-    data format's loss masking and packing, and the dist strategy's keywords."""
+    """TRL's SFTConfig: the shared keywords, the data format's loss masking and packing."""
     from trl import SFTConfig
 
     from .. import data
+
+    return SFTConfig(**_shared(cfg, run_dir, on_gpu, has_eval), **data.format_kwargs(cfg.data, data_format))
+
+
+def dpo_config(cfg: TrainConfig, run_dir: Path, on_gpu: bool, has_eval: bool):
+    """TRL's DPOConfig: the shared keywords and the objective group's DPO keys. TRL's other defaults stay:
+    dropout off in the model (disable_dropout), keep_start truncation of each sequence at max_length."""
+    from trl import DPOConfig
+
+    o = cfg.objective
+    return DPOConfig(
+        **_shared(cfg, run_dir, on_gpu, has_eval),
+        beta=o.beta,
+        loss_type=[o.loss_type],
+        precompute_ref_log_probs=bool(o.precompute_ref_log_probs),
+    )
+
+
+def _shared(cfg: TrainConfig, run_dir: Path, on_gpu: bool, has_eval: bool) -> dict:
+    """The keywords every objective's config takes from the trainer, optim and precision groups, the
+    logger group's trackers and the dist strategy."""
     from ..integrations import trackers
     from ..run import dist
 
     t, o = cfg.trainer, cfg.optim
     steps_eval = has_eval and t.eval_steps > 0
-    return SFTConfig(
+    return dict(
         output_dir=str(run_dir / "checkpoints"),
         per_device_train_batch_size=t.micro_batch_size,
         per_device_eval_batch_size=t.eval_batch_size,
@@ -77,7 +106,6 @@ def sft_config(cfg: TrainConfig, run_dir: Path, data_format: str, on_gpu: bool, 
         seed=cfg.seed,
         data_seed=cfg.seed,
         dataloader_num_workers=0,
-        **data.format_kwargs(cfg.data, data_format),
         **dist.strategy_kwargs(cfg.dist),
     )
 

@@ -58,6 +58,7 @@ class _Fitted:
     result: Any
     cfg: TrainConfig
     seconds: float
+    eval_before: dict | None = None  # the objective's eval figures before training (dpo: reward accuracy)
 
 
 def train(cfg: TrainConfig, run_dir: Path, choices: dict | None = None, on_write=None) -> dict:
@@ -99,7 +100,7 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
     set_seed(cfg.seed)
     tokenizer = loading.load_tokenizer(cfg.model)
     seq_len = planner.seq_len_for_data(cfg, plan)  # trainer.seq_len=auto: from the train rows' tokens
-    train_ds, eval_ds, data_stats = data.load_splits(cfg.data, tokenizer, seq_len, cfg.seed)
+    train_ds, eval_ds, data_stats = data.load_splits(cfg.data, tokenizer, seq_len, cfg.seed, cfg.objective)
     cfg, plan = planner.settle_for_data(cfg, plan, data_stats)  # planned for the batches the rows make
     _write_run_files(cfg, run_dir, choices, plan, on_write, replace=True)  # every check has passed
     model = loading.make_trainable(cfg, loading.load_model(cfg, run_dir, planner.loader_max_memory(plan)))
@@ -119,7 +120,9 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
         try:
             with sigint_deferred():  # the trained adapter first, whole: a signal in the evaluation keeps it
                 _save_adapter(fitted.trainer, tokenizer, run_dir)
-            scores = _scores(cfg, model, tokenizer, pairs, _final_eval_loss(fitted.trainer, eval_ds), em_before, plan)
+            final_eval = _final_eval(fitted.trainer, eval_ds)
+            scores = _scores(cfg, model, tokenizer, pairs, (final_eval or {}).get("eval_loss"), em_before, plan)
+            scores.update(metrics.objective_figures(cfg.objective.name, fitted.eval_before, final_eval))
         except KeyboardInterrupt as err:
             raise _stopped_in_final_eval(interrupts.signal_name(err), fitted.trainer, run_dir) from None
         out = {**_run_figures(fitted, plan, resume_from), **scores, "wall_s": time.time() - started, "data": data_stats}
@@ -205,6 +208,7 @@ def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan,
     gpu = loading.on_gpu()
     planned = (planned_peak_gib(plan, gpu), tracker.quantity)  # memory.png's line to compare with
     preemption = lifecycle.PreemptionCallback()
+    before: dict = {}  # dpo: TRL's eval rewards before the first step (the policy is the reference there)
 
     def make_trainer(c: TrainConfig):
         tb_callback = TensorBoardCallback(tb_writer=tb)
@@ -212,9 +216,9 @@ def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan,
         tb_callbacks = [tb_callback] if "tensorboard" in trackers.enabled(c.logger) else []  # logger=none: no tb/
         memory_log = MemoryLogger(run_dir, c.trainer.memory_log_steps, tb, tracker, planned)
         dist.prepare_ranks(c.dist, gpu)
-        trainer = lifecycle.GuardedTrainer(
+        trainer = lifecycle.guarded(c.objective.name)(
             model=model,
-            args=trainer_args.sft_config(c, run_dir, data_format, gpu, eval_ds is not None),
+            args=trainer_args.trainer_config(c, run_dir, data_format, gpu, eval_ds is not None),
             train_dataset=train_ds,
             eval_dataset=eval_ds,
             processing_class=tokenizer,
@@ -222,6 +226,9 @@ def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan,
         )
         trainer_args.offload_stash(trainer, c.trainer)
         trainer.adapter_sha256_step0 = dist.sync_adapters(model)  # every rank starts from rank 0's adapters
+        if c.objective.name != "sft" and eval_ds is not None and not before:
+            log.info("evaluation before training: %d eval rows", len(eval_ds))
+            before.update(trainer.evaluate())
         return trainer
 
     trainer_args.note_optimizer_fallback(cfg.optim, gpu)
@@ -239,17 +246,17 @@ def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan,
         status = {"status": "preempted", "signal": preemption.received, "steps": step, "checkpoint": checkpoint}
         metrics.write_metrics(run_dir, status)
         raise lifecycle.Preempted(preemption.received, step, checkpoint)
-    return _Fitted(trainer, result, fit_cfg, time.time() - started)
+    return _Fitted(trainer, result, fit_cfg, time.time() - started, before or None)
 
 
-def _final_eval_loss(trainer, eval_ds) -> float | None:
-    """The eval loss after training, announced first: a long evaluation is no silent one (the
-    trainer's callback says how far it got every EVAL_PROGRESS_S seconds)."""
+def _final_eval(trainer, eval_ds) -> dict | None:
+    """The eval figures after training (eval_loss; dpo: its rewards too), announced first: a long
+    evaluation is no silent one (the trainer's callback says how far it got every EVAL_PROGRESS_S seconds)."""
     if eval_ds is None:
         return None
     batch = trainer.args.per_device_eval_batch_size
     log.info("final evaluation: %d eval rows in %d batches of %d", len(eval_ds), -(-len(eval_ds) // batch), batch)
-    return trainer.evaluate()["eval_loss"]
+    return trainer.evaluate()
 
 
 def _stopped_in_final_eval(signame: str, trainer, run_dir: Path) -> lifecycle.Preempted:

@@ -91,6 +91,8 @@ REGISTRY: dict[str, How] = {
     "python train.py --cfg job": How(expect=r"(?m)^quant:$"),
     # docs/trackers-and-hub.md
     "python train.py logger=none": How(suffix=SMOKE),
+    "python train.py objective=dpo": How(suffix=SMOKE, expect=r"reward accuracy"),
+    "qlora plan recipe=llama3.1-8b-24gb objective=dpo": How(expect=r"(?m)^(FITS|DOES NOT FIT): peak"),
     "python train.py hub.push=true hub.repo_id=me/llama-order-qlora": How(kind="refuse", expect=r"hub|token"),
     # docs/data.md
     "python train.py data.path=my.jsonl": How(suffix=SMOKE, files=("my.jsonl",)),

@@ -148,6 +148,12 @@ OVERRIDES = [
     (["quant=none", "quant.storage_dtype=bfloat16"], ["quant.storage_dtype"]),
     (["precision=bf16", "precision.dtype=float16"], ["precision.dtype=float16", "precision=bf16"]),
     (["precision=fp16"], ["precision=fp16 needs a CUDA GPU"]),
+    # the objective: its keys only under it
+    (["objective=kto"], ["objective=kto is not an option", "dpo"]),
+    (["objective.beta=0.2"], ["objective.beta=0.2", "objective=dpo", "objective=sft"]),
+    (["objective=dpo", "objective.beta=0"], ["objective.beta=0", "> 0"]),
+    (["objective=dpo", "objective.loss_type=kl"], ["objective.loss_type=kl", "sigmoid"]),
+    (["objective=dpo", "data.packing=true"], ["data.packing=true", "objective=dpo"]),
     # data keys
     (["data.format=yaml"], ["data.format"]),
     (["data.packing_strategy=ffd"], ["data.packing_strategy=ffd", "bfd"]),
@@ -379,6 +385,24 @@ DATA = {
         GOOD_ROWS,
         ["data.format=alpaca"],
         ["t.jsonl line 1", "'instruction'"],
+    ),
+    "preference pairs under objective=sft": (
+        "p.jsonl",
+        '{"prompt": "order: ba", "chosen": "ab", "rejected": "ba"}\n',
+        [],
+        ["p.jsonl", "preference pairs", "objective=sft", "objective=dpo"],
+    ),
+    "sft rows under objective=dpo": (
+        "t.jsonl",
+        GOOD_ROWS,
+        ["objective=dpo", "data.eval_fraction=0"],
+        ["t.jsonl", "objective=dpo", "prompt_completion"],
+    ),
+    "pair without its rejected answer": (
+        "p.jsonl",
+        '{"prompt": "order: ba", "chosen": "ab", "rejected": "ba"}\n{"prompt": "order: cb", "chosen": "bc"}\n',
+        ["objective=dpo", "data.eval_fraction=0"],
+        ["p.jsonl line 2", "'rejected'"],
     ),
     "eval split leaves nothing to train on": (
         "t.jsonl",

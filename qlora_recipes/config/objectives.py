@@ -1,0 +1,77 @@
+"""The training objectives, one row each: what the objective name picks everywhere else.
+
+`objective=<name>` (conf/objective/) selects a row: the TRL trainer and its config class (run/training.py,
+run/trainer_args.py), the data kind its rows must be (data/formats.py: `sft` rows or `preference` pairs),
+the shipped sample the embedded default trains on (conf/data/order.yaml), and the planner's terms
+(planner/spec.py: sequences per example in a forward, a reference forward under no_grad). A new
+objective (KTO, GRPO, ORPO) is a row here plus its yaml and its keys in ObjectiveConfig.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str
+    trainer: str  # the TRL trainer class (trl.<name>)
+    args: str  # its config class (trl.<name>)
+    data: str  # the rows it reads: "sft" (every SFT format) or "preference" (prompt, chosen, rejected)
+    sample: str  # the order sample's files under assets/data/order/ (train.jsonl, eval.jsonl)
+    sequences: int  # sequences per example in one forward (DPO: chosen and rejected in one batch)
+    reference: bool  # a reference forward under no_grad (adapter off) beside the policy's
+    keys: tuple[str, ...]  # the objective.* keys that only this objective reads
+
+
+OBJECTIVES = {
+    "sft": Objective("sft", "SFTTrainer", "SFTConfig", "sft", "", 1, False, ()),
+    "dpo": Objective(
+        "dpo",
+        "DPOTrainer",
+        "DPOConfig",
+        "preference",
+        "preference/",
+        2,
+        True,
+        ("beta", "loss_type", "precompute_ref_log_probs"),
+    ),
+}
+
+# TRL 1.16 DPOConfig.loss_type's values (trl/trainer/dpo_config.py) but exo_pair, which needs a
+# label_smoothing this repository does not pass
+DPO_LOSS_TYPES = (
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
+)
+
+
+def objective(name: str) -> Objective:
+    return OBJECTIVES[name]
+
+
+def sample_file(name: str, split: str) -> str:
+    """`${order_sample:${objective.name},train}` in conf/data/order.yaml: the shipped order sample's file
+    for this objective (SFT: prompt/completion; DPO: preference pairs of the same prompts)."""
+    from ..resources import shipped_path
+
+    row = OBJECTIVES.get(str(name), OBJECTIVES["sft"])
+    return shipped_path(f"assets/data/order/{row.sample}{split}.jsonl")
+
+
+def by_objective(name: str, values) -> object:
+    """`${by_objective:${objective.name},{sft:150,dpo:40}}` in an option file: the value for this
+    objective, sft's where the objective has none (conf/trainer/tiny.yaml sizes the embedded default)."""
+    return values.get(str(name), values["sft"])

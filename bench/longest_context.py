@@ -215,13 +215,122 @@ def render(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# a small Llama shape where attention is a large share of a layer: eager vs sdpa traced against the plan
+SMALL_SHAPE = (
+    "model=llama3.1-8b",
+    "model.num_layers=2",
+    "model.hidden_size=512",
+    "model.num_heads=8",
+    "model.num_kv_heads=2",
+    "model.intermediate_size=1024",
+    "model.vocab_size=1024",
+    "trainer=standard",
+)
+ATTENTION_LENGTHS = (1024, 2048, 4096)
+ATTENTION_RESULTS = REPO / "bench" / "results" / "attention-backends.json"
+
+
+def attention_check(out: Path = ATTENTION_RESULTS) -> dict:
+    """Eager vs sdpa on SMALL_SHAPE at ATTENTION_LENGTHS: traced training peak beside the plan's."""
+    from bench.trace.run import compare, plan_for, trace_stack
+    from qlora_recipes.units import GiB
+
+    rows = []
+    for attn in ("sdpa", "eager"):
+        for seq in ATTENTION_LENGTHS:
+            ov = [*SMALL_SHAPE, f"model.attn_implementation={attn}", f"trainer.seq_len={seq}"]
+            result = trace_stack(ov, device="cuda", layers="full")
+            c = compare(result, plan_for(ov, [80 * GiB]), "cuda:0")
+            rows.append(
+                {
+                    "attention": attn,
+                    "seq_len": seq,
+                    "traced_gib": c["traced_gib"],
+                    "planned_train_gib": c["planned_train_gib"],
+                    "ratio": round(c["traced_gib"] / c["planned_train_gib"], 3),
+                    "traced_phase": c["traced_peak_phase"],
+                    "command": "python -m bench trace " + " ".join(ov) + " --gpus 80GB",
+                }
+            )
+            print(rows[-1], flush=True)
+    doc = {"shape": list(SMALL_SHAPE), "rows": rows}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    lines = [
+        "# Attention memory per backend, traced vs planned",
+        "",
+        "`python -m bench longest-context --attention-check`: a small Llama shape "
+        f"(`{' '.join(SMALL_SHAPE)}`), one training step on fake CUDA tensors beside the plan's training peak.",
+        "",
+        "| attention | seq_len | traced GiB | planned GiB | traced / planned | peak phase |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    lines += [
+        f"| {r['attention']} | {r['seq_len']:,} | {r['traced_gib']:.3f} | {r['planned_train_gib']:.3f} | "
+        f"{r['ratio']:.3f} | {r['traced_phase']} |"
+        for r in rows
+    ]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return doc
+
+
+DOCS = (REPO / "docs" / "memory-and-planner.md", REPO / "README.md")
+BEGIN, END = "<!-- BEGIN longest-context -->", "<!-- END longest-context -->"
+
+
+def compact(doc: dict) -> str:
+    """The table for the README and the docs: one column per card, ours beside unsloth's."""
+    rows = {}
+    for c in doc["cases"]:
+        rows.setdefault(c["model"], []).append(c)
+    lines = []
+    for model, cs in rows.items():
+        lines += [
+            f"| {model} | " + " | ".join(f"{c['card_gb']} GB" for c in cs) + " |",
+            "|---|" + "---:|" * len(cs),
+            "| unsloth | " + " | ".join(f"{c['unsloth_seq']:,}" for c in cs) + " |",
+            "| ours | "
+            + " | ".join(
+                (f"{c['longest_seq']:,}" if c["longest_seq"] else "none")
+                + ("*" if c.get("capped_by_positions") else "")
+                for c in cs
+            )
+            + " |",
+            "",
+        ]
+    lines.append(
+        "Ours: the `qlora plan ... --longest-seq` command of each case in "
+        "[bench/results/longest-context.md](bench/results/longest-context.md) (unsloth's settings: 4-bit, LoRA r=32 "
+        f"on all 7 linears, batch 1; plus `{' '.join(doc['lean_options'])}`); * the model's positions. "
+        f"Unsloth: [docs]({UNSLOTH_8B}) (8B), [Llama 3.3 blog]({UNSLOTH_70B}) (70B, Llama-3.3 shape)."
+    )
+    return "\n".join(lines)
+
+
+def update_docs(doc: dict, pages: tuple[Path, ...] = DOCS) -> None:
+    """Replace the table between the markers of each page that has them."""
+    for page in pages:
+        text = page.read_text()
+        if BEGIN not in text:
+            continue
+        head, rest = text.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+        table = compact(doc)
+        if page.parent.name == "docs":
+            table = table.replace("](bench/", "](../bench/")
+        page.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
+
+
 def main(argv: list[str], prog: str = "python -m bench longest-context") -> None:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--extra", action="append", default=[], help="one more override for every case (repeatable)")
     p.add_argument("--trace", action="store_true", help="trace each case at its length (minutes per case)")
     p.add_argument("--only", help="comma-separated model@GB cases to (re)measure, e.g. llama3.1-8b@24")
     p.add_argument("--out", default=str(RESULTS), help="the results json (the md goes beside it)")
+    p.add_argument("--attention-check", action="store_true", help="eager vs sdpa traced on a small shape instead")
     args = p.parse_args(argv)
+    if args.attention_check:
+        attention_check()
+        return
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.is_file() else {}
     recorded = {(c["model"], c["card_gb"]): c for c in old.get("cases", [])}
@@ -247,4 +356,6 @@ def main(argv: list[str], prog: str = "python -m bench longest-context") -> None
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     out.with_suffix(".md").write_text(render(doc))
+    if out.resolve() == RESULTS.resolve():
+        update_docs(doc)
     print(f"wrote {out} and {out.with_suffix('.md')}")

@@ -157,5 +157,6 @@ def stage_long_context(b: Any, key: str, st: dict) -> None:
         option, fig = b.assets.model_fig({"option": case["model"]})
         path = b.assets.build_model(option, fig)
         data = b.assets.stage_data(st, fig["vocab_size"], case["seq_len"], b.settings.steps)
-        ov = [*b.assets.model_overrides(option, fig, path), f"data.path={data}", *case["overrides"]]
+        own = [o for o in case["overrides"] if o not in st.get("drop", ())]  # --shrink: no GPU-only options
+        ov = [*b.assets.model_overrides(option, fig, path), f"data.path={data}", *own]
         b.measure.stack(case["name"], ov, baseline=False)

@@ -408,11 +408,11 @@ def _widest_lora_input(st: StackSpec) -> int:
 def shared_per_device_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
     """RoPE cos/sin (shared by the batch, in the residual dtype) and the attention mask every layer
     reads (none for SDPA without padding at b=1; padding-free: one row of b*s positions)."""
-    c, r, _ = act_dtypes(st, on_cpu)
+    _, r, _ = act_dtypes(st, on_cpu)
     rows, n = attention_rows(st, b)
     rope = 2 * (b * st.seq_len if st.padding_free else st.seq_len) * st.fig.head_dim * r
-    if eager(st):
-        mask = rows * n * n * c
+    if eager(st):  # a float mask in inputs_embeds' dtype (masking_utils.create_causal_mask): the residual's
+        mask = rows * n * n * r
     else:
         mask = rows * n * n if sdpa_masked(st, b) else 0
     return rope + mask

@@ -8,6 +8,7 @@
     python -m bench report bench/results/X.json   # re-render X.md and bench/README.md
     python -m bench trace recipe=NAME      # traced memory of a stack on fake tensors (no GPU needed)
     python -m bench trace --suite          # traced vs planned for every single-GPU recipe and lean option
+    python -m bench longest-context        # longest context per card vs unsloth -> results/longest-context.*
     python -m bench planner-cpu            # planned vs measured peak RSS, 36 CPU runs (make bench-planner-cpu)
     python -m bench planner-sharded        # per-rank plan vs each rank's peak RSS, 2-rank DDP/FSDP/ZeRO-2/3 on CPU
 
@@ -64,6 +65,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> None:
         from bench.trace.cli import main as trace_main
 
         trace_main(argv[1:], prog=f"{prog} trace")
+        return
+    if argv[:1] == ["longest-context"]:  # the longest context per card vs unsloth (bench/longest_context.py)
+        from bench.longest_context import main as longest_context
+
+        longest_context(argv[1:], f"{prog} longest-context")
         return
     if argv[:1] == ["planner-cpu"]:  # the planner against measured CPU peaks (bench/planner_cpu.py)
         from bench.planner_cpu import main as planner_cpu

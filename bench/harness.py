@@ -13,7 +13,7 @@ from bench.measure import Measure
 from bench.models import Assets
 from bench.results import Results
 from bench.seq_search import stage_seq_search
-from bench.stages import stage_prequantized, stage_slope, stage_stacks
+from bench.stages import stage_long_context, stage_prequantized, stage_slope, stage_stacks
 from bench.suite import Settings, expand_stacks
 
 # A stage's `kind` in the suite file -> the function that runs it.
@@ -22,6 +22,7 @@ STAGES = {
     "slope": stage_slope,
     "prequantized": stage_prequantized,
     "seq_search": stage_seq_search,
+    "long_context": stage_long_context,
 }
 
 

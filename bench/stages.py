@@ -114,3 +114,49 @@ def stage_prequantized(b: Any, key: str, st: dict) -> None:
         [*b.assets.model_overrides(option, fig, path), f"data.path={data}", *st.get("overrides", [])],
         baseline=st.get("baseline", False),
     )
+
+
+def long_context_cases(cases: list[dict], models: list[str], gpu_bytes: int | None, seq_cap: int | None) -> list[dict]:
+    """The recorded longest-context cases (bench/results/longest-context.json) a GPU of `gpu_bytes`
+    can train as planned: the stage's models, cards no larger than this GPU (None: every card), each
+    at its longest_seq (at most `seq_cap`: --shrink), with the case's overrides less the model and
+    trainer options the stage's own job and model dir set."""
+    out = []
+    for c in cases:
+        if c["model"] not in models or not c.get("longest_seq"):
+            continue
+        if gpu_bytes is not None and c["card_gb"] * 10**9 > gpu_bytes * 1.02:  # an 80 GB card reports ~79.2 GiB
+            continue
+        seq = min(c["longest_seq"], seq_cap) if seq_cap else c["longest_seq"]
+        keep = [o for o in c["command"].split()[2:] if "=" in o and not o.startswith(("model=", "trainer="))]
+        out.append(
+            {
+                "name": f"long-{c['model']}-{c['card_gb']}gb",
+                "model": c["model"],
+                "seq_len": seq,
+                "overrides": [*keep, f"trainer.seq_len={seq}"],
+                "planned_allocated_gib": c.get("planned_allocated_gib"),
+            }
+        )
+    return out
+
+
+def stage_long_context(b: Any, key: str, st: dict) -> None:
+    """The cases of bench/results/longest-context.json this GPU holds, each trained at its longest_seq:
+    max_memory_allocated beside the plan (the table's command planned the card; this GPU may be larger)."""
+    import json
+
+    from bench.longest_context import RESULTS
+
+    cases = json.loads(RESULTS.read_text())["cases"]
+    gpu = b.settings.gpus_decl[0] if b.settings.gpus_decl else None
+    picked = long_context_cases(cases, st["models"], gpu, st.get("seq_cap"))[: st.get("max_cases")]
+    for case in picked:
+        if not b.settings.selected(case["name"]):
+            continue
+        option, fig = b.assets.model_fig({"option": case["model"]})
+        path = b.assets.build_model(option, fig)
+        data = b.assets.stage_data(st, fig["vocab_size"], case["seq_len"], b.settings.steps)
+        own = [o for o in case["overrides"] if o not in st.get("drop", ())]  # --shrink: no GPU-only options
+        ov = [*b.assets.model_overrides(option, fig, path), f"data.path={data}", *own]
+        b.measure.stack(case["name"], ov, baseline=False)

@@ -264,9 +264,39 @@ def optimizer_shared_bytes(optim: str) -> int:
     return 2 * 4 * BNB_DYNAMIC_CODE_ELEMENTS if OPTIMIZERS[optim] in ("adam8_bnb", "adam8_bnb_paged") else 0
 
 
+EAGER = ("eager", "paged|eager")
+
+
 def eager(st: StackSpec) -> bool:
-    # a family whose attention sdpa cannot run (Gemma 2's soft-capped logits) loads eager (model/loading.py)
-    return st.attn == "eager" or st.fig.traits.attention == "eager"
+    """model.attn_implementation as the loader applies it (model/loading.attention_for): eager as
+    asked, or the sdpa default of a family sdpa cannot run (Gemma 2's soft-capped logits: transformers
+    5.23 keeps `_supports_sdpa = False` for it); flash and flex kernels apply the soft-cap themselves."""
+    return st.attn in EAGER or (st.attn == "sdpa" and st.fig.traits.attention == "eager")
+
+
+def attention_fix(st: StackSpec, has_gpu: bool) -> str | None:
+    """The attention that runs an eager stack without its seq^2 scores: sdpa where the family has an
+    sdpa path, else flash-attention 2 on a GPU (it soft-caps in the kernel); None on a CPU then."""
+    if not eager(st):
+        return None
+    if st.fig.traits.attention != "eager":
+        return "sdpa"
+    return "flash_attention_2" if has_gpu else None
+
+
+def eager_scores_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
+    """The seq^2 tensors eager attention keeps for backward in one layer (transformers'
+    eager_attention_forward: softmax in fp32, cast back to the compute dtype; Gemma 2's tanh
+    soft-cap output too): rows x heads x n^2 x (4 + c [+ c]). Its backward adds the fp32 gradient of
+    the softmax (backward_working_bytes); with checkpointing the recompute holds them again, one
+    layer at a time. No dropout mask: attention_dropout is 0 in every family we know (transformers
+    passes dropout=0.0 and F.dropout returns its input). sdpa and flash keep none of this: linear
+    in seq (the log-sum-exp)."""
+    if not eager(st):
+        return 0
+    c, _, _ = act_dtypes(st, on_cpu)
+    rows, n = attention_rows(st, b)
+    return rows * st.fig.num_heads * n * n * (4 + c + (c if st.fig.traits.attn_logit_softcap else 0))
 
 
 def attention_rows(st: StackSpec, b: int) -> tuple[int, int]:
@@ -342,10 +372,7 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
         # DoRA with dropout recomputes the base output as F.linear(dropout(x), dequantized W):
         # that matmul keeps the c-byte input and the whole dequantized weight of each linear
         total += b * s * c * bb.dora_in + c * bb.dora_weight
-    if eager(st):
-        rows, n = attention_rows(st, b)
-        total += rows * a * n * n * (4 + c + (c if fig.traits.attn_logit_softcap else 0))
-    return total
+    return total + eager_scores_bytes(st, b, on_cpu)
 
 
 def backward_working_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
@@ -380,11 +407,11 @@ def _widest_lora_input(st: StackSpec) -> int:
 def shared_per_device_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
     """RoPE cos/sin (shared by the batch, in the residual dtype) and the attention mask every layer
     reads (none for SDPA without padding at b=1; padding-free: one row of b*s positions)."""
-    c, r, _ = act_dtypes(st, on_cpu)
+    _, r, _ = act_dtypes(st, on_cpu)
     rows, n = attention_rows(st, b)
     rope = 2 * (b * st.seq_len if st.padding_free else st.seq_len) * st.fig.head_dim * r
-    if eager(st):
-        mask = rows * n * n * c
+    if eager(st):  # a float mask in inputs_embeds' dtype (masking_utils.create_causal_mask): the residual's
+        mask = rows * n * n * r
     else:
         mask = rows * n * n if sdpa_masked(st, b) else 0
     return rope + mask

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import devices as _dev
 from ..errors import UserError
 from ..units import GiB
+from .components import attention_fix, eager
 from .constants import DEVICE_MAP_STRATEGIES, HEADROOM_TARGET, OPTIMIZERS
 from .peaks import device_peak, ok, pressure, worst_device
 from .sharded import plan_sharded
@@ -24,6 +25,11 @@ if TYPE_CHECKING:
 from .spec import StackSpec
 
 COSTS = {
+    "attention": (
+        "none",
+        "sdpa / flash-attention: the same attention without eager's batch x heads x seq_len^2 fp32 scores "
+        "(kept per layer for backward and recomputed under checkpointing); usually faster",
+    ),
     "eval_batch": ("none", "evaluation runs in smaller batches"),
     "frozen_dtype": (
         "none",
@@ -43,6 +49,7 @@ COSTS = {
     "disk_offload": ("severe", "offloaded layers are read from disk every step: 10x or more slower"),
 }
 LADDER_ORDER = (
+    "attention",
     "frozen_dtype",
     "micro_batch",
     "checkpointing",
@@ -93,11 +100,18 @@ def _candidates(kind: str, st: StackSpec, hw: _dev.Hardware, plan: dict) -> list
                 out.append((replace(st, optim="paged_adamw_8bit"), {"optim": "paged8bit"}))
             else:
                 out.append((replace(st, optim="adamw_bnb_8bit"), {"optim": "adamw8bit"}))
+    elif kind == "attention":
+        fix = attention_fix(st, hw.has_gpu)
+        if fix:
+            out.append((replace(st, attn=fix), {"model.attn_implementation": fix}))
     elif kind == "seq_len":
         s = st.seq_len // 2
         while s >= 128:
             out.append((replace(st, seq_len=s), {"trainer.seq_len": s}))
             s //= 2
+        longest = _longest_eager_fit(st, hw) if eager(st) else None
+        if longest:  # eager's seq^2 scores: the exact length that fits, not a halving
+            out.insert(0, (replace(st, seq_len=longest), {"trainer.seq_len": longest}))
     elif kind == "rank":
         r = st.r // 2
         while r >= 4:
@@ -107,6 +121,17 @@ def _candidates(kind: str, st: StackSpec, hw: _dev.Hardware, plan: dict) -> list
             out.append((replace(st, r=r, alpha=alpha), {"peft.r": r, "peft.alpha": alpha_v}))
             r //= 2
     return out
+
+
+def _longest_eager_fit(st: StackSpec, hw: _dev.Hardware, granularity: int = 64) -> int | None:
+    """The longest multiple of `granularity` below seq_len at which the stack trains with headroom."""
+
+    def good(k: int) -> bool:
+        p = _try_plan(replace(st, seq_len=k * granularity), hw)
+        return p is not None and ok(p, False)
+
+    k = _largest(1, (st.seq_len - 1) // granularity, good)
+    return k * granularity if k else None
 
 
 def _offloaded(st: StackSpec, option: str, gpu: str | None, cpu: str) -> tuple[StackSpec, dict[str, Any]]:

@@ -188,7 +188,19 @@ def refuse_unless_fits(plan: dict, force: bool) -> None:
         hint = "no override makes it fit; use a larger device"
     raise DoesNotFit(
         f"stack does not fit: peak {worst['peak'] / GiB:.1f} GiB > budget {worst['budget'] / GiB:.1f} GiB on "
-        f"{worst['device']}; {hint}; force=true to start anyway"
+        f"{worst['device']}{_eager_why(plan)}; {hint}; force=true to start anyway"
+    )
+
+
+def _eager_why(plan: dict) -> str:
+    """What eager attention adds at this length: its seq^2 scores, kept per layer for backward."""
+    scores = plan["stack"].get("eager_scores_bytes")
+    if not scores:
+        return ""
+    st = plan["stack"]
+    return (
+        f" (attention eager keeps batch x heads x seq_len^2 scores: {scores / GiB:.1f} GiB per layer at "
+        f"{st['micro_batch_size']} x {st['seq_len']:,} tokens)"
     )
 
 

@@ -111,7 +111,8 @@ def test_gpu_suite_code_path_runs_in_shrink_mode_on_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_every_gpu_suite_stage_runs_in_shrink_mode_on_cpu(tmp_path):
-    """Every stage: also the speed options, the pre-quantized full-depth model and the sequence search."""
+    """Every stage: also the speed options, the pre-quantized full-depth model, the sequence search and
+    the longest-context cases."""
     path, res, stacks = _shrink(tmp_path)
     md = path.with_suffix(".md").read_text()
     _check_8b_and_slope(stacks, res, md)
@@ -121,3 +122,4 @@ def test_every_gpu_suite_stage_runs_in_shrink_mode_on_cpu(tmp_path):
     [seq] = res["seq_search"]
     assert seq["longest_seq"] in (64, 128, 192, 256) and seq["probes"] and seq["verified_full"] is True
     assert "Longest sequence" in md
+    assert stacks["long-llama3.1-8b-8gb"]["ours"]["status"] == "ok"  # the recorded longest-context case, shrunk

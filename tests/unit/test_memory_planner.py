@@ -176,7 +176,7 @@ def test_eager_attention_adds_the_score_matrices():
     eager = plan_for(*base, "model.attn_implementation=eager", gpus=[80 * GiB])
     scores = a * s * s * (4 + 2)  # fp32 softmax + its bf16 cast, per layer
     qkv = s * (3 * 2 * h - (2 * 4 * h + 4 * a))  # eager keeps Q, K, V; SDPA Q, K, V, out, log-sum-exp
-    mask = s * s * 2
+    mask = s * s * 4  # eager's float mask takes inputs_embeds' dtype: fp32 after k-bit prep's upcast
     assert total(eager, "activations") - total(sdpa, "activations") == layers * (scores + qkv) + mask
 
 

@@ -1,0 +1,52 @@
+"""bench/results/longest-context.json: every card of unsloth's table has a case, and a recorded
+command, run again, prints the recorded longest_seq (two cases: each is a few plans)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.longest_context import LEAN_OPTIONS, RESULTS, cases, command, run_command
+
+RECORDED = json.loads(RESULTS.read_text())
+
+
+def test_the_table_has_a_case_per_card_of_unsloths_table_with_its_source():
+    got = {(c["model"], c["card_gb"]) for c in RECORDED["cases"]}
+    assert got == {("llama3.1-8b", gb) for gb in (8, 12, 16, 24, 40, 48, 80)} | {
+        ("llama3.1-70b", 48),
+        ("llama3.1-70b", 80),
+    }
+    for c in RECORDED["cases"]:
+        assert c["source"].startswith("https://unsloth.ai/")
+        assert c["command"] == command(c["model"], c["card_gb"]), "regenerate: python -m bench longest-context"
+        assert c["planned_gib"] <= c["budget_gib"]
+
+
+def test_an_extra_override_reaches_every_command_after_the_lean_options():
+    for case in cases(("trainer.example=true",)):
+        assert " ".join([*LEAN_OPTIONS, "trainer.example=true"]) in case["command"]
+        assert "peft.r=32" in case["command"] and "--host-ram 128GB" in case["command"]
+
+
+@pytest.mark.parametrize("key", [("llama3.1-8b", 24), ("llama3.1-70b", 80)])
+def test_a_recorded_command_prints_the_recorded_longest_seq(key):
+    case = next(c for c in RECORDED["cases"] if (c["model"], c["card_gb"]) == key)
+    assert run_command(case["command"]) == case["longest_seq"]
+
+
+def test_the_gpu_suites_long_context_stage_trains_the_cases_the_gpu_holds_at_their_lengths():
+    from bench.stages import long_context_cases
+
+    h100 = 85_520_809_984  # torch.cuda.get_device_properties(0).total_memory of an H100 80GB
+    picked = long_context_cases(RECORDED["cases"], ["llama3.1-8b"], h100, None)
+    assert [c["name"] for c in picked] == [f"long-llama3.1-8b-{gb}gb" for gb in (8, 12, 16, 24, 40, 48, 80)]
+    by_card = {c["card_gb"]: c for c in RECORDED["cases"] if c["model"] == "llama3.1-8b"}
+    for case in picked:
+        card = by_card[int(case["name"].split("-")[-1][:-2])]
+        assert case["overrides"][-1] == f"trainer.seq_len={card['longest_seq']}"
+        assert {*LEAN_OPTIONS, "peft.r=32"} <= set(case["overrides"])
+        assert not any(o.startswith(("model=", "trainer=", "--")) for o in case["overrides"])
+    small = long_context_cases(RECORDED["cases"], ["llama3.1-8b"], 24 * 10**9, 128)
+    assert [c["seq_len"] for c in small] == [128] * 4  # cards of 8 to 24 GB, capped for --shrink

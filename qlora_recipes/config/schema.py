@@ -240,6 +240,14 @@ class TrainerConfig:
     activation_offloading: bool = option(
         False, "TRL: saved activations to pinned host RAM (CUDA only)", resume_safe=True
     )
+    # where the MLP's intermediates live, not what is trained (the same gradients, model/tiled_mlp.py)
+    tiled_mlp: bool = option(
+        False,
+        "run each decoder layer's MLP over tiles of tokens in forward and backward (its intermediates for one "
+        "tile at a time: long sequences); costs one more MLP forward per step",
+        resume_safe=True,
+    )
+    tiled_mlp_tile: int = option(0, "tokens per tiled_mlp tile; 0: hidden_size tokens", range=">= 0", resume_safe=True)
     liger: bool = option(False, "Liger kernels through TRL/transformers' use_liger_kernel (Triton: CUDA only)")
     logging_steps: int = option(10, "steps between logged losses", positive=True, resume_safe=True)
     eval_steps: int = option(0, "0: evaluate at the end only", range=">= 0", resume_safe=True)

@@ -213,6 +213,14 @@ class PrecisionConfig:
     )
 
 
+def mlp_tile(trainer: "TrainerConfig", hidden_size: int) -> int:
+    """Tokens per tile of trainer.tiled_mlp (0: off): trainer.tiled_mlp_tile, or hidden_size tokens
+    (Snowflake's ALST: ceil(seqlen / hidden) shards). The loader and the planner both ask it."""
+    if not trainer.tiled_mlp:
+        return 0
+    return int(trainer.tiled_mlp_tile) or max(1, int(hidden_size))
+
+
 @dataclass
 class TrainerConfig:
     micro_batch_size: int = option(4, "rows per forward/backward", positive=True)

@@ -20,11 +20,6 @@ import types
 import torch
 
 
-def auto_tile(hidden_size: int) -> int:
-    """The tile of trainer.tiled_mlp_tile=0: hidden_size tokens (ALST's ceil(seqlen / hidden) shards)."""
-    return max(1, int(hidden_size))
-
-
 @contextlib.contextmanager
 def _autocast_as(device: str, state: tuple[bool, torch.dtype] | None):
     """The forward's autocast state again (backward runs outside it). Set through the low-level
@@ -75,8 +70,7 @@ class TiledMLPFunction(torch.autograd.Function):
         )
         ctx.rng = _rng_state(x)
         ctx.save_for_backward(x, *params)
-        with torch.no_grad():
-            return torch.cat([forward(t) for t in _tiles(x, tile)], dim=1).view(*x.shape[:-1], -1)
+        return tiled_forward(forward, tile, x)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -105,6 +99,20 @@ class TiledMLPFunction(torch.autograd.Function):
         return None, None, grad_x, *grad_params
 
 
+@torch.no_grad()
+def tiled_forward(forward, tile: int, x: torch.Tensor) -> torch.Tensor:
+    """forward(x) tile by tile into one output: one tile's intermediates and output at a time."""
+    out = None
+    start = 0
+    for t in _tiles(x.detach(), tile):  # no-grad views of x would still claim requires_grad
+        y = forward(t)
+        if out is None:
+            out = y.new_empty((1, x.shape[:-1].numel(), y.shape[-1]))
+        out[:, start : start + t.shape[1]] = y
+        start += t.shape[1]
+    return out.view(*x.shape[:-1], -1)
+
+
 def _tiles(x: torch.Tensor, tile: int) -> list[torch.Tensor]:
     """Tiles of `tile` tokens over all rows of the micro-batch: x as one row of b*s tokens, split."""
     return list(x.reshape(1, -1, x.shape[-1]).split(tile, dim=1))
@@ -122,6 +130,8 @@ def tile_mlp(mlp: torch.nn.Module, tile: int) -> None:
         size = self._tiled_mlp_tile
         if args or kwargs or x.shape[:-1].numel() <= size:
             return plain(x, *args, **kwargs)
+        if not torch.is_grad_enabled():  # evaluation, generation: nothing to recompute
+            return tiled_forward(plain, size, x)
         params = [p for p in self.parameters() if p.requires_grad]
         return TiledMLPFunction.apply(plain, size, x, *params)
 

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..config.schema import padding_free_on
+from ..config.schema import mlp_tile, padding_free_on
 from ..errors import UserError
 from ..units import DTYPE_BYTES, dtype_bytes
 from .constants import DEVICE_MAP_STRATEGIES
@@ -54,6 +54,7 @@ class StackSpec:
     checkpointing: bool = True
     checkpointing_mode: str = "non_reentrant"
     activation_offloading: bool = False  # trainer.activation_offloading (TRL): saved activations in host RAM
+    mlp_tile: int = 0  # trainer.tiled_mlp: tokens per MLP tile (schema.mlp_tile); 0: untiled
     attn: str = "sdpa"
     packing: bool = False  # data.packing: micro-batches filled from the data, no pads
     padding_free: bool = False  # schema.padding_free_on: one flat row of b*s tokens, position_ids apart
@@ -117,6 +118,7 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         checkpointing=bool(trainer.gradient_checkpointing),
         checkpointing_mode=mode,
         activation_offloading=bool(trainer.activation_offloading),
+        mlp_tile=mlp_tile(trainer, fig.hidden_size),
         attn=str(model.attn_implementation),
         packing=bool(data.packing),
         padding_free=padding_free_on(data),

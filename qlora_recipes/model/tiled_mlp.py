@@ -82,7 +82,11 @@ class TiledMLPFunction(torch.autograd.Function):
         tiles_x = _tiles(x.detach(), ctx.tile)
         tiles_g = _tiles(grad_out, ctx.tile)
         tiles_gx = _tiles(grad_x, ctx.tile) if want_x else [None] * len(tiles_x)
-        with _rng_as(ctx.rng), _autocast_as(ctx.device, ctx.autocast), torch.enable_grad():
+        # The tile's saved tensors stay where they are, used at once: saved-tensor hooks still active
+        # around backward (TRL's activation offloading wraps the whole training step) would copy
+        # each tile's intermediates to host RAM and stash them.
+        keep = torch.autograd.graph.saved_tensors_hooks(_same, _same)
+        with _rng_as(ctx.rng), _autocast_as(ctx.device, ctx.autocast), keep, torch.enable_grad():
             for xt, gt, gxt in zip(tiles_x, tiles_g, tiles_gx, strict=True):
                 xt = xt.requires_grad_(want_x)
                 out = ctx.forward(xt)
@@ -97,6 +101,10 @@ class TiledMLPFunction(torch.autograd.Function):
         it = iter(sums)
         grad_params = [next(it) if need else None for need in ctx.needs_input_grad[3:]]
         return None, None, grad_x, *grad_params
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 @torch.no_grad()

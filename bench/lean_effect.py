@@ -37,6 +37,9 @@ MID = {
 }
 
 
+MID_NAME = "llama ~100M (random weights, synthetic text)"
+
+
 def _cases(work: Path, steps: int) -> list[tuple[str, list[str]]]:
     model = build_random_model(MID, work / "mid-llama")
     data = write_text_data(work / "mid-text.jsonl", MID["vocab_size"], rows=4 * steps * 4, min_words=96, max_words=96)
@@ -57,7 +60,7 @@ def _cases(work: Path, steps: int) -> list[tuple[str, list[str]]]:
         "optim.lr=2e-4",
         "force=true",
     ]
-    return [("tiny (default run)", []), ("llama ~100M (random weights, synthetic text)", mid)]
+    return [("tiny (default run)", []), (MID_NAME, mid)]
 
 
 # option: (its key, the value of the usual run, the value of the lean run, extra overrides, title)
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=30, help="steps of the ~100 M model (default 30)")
     p.add_argument("--results-dir", default=str(HERE / "results"))
     p.add_argument("--option", choices=tuple(OPTIONS), default="upcast_frozen", help="the lean option compared")
+    p.add_argument("--mid-only", action="store_true", help="only the ~100 M model (the tiny default run is 150 steps)")
     args = p.parse_args(argv)
     key, usual, lean_value, extra, _ = OPTIONS[args.option]
     name = key.split(".")[-1]
@@ -123,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for case, overrides in _cases(work, args.steps):
+            if args.mid_only and case != MID_NAME:
+                continue
             runs = {
                 f"{name}={v}": _run([*overrides, *extra], f"{key}={v}", work / f"{case[:4]}-{v}")
                 for v in (usual, lean_value)

@@ -35,9 +35,11 @@ def _loss_and_grads(model, ids):
     return loss.detach(), embeds.grad.clone(), grads
 
 
-@pytest.mark.parametrize("checkpointing", [True, False])
+@pytest.mark.parametrize("checkpointing", ["non_reentrant", "reentrant", "off"])
 def test_tiled_mlp_on_nf4_lora_gives_the_same_loss_and_gradients(tmp_path, checkpointing):
-    _, model = _model(tmp_path, "peft.dropout=0", f"trainer.gradient_checkpointing={checkpointing}")
+    on = f"trainer.gradient_checkpointing={checkpointing != 'off'}"
+    mode = f"trainer.checkpointing_mode={checkpointing if checkpointing != 'off' else 'non_reentrant'}"
+    _, model = _model(tmp_path, "peft.dropout=0", on, mode)
     model.train()
     ids = torch.randint(4, 100, (2, 64), generator=torch.Generator().manual_seed(1))
     loss, gx, grads = _loss_and_grads(model, ids)

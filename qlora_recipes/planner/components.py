@@ -394,9 +394,14 @@ def backward_working_bytes(st: StackSpec, b: int, on_cpu: bool = False, bb: Bloc
     _, r, _ = act_dtypes(st, on_cpu)
     w = b * s * r * (2 * fig.hidden_size + 2 * fig.intermediate_size)
     if mlp_tiled(st, b) and bb is not None:
+        # the larger of the MLP's backward (one tile) and the rest of the layer's, which the MLP's
+        # tokens x 2f gradients no longer cover: fp32 RMSNorm-backward temporaries and the q and
+        # attention-output gradients (bench trace, 8B at 32k and 64k tokens: the peak is there)
+        c, h, f = act_dtypes(st, on_cpu)[0], fig.hidden_size, fig.intermediate_size
         tile = mlp_tokens(st, b)
-        w = b * s * r * 2 * fig.hidden_size + tile * (r * (2 * fig.intermediate_size + fig.hidden_size))
-        w += tile * mlp_saved_per_token(st, bb, on_cpu)
+        mlp = tile * (r * (2 * f + h) + mlp_saved_per_token(st, bb, on_cpu))
+        rest = b * s * (4 * 2 * h + c * 2 * fig.num_heads * fig.head_dim)
+        w = b * s * r * 2 * h + max(mlp, rest)
     if eager(st):
         rows, n = attention_rows(st, b)
         w += rows * fig.num_heads * n * n * 4  # fp32 gradient of the softmax

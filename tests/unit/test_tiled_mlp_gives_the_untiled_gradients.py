@@ -178,3 +178,23 @@ def test_the_plan_keeps_what_autograd_keeps_for_a_tiled_layer(tmp_path, tiled):
     print(f"tiled={tiled}: autograd keeps {measured} B, planned {planned} B")
     assert abs(measured - planned) / measured < 0.08
     del out
+
+
+def test_the_plan_of_a_tiled_mlp_shrinks_at_long_sequences_only():
+    """8B at 32k tokens: the layer working set and the eval transient shrink; a micro-batch of at most
+    one tile (hidden_size tokens) runs untiled and plans the same."""
+    from qlora_recipes import planner
+
+    def plan(*overrides):
+        cfg = compose_cfg(
+            "recipe=llama3.1-8b-24gb", "trainer.micro_batch_size=1", "trainer.eval_batch_size=1", *overrides
+        )
+        return planner.plan(cfg, gpus=[24 * 2**30], host_ram=128 * 2**30, world_size=1, ladder=False)["components"]
+
+    def gib(components, name):
+        return components[name]["cuda:0"] / 2**30
+
+    plain, tiled = plan("trainer.seq_len=32768"), plan("trainer.seq_len=32768", "trainer.tiled_mlp=true")
+    assert gib(tiled, "layer_working") < 0.7 * gib(plain, "layer_working")
+    assert gib(tiled, "eval_transient") < gib(plain, "eval_transient")
+    assert plan("trainer.seq_len=4096") == plan("trainer.seq_len=4096", "trainer.tiled_mlp=true")

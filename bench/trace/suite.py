@@ -33,6 +33,15 @@ LEAN = {
     "trainer.gradient_checkpointing=false": ["trainer.gradient_checkpointing=false"],
 }
 LEAN_BASES = ("llama3.1-8b-24gb", "mistral-7b-12gb")
+# trainer.tiled_mlp at long sequences: the 8B on 24 GB with unsloth's settings (LoRA r=32 on all 7
+# linears, micro-batch 1) and the lean options on, where the MLP's intermediates would dominate
+LONG = [
+    "peft.r=32",
+    "trainer.micro_batch_size=1",
+    "precision.upcast_frozen=false",
+    "trainer.activation_offloading=true",
+]
+TILED_SEQS = (32768, 65536)
 
 
 class NotTraceable(Exception):
@@ -64,6 +73,14 @@ def cases() -> list[dict]:
         )
         for name, extra in LEAN.items():
             out.append({"case": f"{base} + {name}", "kind": "lean", "overrides": [f"recipe={base}", *extra]})
+    for seq in TILED_SEQS:
+        out.append(
+            {
+                "case": f"llama3.1-8b-24gb + trainer.tiled_mlp=true at {seq:,} tokens, lean",
+                "kind": "tiled mlp",
+                "overrides": ["recipe=llama3.1-8b-24gb", *LONG, "trainer.tiled_mlp=true", f"trainer.seq_len={seq}"],
+            }
+        )
     return _dedupe(out)
 
 

@@ -267,10 +267,28 @@ def _check_combinations(cfg: TrainConfig) -> None:
             f"optim.scheduler={scheduler} steps on the eval loss: set trainer.eval_steps=N (N >= 1) and keep an "
             "eval split (data.eval_fraction > 0 or data.eval_path)"
         )
+    _check_tiled_mlp(cfg)
     if t.eval_steps > 0 and not has_eval:
         # the trainer would skip every evaluation without a word (hf_configs.sft_config turns it off)
         raise UserError(
             f"trainer.eval_steps={t.eval_steps} but the run has no eval split (data.eval_path is null and "
             "data.eval_fraction=0): hold out rows with data.eval_fraction=0.1 or set data.eval_path=FILE, or set "
             "trainer.eval_steps=0 to train without evaluation"
+        )
+
+
+def _check_tiled_mlp(cfg: TrainConfig) -> None:
+    """trainer.tiled_mlp is tested in one process, without Liger's own MLP kernels."""
+    t = cfg.trainer
+    if not t.tiled_mlp:
+        return
+    if cfg.dist.strategy != "none":
+        raise UserError(
+            f"trainer.tiled_mlp=true is tested in one process, not with dist={cfg.dist.strategy}: drop "
+            "trainer.tiled_mlp or train with dist=none"
+        )
+    if t.liger:
+        raise UserError(
+            "trainer.tiled_mlp=true with trainer.liger=true: Liger replaces the MLP with its own kernel, untested "
+            "with tiles; drop one of the two"
         )

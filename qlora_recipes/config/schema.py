@@ -220,6 +220,14 @@ class PrecisionConfig:
     )
 
 
+def mlp_tile(trainer: "TrainerConfig", hidden_size: int) -> int:
+    """Tokens per tile of trainer.tiled_mlp (0: off): trainer.tiled_mlp_tile, or hidden_size tokens
+    (Snowflake's ALST: ceil(seqlen / hidden) shards). The loader and the planner both ask it."""
+    if not trainer.tiled_mlp:
+        return 0
+    return int(trainer.tiled_mlp_tile) or max(1, int(hidden_size))
+
+
 @dataclass
 class TrainerConfig:
     micro_batch_size: int = option(4, "rows per forward/backward", positive=True)
@@ -260,6 +268,14 @@ class TrainerConfig:
         range=">= 1",
         resume_safe=True,
     )
+    # where the MLP's intermediates live, not what is trained (the same gradients, model/tiled_mlp.py)
+    tiled_mlp: bool = option(
+        False,
+        "run each decoder layer's MLP over tiles of tokens in forward and backward (its intermediates for one "
+        "tile at a time: long sequences); costs one more MLP forward per step",
+        resume_safe=True,
+    )
+    tiled_mlp_tile: int = option(0, "tokens per tiled_mlp tile; 0: hidden_size tokens", range=">= 0", resume_safe=True)
     liger: bool = option(False, "Liger kernels through TRL/transformers' use_liger_kernel (Triton: CUDA only)")
     logging_steps: int = option(10, "steps between logged losses", positive=True, resume_safe=True)
     eval_steps: int = option(0, "0: evaluate at the end only", range=">= 0", resume_safe=True)

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import torch
 
-from ..config.schema import DistConfig, ModelConfig, OffloadConfig, TrainConfig
+from ..config.schema import DistConfig, ModelConfig, OffloadConfig, TrainConfig, mlp_tile
 from ..errors import UserError
 from ..units import torch_dtype
 from .families import traits
 from .hf_configs import bnb_config, lora_config
+from .tiled_mlp import tile_mlps
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +261,19 @@ def make_trainable(cfg: TrainConfig, model):
     _adapters_off_meta(cfg.offload, model)
     _trainable_in_fp32(model)
     _disk_layers_as_host_layers(model)
+    if t.tiled_mlp:
+        _tile_mlps(cfg, model)
     return model
+
+
+def _tile_mlps(cfg: TrainConfig, model) -> None:
+    """trainer.tiled_mlp: every decoder layer's MLP over tiles of tokens (model/tiled_mlp.py)."""
+    hidden = model.get_base_model().config.get_text_config().hidden_size
+    if not tile_mlps(model, mlp_tile(cfg.trainer, hidden)):
+        raise UserError(
+            f"trainer.tiled_mlp=true: {cfg.model.architecture} has no gate/up/down MLP to tile "
+            "(Llama, Mistral, Qwen2, Gemma 2 have); drop trainer.tiled_mlp"
+        )
 
 
 def _disk_layers_as_host_layers(model) -> None:

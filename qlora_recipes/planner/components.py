@@ -126,9 +126,12 @@ class BlockBytes:
     max_dequant: int = 0  # elements of the largest quantized weight
     max_dora: int = 0  # bytes of DoRA's weight-norm temporaries for the largest adapted linear
     lora_in: int = 0  # sum of in_features of adapted linears (dropout copies)
+    mlp_lora_in: int = 0  # of which the MLP's (gate/up/down): what trainer.tiled_mlp runs per tile
     dora_out: int = 0  # sum of out_features of DoRA-adapted linears
     dora_in: int = 0  # sum of in_features of DoRA-adapted linears
     dora_weight: int = 0  # sum of out*in of DoRA-adapted linears
+    mlp_dora_out: int = 0  # of which the MLP's
+    mlp_dora_in: int = 0
     placed_bytes: int = 0  # what the loader counts when placing (quantized at 0.5/1 byte/elem)
     max_cast: int = 0  # load bytes of its largest tensor that k-bit prep upcasts (0: none is)
 
@@ -171,10 +174,14 @@ def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
                 r = st.r
                 bb.lora_tensors += [(r, lin.in_features), (lin.out_features, r)]
                 bb.lora_in += lin.in_features
+                in_mlp = ".mlp." in lin.name
+                bb.mlp_lora_in += lin.in_features if in_mlp else 0
                 if st.peft == "dora":
                     bb.lora_tensors.append((lin.out_features,))
                     bb.dora_out += lin.out_features
                     bb.dora_in += lin.in_features
+                    bb.mlp_dora_out += lin.out_features if in_mlp else 0
+                    bb.mlp_dora_in += lin.in_features if in_mlp else 0
                     bb.dora_weight += lin.numel
                     # eye(in) fp32, lora weight in x out fp32, dequantized weight (c), W + s*BA and s*BA fp32
                     bb.max_dora = max(bb.max_dora, 4 * lin.in_features**2 + lin.numel * (load + 12))
@@ -341,6 +348,8 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
         the fp32 softmax and its c-byte cast (+ the tanh output of Gemma 2's soft-capping)
                                                             3c*a*d + b*a*s^2*(4 + c [+ c]) / T
       gated MLP: gate and up outputs, act(gate)             3*r*f
+        tiled (trainer.tiled_mlp, more tokens than a tile): only the MLP's input, h*r; its gate/up/act
+        and LoRA terms exist for one tile, in the recompute (backward_working_bytes)
         (bitsandbytes linears save no input: bnb 0.50 MatMul4Bit keeps only the packed weight)
       LoRA, per adapted linear: the c-byte input of lora_A (autocast cast) + dropout mask
                                                             (c + mask) * in  (mask 0 without dropout)
@@ -354,38 +363,71 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
     """
     fig, s = st.fig, st.seq_len
     c, r, mask = act_dtypes(st, on_cpu)
-    h, f, a, d = fig.hidden_size, fig.intermediate_size, fig.num_heads, fig.head_dim
+    h, a, d = fig.hidden_size, fig.num_heads, fig.head_dim
     qd, kvd = a * d, fig.num_kv_heads * d
     norms = 4 if fig.traits.sandwich_norms else 2
-    per_token = norms * (4 * h + 4) + 3 * r * f
+    per_token = norms * (4 * h + 4)
     if eager(st):
         per_token += 3 * c * qd
     else:
         kv_saved = 2 * qd if fig.num_kv_heads < a and sdpa_masked(st, b) else 2 * kvd
         per_token += c * (2 * qd + kv_saved) + 4 * a
-    per_token += (c + (mask if st.lora_dropout > 0 else 0)) * bb.lora_in
-    per_token += 2 * c * bb.dora_out
-    total = b * s * per_token
+    per_token += (c + (mask if st.lora_dropout > 0 else 0)) * (bb.lora_in - bb.mlp_lora_in)
+    per_token += 2 * c * (bb.dora_out - bb.mlp_dora_out)
+    # the MLP's; tiled (trainer.tiled_mlp), only its input: its tiles are recomputed in backward
+    total = b * s * (per_token + (h * r if mlp_tiled(st, b) else mlp_saved_per_token(st, bb, on_cpu)))
     if c < 4:
         total += c * sum(math.prod(t) for t in bb.lora_tensors)
     if bb.dora_out and st.lora_dropout > 0:
         # DoRA with dropout recomputes the base output as F.linear(dropout(x), dequantized W):
         # that matmul keeps the c-byte input and the whole dequantized weight of each linear
-        total += b * s * c * bb.dora_in + c * bb.dora_weight
+        total += b * s * c * (bb.dora_in - bb.mlp_dora_in) + c * bb.dora_weight
     return total + eager_scores_bytes(st, b, on_cpu)
 
 
-def backward_working_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
+def mlp_tiled(st: StackSpec, b: int) -> bool:
+    """trainer.tiled_mlp runs the MLP over tiles when a micro-batch has more tokens than one tile."""
+    return bool(st.mlp_tile) and b * st.seq_len > st.mlp_tile
+
+
+def mlp_tokens(st: StackSpec, b: int) -> int:
+    """Tokens whose MLP intermediates exist at once: the micro-batch's, or one tile's."""
+    return min(b * st.seq_len, st.mlp_tile) if mlp_tiled(st, b) else b * st.seq_len
+
+
+def mlp_saved_per_token(st: StackSpec, bb: BlockBytes, on_cpu: bool = False) -> int:
+    """What autograd keeps per token for the MLP (layer_saved_bytes' MLP terms): gate and up outputs
+    and act(gate), the LoRA inputs (+ dropout masks) of its adapted linears, DoRA's kept results
+    (and with dropout its inputs)."""
+    c, r, mask = act_dtypes(st, on_cpu)
+    per_token = 3 * r * st.fig.intermediate_size + (c + (mask if st.lora_dropout > 0 else 0)) * bb.mlp_lora_in
+    per_token += 2 * c * bb.mlp_dora_out
+    if bb.dora_out and st.lora_dropout > 0:
+        per_token += c * bb.mlp_dora_in
+    return per_token
+
+
+def backward_working_bytes(st: StackSpec, b: int, on_cpu: bool = False, bb: BlockBytes | None = None) -> int:
     """Gradient buffers alive while one layer runs backward: hidden-state and MLP gradients; or, if
     larger, what recomputing a plain (not bitsandbytes) adapted linear holds on a GPU: peft's LoRA
     Linear.forward casts its input to the adapters' fp32 on every device (lora/layer.py,
     `_cast_input_dtype`; its bitsandbytes layers skip that under CUDA autocast), so with a 16-bit
     residual the adapted linear with the widest input holds that input, its fp32 copy and the fp32
     dropout output at once (bench/trace shows them at the layer-backward peak of quant=none stacks,
-    beside the layer's saved tensors)."""
+    beside the layer's saved tensors). A tiled MLP (trainer.tiled_mlp, layer `bb`) recomputes one tile
+    at a time: that tile's saved tensors, its gate/up gradients and its input's gradient."""
     fig, s = st.fig, st.seq_len
     _, r, _ = act_dtypes(st, on_cpu)
     w = b * s * r * (2 * fig.hidden_size + 2 * fig.intermediate_size)
+    if mlp_tiled(st, b) and bb is not None:
+        # the larger of the MLP's backward (one tile) and the rest of the layer's, which the MLP's
+        # tokens x 2f gradients no longer cover: fp32 RMSNorm-backward temporaries and the q and
+        # attention-output gradients (bench trace, 8B at 32k and 64k tokens: the peak is there)
+        c, h, f = act_dtypes(st, on_cpu)[0], fig.hidden_size, fig.intermediate_size
+        tile = mlp_tokens(st, b)
+        mlp = tile * (r * (2 * f + h) + mlp_saved_per_token(st, bb, on_cpu))
+        rest = b * s * (4 * 2 * h + c * 2 * fig.num_heads * fig.head_dim)
+        w = b * s * r * 2 * h + max(mlp, rest)
     if eager(st):
         rows, n = attention_rows(st, b)
         w += rows * fig.num_heads * n * n * 4  # fp32 gradient of the softmax
@@ -450,7 +492,8 @@ def eval_layer_bytes(st: StackSpec, b: int, on_cpu: bool = False, s: int | None 
     c, r, _ = act_dtypes(st, on_cpu)
     c = c if autocast else r
     h, f, a, d = fig.hidden_size, fig.intermediate_size, fig.num_heads, fig.head_dim
-    w = b * s * (2 * r * h + 4 * h + c * (4 * a * d) + 3 * r * f)
+    mlp = min(b * s, st.mlp_tile) if st.mlp_tile else b * s  # trainer.tiled_mlp: one tile's intermediates
+    w = b * s * (2 * r * h + 4 * h + c * (4 * a * d)) + mlp * 3 * r * f
     if eager(st):
         rows, n = attention_rows(st, b) if s == st.seq_len and autocast else (b, s)  # generation: padded
         w += rows * a * n * n * (4 + c)

@@ -235,10 +235,10 @@ def _activation_rows(st: StackSpec, t: _Tally) -> None:
         if st.checkpointing:
             _, r, _ = act_dtypes(st, cpu)
             per_layer = [b * s * st.fig.hidden_size * r] * len(layer_bbs)  # each layer's input
-            working = layer_saved_bytes(st, worst, b, cpu) + backward_working_bytes(st, b, cpu)
+            working = layer_saved_bytes(st, worst, b, cpu) + backward_working_bytes(st, b, cpu, worst)
         else:
             per_layer = [layer_saved_bytes(st, x, b, cpu) for x in layer_bbs]
-            working = backward_working_bytes(st, b, cpu)
+            working = backward_working_bytes(st, b, cpu, worst)
         stored = sum(per_layer)
         if st.activation_offloading and not cpu:  # TRL: to pinned host RAM but the forward stash
             stored, host = offloaded_activations(st, per_layer)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..config.objectives import OBJECTIVES
-from ..config.schema import padding_free_on
+from ..config.schema import mlp_tile, padding_free_on
 from ..errors import UserError
 from ..units import DTYPE_BYTES, dtype_bytes
 from .constants import DEVICE_MAP_STRATEGIES, TRL_OFFLOAD_FWD_STASH
@@ -59,6 +59,7 @@ class StackSpec:
     activation_offloading: bool = False  # trainer.activation_offloading (TRL): saved activations in host RAM
     embeddings_on_host: bool = False  # offload.embeddings: the input embeddings in host RAM, looked up there
     offload_stash: int = TRL_OFFLOAD_FWD_STASH  # trainer.activation_offload_stash: offloaded tensors left on the GPU
+    mlp_tile: int = 0  # trainer.tiled_mlp: tokens per MLP tile (schema.mlp_tile); 0: untiled
     attn: str = "sdpa"
     packing: bool = False  # data.packing: micro-batches filled from the data, no pads
     padding_free: bool = False  # schema.padding_free_on: one flat row of b*s tokens, position_ids apart
@@ -143,6 +144,7 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         activation_offloading=bool(trainer.activation_offloading),
         offload_stash=int(trainer.activation_offload_stash),
         embeddings_on_host=bool(cfg.offload.embeddings),
+        mlp_tile=mlp_tile(trainer, fig.hidden_size),
         attn=str(model.attn_implementation),
         packing=bool(data.packing),
         padding_free=padding_free_on(data),

@@ -105,3 +105,30 @@ def test_embeddings_in_host_ram_train_on_a_gpu(smoke_run, monkeypatch):
     monkeypatch.setattr(loading, "make_trainable", spy)
     m, _ = smoke_run("offload.embeddings=true", "trainer.activation_offloading=true")
     assert placed["table"] == "cpu" and m["steps"] == 3 and all(math.isfinite(x) for x in m["train_losses"])
+
+
+# ----------------------------------------------------------------------------------------------
+# trainer.tiled_mlp
+# ----------------------------------------------------------------------------------------------
+def test_tiled_mlp_trains_through_its_tiles_in_forward_and_backward(monkeypatch, smoke_run):
+    """The smoke run with every decoder MLP over 16-token tiles: the tiled Function runs in each
+    checkpointed layer's forward and backward, and the run trains and saves its adapter."""
+    from qlora_recipes.model.tiled_mlp import TiledMLPFunction
+
+    calls = {"forward": 0, "backward": 0}
+    forward, backward = TiledMLPFunction.forward, TiledMLPFunction.backward
+
+    def counted(name, fn):
+        def wrapper(*args):
+            calls[name] += 1
+            return fn(*args)
+
+        return staticmethod(wrapper)
+
+    monkeypatch.setattr(TiledMLPFunction, "forward", counted("forward", forward))
+    monkeypatch.setattr(TiledMLPFunction, "backward", counted("backward", backward))
+    m, run = smoke_run("trainer.tiled_mlp=true", "trainer.tiled_mlp_tile=16")
+    assert m["steps"] == 3 and all(math.isfinite(x) for x in m["train_losses"]), m["train_losses"]
+    layers = 2  # the tiny model's; checkpointing recomputes each forward once in backward
+    assert calls["backward"] == 3 * layers and calls["forward"] == 2 * calls["backward"]
+    assert (run / "adapter" / "adapter_model.safetensors").is_file()

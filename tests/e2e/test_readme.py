@@ -80,6 +80,11 @@ REGISTRY: dict[str, How] = {
     # README: first commands (and docs/memory-and-planner.md); `python train.py` is below
     "make llama3.1-8b-24gb": How(kind="refuse", expect=r"needs 1 x 23.5 GiB GPU.*make plan-llama3.1-8b-24gb"),
     "qlora plan --gpus 24GB model=llama3.1-8b trainer.seq_len=4096": How(expect=r"(?m)^(FITS|DOES NOT FIT): peak"),
+    # docs/memory-and-planner.md: the tiled MLP's longest sequence on the 24 GB recipe
+    "qlora plan --longest-seq --host-ram 128GiB recipe=llama3.1-8b-24gb peft.r=32 trainer.micro_batch_size=1 "
+    "precision.upcast_frozen=false trainer.activation_offloading=true trainer.tiled_mlp=true": How(
+        expect=r"trainer\.seq_len=69504 "
+    ),
     # docs/running-and-outputs.md: running
     "python train.py": How(suffix=SMOKE),
     "python train.py quant=nf4 optim=paged8bit peft.r=64": How(suffix=SMOKE),

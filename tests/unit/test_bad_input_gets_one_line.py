@@ -186,6 +186,8 @@ OVERRIDES = [
     (["dist=fsdp"], ["dist=fsdp", "torchrun"]),
     (["trainer.activation_offloading=true"], ["trainer.activation_offloading=true needs a CUDA GPU"]),
     (["trainer.liger=true"], ["trainer.liger=true needs a CUDA GPU"]),
+    (["trainer.tiled_mlp=true", "dist=ddp"], ["trainer.tiled_mlp=true", "dist=ddp", "dist=none"]),
+    (["trainer.tiled_mlp_tile=-1"], ["trainer.tiled_mlp_tile=-1"]),
     (["resume.checkpoint=/nonexistent/checkpoint-5"], ["resume.checkpoint=/nonexistent/checkpoint-5"]),
     (["seed=-1"], ["seed=-1"]),
     (["+foo=1"], ["unknown key foo"]),

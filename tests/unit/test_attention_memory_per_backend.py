@@ -23,7 +23,7 @@ CARD = [int(23.5 * GiB)]  # a 24 GB card
 
 
 def _spec(*overrides: str):
-    return spec_from_cfg(compose_cfg("precision=bf16", "trainer=standard", *overrides), 1)
+    return spec_from_cfg(compose_cfg("precision=bf16", "trainer=standard", "trainer.eval_batch_size=1", *overrides), 1)
 
 
 def _quadratic(st, seq: int) -> int:

@@ -117,7 +117,7 @@ def test_shipped_suites_load_and_compose():
     for s in suite.expand_stacks(cpu["stacks"]):
         compose_cfg(*cpu["job"], *s["overrides"])  # every stack of the CPU suite is a valid config
     gpu = suite.load_suite("gpu", shrink=True)
-    assert set(gpu["stages"]) == {"8b", "slope", "full", "seq"}
+    assert set(gpu["stages"]) == {"8b", "slope", "full", "seq", "long"}
     assert gpu["stages"]["slope"]["layers"] == [1, 2] and "trainer.seq_len=128" in gpu["job"]
     real = suite.load_suite("gpu", shrink=False)
     assert real["stages"]["slope"]["layers"] == [2, 4, 8] and real["stages"]["slope"]["target_layers"] == 80

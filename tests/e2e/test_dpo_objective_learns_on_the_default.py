@@ -4,6 +4,8 @@ summary and the model card, saves one adapter (the reference is the base with th
 measures the peak its plan predicts. One shared run."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 from conftest import REPO, SMOKE, compose_cfg
@@ -13,30 +15,36 @@ from qlora_recipes.console import summary_rows
 
 @pytest.fixture(scope="module")
 def dpo_run(tmp_path_factory):
-    from qlora_recipes.run.training import train
-
+    """The command as a user runs it, in its own process: its measured peak (process RSS) is a first
+    run's, not that of a test process that trained before. (metrics, run dir, stdout)."""
     # the default's pairs and batch (conf/trainer/tiny.yaml: 8 pairs a step), 20 of its 40 steps; no
     # generation metric (SMOKE's choice: it would double the run)
-    cfg = compose_cfg("objective=dpo", "trainer.max_steps=20", "trainer.progress_bar=false", "data.metric=null")
     run_dir = tmp_path_factory.mktemp("dpo") / "run"
-    return train(cfg, run_dir), run_dir
+    overrides = ["objective=dpo", "trainer.max_steps=20", "trainer.progress_bar=false", "data.metric=null"]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((run_dir / "metrics.json").read_text()), run_dir, proc.stdout
 
 
 def test_dpo_learns_the_preferences_of_the_order_sample(dpo_run):
-    metrics, run_dir = dpo_run
+    metrics, run_dir, stdout = dpo_run
     assert metrics["objective"] == "dpo" and metrics["steps"] == 20
     assert metrics["eval_reward_accuracy_before"] == 0.0  # the policy is the reference before training
     assert metrics["eval_reward_accuracy"] >= 0.8
     assert metrics["eval_reward_margin"] > metrics["eval_reward_margin_before"] == 0.0
     assert metrics["train_loss_last"] < metrics["train_loss_first"]
-    saved = json.loads((run_dir / "metrics.json").read_text())
-    assert saved["eval_reward_accuracy"] == metrics["eval_reward_accuracy"]
     rows = dict(summary_rows(metrics))
     assert rows["objective"] == "dpo" and rows["reward accuracy"].startswith("0 -> ")
+    assert "reward accuracy" in stdout  # the summary the user sees
 
 
 def test_dpo_saves_one_adapter_and_its_card_names_the_objective(dpo_run):
-    _, run_dir = dpo_run
+    _, run_dir, _ = dpo_run
     adapter = run_dir / "adapter"
     assert (adapter / "adapter_model.safetensors").is_file() and not (adapter / "ref").exists()
     card = (adapter / "README.md").read_text()
@@ -44,7 +52,7 @@ def test_dpo_saves_one_adapter_and_its_card_names_the_objective(dpo_run):
 
 
 def test_dpo_measured_peak_is_within_ten_percent_of_its_plan(dpo_run):
-    metrics, _ = dpo_run
+    metrics, _, _ = dpo_run
     assert 0.9 <= metrics["peak_mem_gib"] / metrics["planned_peak_gib"] <= 1.1, metrics
 
 

@@ -122,21 +122,9 @@ def _autocast(cfg: Any, device: str):
     if dtype == torch.float32:
         return contextlib.nullcontext()
 
-    @contextlib.contextmanager
-    def ctx():
-        prev = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
-        torch.set_autocast_enabled(device, True)
-        torch.set_autocast_dtype(device, dtype)
-        torch.autocast_increment_nesting()
-        try:
-            yield
-        finally:
-            if torch.autocast_decrement_nesting() == 0:
-                torch.clear_autocast_cache()
-            torch.set_autocast_enabled(device, prev[0])
-            torch.set_autocast_dtype(device, prev[1])
+    from qlora_recipes.model.tiled_mlp import autocast_as
 
-    return ctx()
+    return autocast_as(device, (True, dtype))
 
 
 def _offload_ctx(cfg: Any, model):

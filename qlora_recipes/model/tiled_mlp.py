@@ -21,7 +21,7 @@ import torch
 
 
 @contextlib.contextmanager
-def _autocast_as(device: str, state: tuple[bool, torch.dtype] | None):
+def autocast_as(device: str, state: tuple[bool, torch.dtype] | None):
     """The forward's autocast state again (backward runs outside it). Set through the low-level
     calls, as accelerate's state is, so a device autocast would not accept still gets it."""
     if state is None:
@@ -86,7 +86,7 @@ class TiledMLPFunction(torch.autograd.Function):
         # around backward (TRL's activation offloading wraps the whole training step) would copy
         # each tile's intermediates to host RAM and stash them.
         keep = torch.autograd.graph.saved_tensors_hooks(_same, _same)
-        with _rng_as(ctx.rng), _autocast_as(ctx.device, ctx.autocast), keep, torch.enable_grad():
+        with _rng_as(ctx.rng), autocast_as(ctx.device, ctx.autocast), keep, torch.enable_grad():
             for xt, gt, gxt in zip(tiles_x, tiles_g, tiles_gx, strict=True):
                 xt = xt.requires_grad_(want_x)
                 out = ctx.forward(xt)

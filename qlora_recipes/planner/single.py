@@ -131,11 +131,12 @@ def _tally_blocks(st: StackSpec, hw: _dev.Hardware, bbs: list, dmap: dict, exec_
     unquantized = unquantized_blocks(st, dmap, [blk.name for blk, _ in bbs])
     for blk, bb in bbs:
         where = t.placed[blk.name] = dev_name(place(blk.name, dmap))  # where the loader puts it
-        if st.embeddings_on_host and hw.has_gpu and blk.embeddings and not blk.is_layer:
+        on_host = st.embeddings_on_host and hw.has_gpu and bool(blk.embeddings) and not blk.is_layer
+        if on_host:
             where = "cpu"  # model/host_embeddings.py: stored and looked up in host RAM, not onloaded
             # loaded on the GPU with the rest, then moved: the load phase holds it there
             t.comp["load_transient"][exec_dev] = max(t.comp["load_transient"][exec_dev], bb.other + bb.buffers)
-        compute = where if where.startswith("cuda") or not hw.has_gpu or where == "cpu" and blk.embeddings else exec_dev
+        compute = where if where.startswith("cuda") or not hw.has_gpu or on_host else exec_dev
         if where == "disk" and not hw.has_gpu:
             compute = "cpu"
         holder = "cpu" if where == "disk" else where

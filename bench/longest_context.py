@@ -32,7 +32,9 @@ HOST_RAM = "128GB"
 # batch 1 (trainer=standard: micro-batch 1; peft's default target is all-linear: the 7 linears). Their
 # figures are training alone: no generation metric (data.metric=null), whose KV cache a plan without
 # the data bounds by a prompt as long as the context; the eval split's loss stays.
-UNSLOTH_SETTINGS = ("trainer=standard", "peft.r=32", "trainer.micro_batch_size=1", "data.metric=null")
+# No LoRA dropout: unsloth's FastLanguageModel.get_peft_model defaults to lora_dropout=0 (its fused
+# LoRA kernels' case), and its benchmarks state no other.
+UNSLOTH_SETTINGS = ("trainer=standard", "peft.r=32", "peft.dropout=0", "trainer.micro_batch_size=1", "data.metric=null")
 # our lean options; extend this list (or pass --extra) when a new one lands
 LEAN_OPTIONS = (
     "precision.upcast_frozen=false",
@@ -61,17 +63,28 @@ SOURCE_NOTE = {
     UNSLOTH_70B: "unsloth blog, Llama 3.3: 'Llama 3.3 (70B) max. context length' (80GB A100, 4-bit QLoRA on all "
     "linear layers, rank 32, batch 1, sequences padded to length)",
 }
+# Per case, what the length asks for beyond the lean options: RoPE scaling where unsloth's figure is
+# past Llama-3.1's 131,072 positions (yarn x4: 524,288), and pageable host copies where pinned ones,
+# each rounded up to a power of two, would outgrow the declared host RAM first.
+ROPE_X4 = "model.rope_scaling={rope_type:yarn,factor:4}"
+PAGEABLE = "trainer.activation_offload_pinned=false"
+CASE_OPTIONS = {
+    ("llama3.1-8b", 40): (ROPE_X4,),
+    ("llama3.1-8b", 48): (ROPE_X4,),
+    ("llama3.1-8b", 80): (ROPE_X4, PAGEABLE),
+    ("llama3.1-70b", 80): (PAGEABLE,),
+}
 PRINTED = re.compile(r"longest sequence that fits .*: (?:trainer\.seq_len=(\d+)|none)")
 
 
-def overrides(model: str, extra: tuple[str, ...] = ()) -> list[str]:
-    """The stack of one case: unsloth's settings, our lean options and any extra ones."""
-    return [f"model={model}", *UNSLOTH_SETTINGS, *LEAN_OPTIONS, *extra]
+def overrides(model: str, card_gb: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """The stack of one case: unsloth's settings, our lean options, the case's own and any extra ones."""
+    return [f"model={model}", *UNSLOTH_SETTINGS, *LEAN_OPTIONS, *CASE_OPTIONS.get((model, card_gb), ()), *extra]
 
 
 def command(model: str, card_gb: int, extra: tuple[str, ...] = ()) -> str:
     """The `qlora plan` command that prints the case's longest_seq."""
-    ov = " ".join(shlex.quote(o) for o in overrides(model, extra))
+    ov = " ".join(shlex.quote(o) for o in overrides(model, card_gb, extra))
     return f"qlora plan {ov} --gpus {card_gb}GB --host-ram {HOST_RAM} --longest-seq"
 
 
@@ -82,7 +95,7 @@ def cases(extra: tuple[str, ...] = ()) -> list[dict]:
             "model": model,
             "card_gb": gb,
             "command": command(model, gb, extra),
-            "overrides": overrides(model, extra),
+            "overrides": overrides(model, gb, extra),
             "unsloth_seq": seq,
             "source": src,
         }
@@ -308,7 +321,8 @@ def compact(doc: dict) -> str:
     lines.append(
         "Ours: the `qlora plan ... --longest-seq` command of each case in "
         "[bench/results/longest-context.md](bench/results/longest-context.md) (unsloth's settings: 4-bit, LoRA r=32 "
-        f"on all 7 linears, batch 1; plus `{' '.join(doc['lean_options'])}`); * the model's positions. "
+        f"on all 7 linears, no LoRA dropout, batch 1; plus `{' '.join(doc['lean_options'])}`; past 131,072 tokens "
+        f"`{ROPE_X4}`, and on 80 GB `{PAGEABLE}`); * the model's positions. "
         f"Unsloth: [docs]({UNSLOTH_8B}) (8B), [Llama 3.3 blog]({UNSLOTH_70B}) (70B, Llama-3.3 shape)."
     )
     return "\n".join(lines)

@@ -6,6 +6,7 @@ Each takes the harness (`b`: settings, assets, measure, results), the stage's ke
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from bench import planning as P
@@ -128,7 +129,7 @@ def long_context_cases(cases: list[dict], models: list[str], gpu_bytes: int | No
         if gpu_bytes is not None and c["card_gb"] * 10**9 > gpu_bytes * 1.02:  # an 80 GB card reports ~79.2 GiB
             continue
         seq = min(c["longest_seq"], seq_cap) if seq_cap else c["longest_seq"]
-        keep = [o for o in c["command"].split()[2:] if "=" in o and not o.startswith(("model=", "trainer="))]
+        keep = [o for o in shlex.split(c["command"])[2:] if "=" in o and not o.startswith(("model=", "trainer="))]
         out.append(
             {
                 "name": f"long-{c['model']}-{c['card_gb']}gb",

@@ -268,6 +268,14 @@ class TrainerConfig:
         range=">= 1",
         resume_safe=True,
     )
+    # where offloaded activations wait in host RAM, not what is trained
+    activation_offload_pinned: bool = option(
+        True,
+        "trainer.activation_offloading: host copies in pinned RAM (copies overlap compute; torch rounds each "
+        "block up to a power of two). false: pageable RAM at exact size, copies not overlapped: for contexts "
+        "whose offloaded activations outgrow host RAM",
+        resume_safe=True,
+    )
     # where the MLP's intermediates live, not what is trained (the same gradients, model/tiled_mlp.py)
     tiled_mlp: bool = option(
         False,

@@ -472,7 +472,8 @@ def offloaded_activations(st: StackSpec, per_layer: list[int]) -> tuple[int, int
     `st.offload_stash` offloaded tensors, alive until their copy completes and the newest until
     backward starts - the inputs of the last trainer.activation_offload_stash layers (TRL's default 5;
     without checkpointing, at most the last layer's tensors). Pinned blocks come from torch's CachingHostAllocator, which rounds each to a
-    power of two and caches it; without checkpointing the sum is unrounded (tensor sizes not tallied).
+    power of two and caches it; pageable ones (trainer.activation_offload_pinned=false) are exact; without
+    checkpointing the sum is unrounded (tensor sizes not tallied).
     The saved tensors of the final norm and the loss move too; they stay counted on the GPU.
     """
     if not per_layer:
@@ -481,7 +482,7 @@ def offloaded_activations(st: StackSpec, per_layer: list[int]) -> tuple[int, int
         return max(per_layer), sum(per_layer)
     moved = [x for x in per_layer if x >= TRL_OFFLOAD_MIN_BYTES]
     kept = sum(per_layer) - sum(moved) + sum(sorted(moved)[-st.offload_stash :])
-    return kept, sum(1 << (x - 1).bit_length() for x in moved)
+    return kept, sum(1 << (x - 1).bit_length() if st.offload_pinned else x for x in moved)
 
 
 def eval_layer_bytes(st: StackSpec, b: int, on_cpu: bool = False, s: int | None = None, autocast: bool = True) -> int:

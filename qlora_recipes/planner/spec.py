@@ -59,6 +59,7 @@ class StackSpec:
     activation_offloading: bool = False  # trainer.activation_offloading (TRL): saved activations in host RAM
     embeddings_on_host: bool = False  # offload.embeddings: the input embeddings in host RAM, looked up there
     offload_stash: int = TRL_OFFLOAD_FWD_STASH  # trainer.activation_offload_stash: offloaded tensors left on the GPU
+    offload_pinned: bool = True  # trainer.activation_offload_pinned: host blocks rounded to a power of two
     mlp_tile: int = 0  # trainer.tiled_mlp: tokens per MLP tile (schema.mlp_tile); 0: untiled
     attn: str = "sdpa"
     packing: bool = False  # data.packing: micro-batches filled from the data, no pads
@@ -143,6 +144,7 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         checkpointing_mode=mode,
         activation_offloading=bool(trainer.activation_offloading),
         offload_stash=int(trainer.activation_offload_stash),
+        offload_pinned=bool(trainer.activation_offload_pinned),
         embeddings_on_host=bool(cfg.offload.embeddings),
         mlp_tile=mlp_tile(trainer, fig.hidden_size),
         attn=str(model.attn_implementation),

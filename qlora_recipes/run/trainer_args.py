@@ -12,15 +12,20 @@ log = logging.getLogger("train")
 DEFAULT_OFFLOAD_STASH = 5  # trl.models.get_act_offloading_ctx_manager's max_fwd_stash_size
 
 
-def offload_stash(trainer, t) -> None:
-    """trainer.activation_offload_stash other than TRL's default: the trainer's offloading context
-    rebuilt with that forward stash (SFT, DPO and KTO trainers all keep it in
-    `maybe_activation_offload_context`); copies still overlap compute on TRL's side stream."""
+def offload_context(trainer, t) -> None:
+    """trainer.activation_offload_stash other than TRL's default, or pageable host copies
+    (trainer.activation_offload_pinned=false): the trainer's offloading context rebuilt with them (SFT,
+    DPO and KTO trainers all keep it in `maybe_activation_offload_context`); copies still overlap compute
+    on TRL's side stream when pinned."""
     from trl.models import get_act_offloading_ctx_manager
 
-    if t.activation_offloading and t.activation_offload_stash != DEFAULT_OFFLOAD_STASH:
+    if t.activation_offloading and (
+        t.activation_offload_stash != DEFAULT_OFFLOAD_STASH or not t.activation_offload_pinned
+    ):
         trainer.maybe_activation_offload_context = get_act_offloading_ctx_manager(
-            model=trainer.model, max_fwd_stash_size=t.activation_offload_stash
+            model=trainer.model,
+            max_fwd_stash_size=t.activation_offload_stash,
+            use_pin_memory=t.activation_offload_pinned,
         )
 
 

@@ -224,7 +224,7 @@ def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan,
             processing_class=tokenizer,
             callbacks=[memory_log, *tb_callbacks, EvalProgress(), preemption],
         )
-        trainer_args.offload_stash(trainer, c.trainer)
+        trainer_args.offload_context(trainer, c.trainer)
         trainer.adapter_sha256_step0 = dist.sync_adapters(model)  # every rank starts from rank 0's adapters
         if c.objective.name != "sft" and eval_ds is not None and not before:
             log.info("evaluation before training: %d eval rows", len(eval_ds))

@@ -208,13 +208,28 @@ def planner_hw(gib: int):
 
 @pytest.mark.gpu
 @requires_gpu("TRL's offloading context needs a CUDA stream")
-def test_the_stash_reaches_trls_offloading_context():
+def test_the_stash_and_pageable_copies_reach_trls_offloading_context():
     from types import SimpleNamespace
 
-    from qlora_recipes.run.trainer_args import offload_stash
+    from qlora_recipes.run.trainer_args import offload_context
 
     trainer = SimpleNamespace(model=torch.nn.Linear(8, 8).cuda())
-    offload_stash(
-        trainer, compose_cfg("trainer.activation_offloading=true", "trainer.activation_offload_stash=1").trainer
-    )
+    on = ("trainer.activation_offloading=true", "trainer.activation_offload_stash=1")
+    offload_context(trainer, compose_cfg(*on, "trainer.activation_offload_pinned=false").trainer)
     assert trainer.maybe_activation_offload_context.max_fwd_stash_size == 1
+    assert trainer.maybe_activation_offload_context.use_pin_memory is False
+
+
+def test_pageable_offload_copies_are_planned_at_their_size_not_rounded_up():
+    """trainer.activation_offload_pinned=false: TRL's host copies in pageable RAM, each at its size;
+    pinned ones are rounded up to a power of two by torch's caching host allocator."""
+    long = ("model=llama3.1-8b", "trainer=standard", "trainer.seq_len=40000", "trainer.activation_offloading=true")
+    pinned, pageable = (
+        planner.plan(compose_cfg(*long, f"trainer.activation_offload_pinned={p}"), gpus=[80 * GiB], host_ram=HOST)
+        for p in ("true", "false")
+    )
+    layer_input = 40000 * 4096 * 4  # fp32 residual stream (k-bit prep upcasts it)
+    moved = 32  # every layer's input goes to host RAM (the stash's stay on the GPU too)
+    cpu = lambda plan: plan["components"]["activations"]["cpu"]  # noqa: E731
+    assert cpu(pinned) - cpu(pageable) == moved * ((1 << (layer_input - 1).bit_length()) - layer_input)
+    assert pinned["components"]["activations"]["cuda:0"] == pageable["components"]["activations"]["cuda:0"]

@@ -4,10 +4,11 @@ command, run again, prints the recorded longest_seq (two cases: each is a few pl
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
-from bench.longest_context import LEAN_OPTIONS, RESULTS, cases, command, run_command
+from bench.longest_context import CASE_OPTIONS, LEAN_OPTIONS, RESULTS, ROPE_X4, cases, command, run_command
 
 RECORDED = json.loads(RESULTS.read_text())
 
@@ -24,10 +25,18 @@ def test_the_table_has_a_case_per_card_of_unsloths_table_with_its_source():
         assert c["planned_gib"] <= c["budget_gib"]
 
 
-def test_an_extra_override_reaches_every_command_after_the_lean_options():
+def test_an_extra_override_reaches_every_command_after_the_lean_and_the_cases_own_options():
     for case in cases(("trainer.example=true",)):
-        assert " ".join([*LEAN_OPTIONS, "trainer.example=true"]) in case["command"]
+        own = CASE_OPTIONS.get((case["model"], case["card_gb"]), ())
+        assert shlex.join([*LEAN_OPTIONS, *own, "trainer.example=true"]) in case["command"]
         assert "peft.r=32" in case["command"] and "--host-ram 128GB" in case["command"]
+
+
+def test_the_cases_past_the_models_positions_scale_rope_and_say_so():
+    for c in RECORDED["cases"]:
+        scaled = ROPE_X4 in CASE_OPTIONS.get((c["model"], c["card_gb"]), ())
+        assert scaled == (c["unsloth_seq"] > 131_072), c["command"]
+        assert not c["capped_by_positions"], c  # a length the model's positions cut is not a memory figure
 
 
 @pytest.mark.parametrize("key", [("llama3.1-8b", 24), ("llama3.1-70b", 80)])

@@ -61,7 +61,7 @@ format: $(VENV)/.installed ## apply ruff's fixes and formatting
 test-dist: $(VENV)/.installed ## install DeepSpeed (requirements-dist.txt), then the multi-rank tests on CPU (FSDP, ZeRO-2/3), slow ones too
 	$(PY) -m pip install -q -r requirements-dist.txt
 	$(PY) -c "from qlora_recipes.run.dist import build_deepspeed_cpu_ops as b; b()"
-	$(PY) -m pytest -m 'not gpu' tests/unit/test_distributed_configs_and_plans.py tests/e2e/test_ddp_ranks_on_cpu.py tests/e2e/test_sharded_training_on_cpu_ranks.py --durations=0 $(ARGS)
+	$(PY) -m pytest -m 'not gpu' tests/unit/test_distributed_configs_and_plans.py tests/e2e/test_ddp_ranks_on_cpu.py tests/e2e/test_sharded_training_on_cpu_ranks.py tests/e2e/test_dpo_on_sharded_cpu_ranks.py --durations=0 $(ARGS)
 
 smoke: $(VENV)/.installed ## 3 steps of the default stack: checks an install works
 	$(PY) train.py trainer=smoke $(ARGS)

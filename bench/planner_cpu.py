@@ -6,7 +6,8 @@
 Builds models of about 1 M, 50 M, 150 M, 300 M and 600 M parameters locally (random weights, bf16
 safetensors; Llama, and Qwen2 as the second family: q/k/v biases, tied embeddings, a 152k
 vocabulary), then runs each through several stacks (quantization x optimizer x checkpointing x
-upcast_frozen x batch/seq, some with an eval phase). Every case is a fresh `python train.py`
+upcast_frozen x batch/seq, some with an eval phase), and DPO on two of them (OBJECTIVE_STACKS: pairs
+made from the text rows, chosen and rejected in one forward, the reference forward beside). Every case is a fresh `python train.py`
 process of two optimizer steps (so the optimizer state is live); its `metrics.json` gives the
 measured peak (peak.py: the process RSS sampled from the run's start, loading included) and the
 planned peak of the same quantity (the plan's cpu device). (The child's ru_maxrss is no check: a
@@ -51,6 +52,10 @@ STACKS = [
     ("none-adamw", ["quant=none", "optim=adamw"]),
     ("nf4-long-eval", ["+shape=long", "data.eval_fraction=0.1", "trainer.eval_batch_size=2"]),
 ]
+# Objectives other than SFT, each on models of two sizes with the first stack (nf4-paged8bit): DPO
+# puts a pair's two answers through one forward and the reference's forward beside the policy's, on
+# preference pairs made from the model's text rows (`preference_pairs`).
+OBJECTIVE_STACKS = [("nf4-dpo", ["objective=dpo"], ("llama-50m", "llama-300m"))]
 SMALL = {"default": (4, 256), "long": (1, 1024)}  # micro batch, seq_len
 LARGE = {"default": (2, 128), "long": (1, 512)}
 
@@ -69,6 +74,31 @@ def cases() -> list[dict]:
             ov = [o for o in overrides if not o.startswith("+shape=")]
             ov += [f"trainer.micro_batch_size={b}", f"trainer.seq_len={s}"]
             out.append({"name": f"{model}/{stack}", "model": model, "stack": stack, "overrides": ov})
+    for stack, overrides, models in OBJECTIVE_STACKS:
+        for model in models:
+            b, s = shapes_for(model)["default"]
+            ov = [*overrides, f"trainer.micro_batch_size={b}", f"trainer.seq_len={s}"]
+            out.append({"name": f"{model}/{stack}", "model": model, "stack": stack, "overrides": ov, "data": "pairs"})
+    return out
+
+
+def data_overrides(case: dict, model_dir: Path) -> list[str]:
+    """A case's data when it is not the model's text rows: preference pairs for DPO."""
+    if case.get("data") != "pairs":
+        return []
+    return [f"data.path={model_dir / 'pairs.jsonl'}", "data.format=preference"]
+
+
+def preference_pairs(model_dir: Path) -> Path:
+    """pairs.jsonl beside the model's text rows, one pair per row: a 64-word prompt and two answers of
+    500 words, so that every sequence is truncated to the case's seq_len as the text rows are."""
+    out = model_dir / "pairs.jsonl"
+    if not out.is_file():
+        with open(out, "w") as f:
+            for line in (model_dir / "data.jsonl").read_text().splitlines():
+                words = json.loads(line)["text"].split()
+                pair = {"prompt": words[:64], "chosen": words[64:564], "rejected": words[564:1064]}
+                f.write(json.dumps({k: " ".join(v) for k, v in pair.items()}) + "\n")
     return out
 
 
@@ -157,7 +187,10 @@ def _wait(proc: subprocess.Popen, timeout: float) -> int:
 def run_case(case: dict, model_dir: Path, work: Path, timeout: float) -> dict:
     run_dir = work / case["name"].replace("/", "--")
     shutil.rmtree(run_dir, ignore_errors=True)  # a case measured again (same --work-dir) starts in an empty dir
-    argv = [sys.executable, "train.py", *job_overrides(model_dir, run_dir), *case["overrides"]]
+    if case.get("data") == "pairs":
+        preference_pairs(model_dir)
+    argv = [sys.executable, "train.py", *job_overrides(model_dir, run_dir), *data_overrides(case, model_dir)]
+    argv += case["overrides"]
     log = run_dir.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -201,7 +234,7 @@ def replan(entry: dict, model_dir: Path) -> None:
     from qlora_recipes.run.memory import CPU_QUANTITY, planned_peak_gib
 
     overrides = [o for o in job_overrides(model_dir, Path("unused")) if not o.startswith("hydra.")]
-    cfg = to_typed(compose([*overrides, *entry["overrides"]]))
+    cfg = to_typed(compose([*overrides, *data_overrides(entry, model_dir), *entry["overrides"]]))
     gpu = entry.get("peak_quantity", CPU_QUANTITY) != CPU_QUANTITY  # on a GPU: max_memory_allocated
     planned_now = plan(cfg, world_size=1, ladder=False)
     planned = planned_peak_gib(planned_now, gpu=gpu)

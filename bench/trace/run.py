@@ -27,10 +27,16 @@ from typing import Any
 
 from bench import REPO
 
-PHASES = ("forward", "loss", "backward", "optimizer")
+PHASES = ("forward", "loss", "reference", "backward", "optimizer")
 # the plan's phase names for the trace's (loss: the fused head forward and backward; backward: the
-# decoder layers' backward with their recompute; forward has no row of its own in a plan)
-PLAN_PHASE = {"loss": "train: loss", "backward": "train: layer backward", "optimizer": "optimizer step"}
+# decoder layers' backward with their recompute; reference: DPO's no_grad reference forward; forward
+# has no row of its own in a plan)
+PLAN_PHASE = {
+    "loss": "train: loss",
+    "reference": "train: reference forward",
+    "backward": "train: layer backward",
+    "optimizer": "optimizer step",
+}
 STATIC = ("quantized_weights", "other_params", "buffers", "lora_weights", "gradients", "optimizer_state")
 FULL_TRACE_MAX_LAYERS = 4  # models this small are traced whole
 
@@ -255,4 +261,6 @@ def _plan_transient(comps: dict, device: str, phase: str) -> int:
         return row("activations") + row("lm_head_loss")
     if phase == "train: layer backward":
         return row("activations") + row("layer_working") + row("dequant_scratch")
+    if phase == "train: reference forward":
+        return row("activations") + row("reference_forward")
     return row("optimizer_scratch")

@@ -17,6 +17,14 @@ with the optimizer state live, as every step of a run but the first; its peaks a
 Phases, as the plan names them: forward (the backbone), loss (the fused head's forward and
 backward), backward (the decoder layers' backward), optimizer (clipping and the step).
 
+An objective with preference pairs (DPO: config/objectives.py `sequences` 2) traces TRL's
+DPOTrainer._compute_loss: one forward over the concatenated batch, chosen then rejected (2 x
+micro_batch_size rows), its per-sequence log-probs from the fused head; then, while the policy's
+activations wait for the backward, the reference's forward through the same fused head under
+no_grad with the adapter off (`model.disable_adapter()`, TRL's `use_adapter(model, None)`; phase
+reference) unless its log-probs are precomputed; the sigmoid loss of the two; backward. TRL also
+turns checkpointing off around the reference forward: under no_grad nothing is saved either way.
+
 At micro-batch 1 a real batch has no padding and transformers skips the attention mask (SDPA's
 is_causal); it cannot tell that from a fake tensor (it treats fake tensors as tracing and always
 builds the mask), so at b = 1 the batch goes without `attention_mask`, which is the same decision
@@ -45,7 +53,7 @@ def _batch(cfg: Any, device: str, vocab: int):
 
     from qlora_recipes.config.schema import padding_free_on
 
-    b, s = int(cfg.trainer.micro_batch_size), int(cfg.trainer.seq_len)
+    b, s = int(cfg.trainer.micro_batch_size) * _pairing(cfg).sequences, int(cfg.trainer.seq_len)
     padding_free = padding_free_on(cfg.data)
     collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=padding_free)
     lengths = [s] * b if padding_free or b == 1 else [s] * (b - 1) + [s - 1]
@@ -66,6 +74,37 @@ def _batch(cfg: Any, device: str, vocab: int):
         return (mode.from_tensor(v) if mode is not None else v).to(device)
 
     return {k: move(v) for k, v in batch.items()}
+
+
+def _pairing(cfg: Any):
+    """The objective's row (config/objectives.py): sequences per example, whether a reference scores them."""
+    from qlora_recipes.config.objectives import objective
+
+    return objective(cfg.objective.name)
+
+
+def _reference_on(cfg: Any) -> bool:
+    """A reference forward every micro-batch: the objective has one and its log-probs are not precomputed."""
+    return _pairing(cfg).reference and not getattr(cfg.objective, "precompute_ref_log_probs", False)
+
+
+def _preference_loss(cfg: Any, model, batch: dict, logps, tracker):
+    """DPO's sigmoid loss of the policy's per-sequence log-probs (chosen rows first) against the
+    reference's: scored with the adapter off under no_grad, as DPOTrainer does, or taken as
+    precomputed (a batch column in a run: zeros here, no forward)."""
+    import torch
+    import torch.nn.functional as F
+
+    if _reference_on(cfg):
+        tracker.phase = "reference"
+        with torch.no_grad(), model.disable_adapter(), tracker.second_forward():
+            ref = model(**batch, fused_lm_head=True).log_probs.sum(dim=1)
+        tracker.phase = "loss"  # the policy's head backward comes first, as in SFT
+    else:
+        ref = torch.zeros_like(logps.detach())
+    chosen, rejected = (logps - ref).chunk(2, dim=0)
+    beta = float(getattr(cfg.objective, "beta", 0.1))
+    return -F.logsigmoid(beta * (chosen - rejected)).mean()
 
 
 def _sft_args(cfg: Any):
@@ -190,11 +229,14 @@ def run_step(cfg: Any, model, device: str, tracker, kernel_mode=None) -> dict:
     n_labels = int(batch["labels"].numel())  # every label valid (the tracer's batch)
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     accumulate = 2 if int(cfg.trainer.grad_accum) > 1 else 1
+    pairs = _pairing(cfg).sequences > 1  # DPO: chosen and rejected in one forward
     times = []
     held_bytes: list[int] = []
     tracker_on = False
 
     def to_loss(module, inputs, output):
+        if tracker.phase == "reference":  # the reference's head: still its no_grad forward
+            return
         tracker.phase = "loss"
         hidden = output.last_hidden_state
         if hidden.requires_grad:
@@ -206,7 +248,10 @@ def run_step(cfg: Any, model, device: str, tracker, kernel_mode=None) -> dict:
         with offload():
             with _autocast(cfg, device):
                 out = model(**batch, fused_lm_head=True)
-                loss = (-out.log_probs).sum() / max(1, n_labels)
+                if pairs:
+                    loss = _preference_loss(cfg, model, batch, out.log_probs.sum(dim=1), tracker)
+                else:
+                    loss = (-out.log_probs).sum() / max(1, n_labels)
             del out
             loss.backward()
         del loss

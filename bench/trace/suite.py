@@ -42,6 +42,11 @@ LONG = [
     "trainer.activation_offloading=true",
 ]
 TILED_SEQS = (32768, 65536)
+# Objectives on the 8B base beyond their recipes (recipe llama3.1-8b-24gb-dpo traces DPO with the
+# adapter-off reference forward): DPO with the reference's log-probs precomputed, no reference forward
+OBJECTIVE_CASES = {
+    "objective=dpo, precomputed reference": ["objective=dpo", "objective.precompute_ref_log_probs=true"],
+}
 
 
 class NotTraceable(Exception):
@@ -81,6 +86,13 @@ def cases() -> list[dict]:
                 "overrides": ["recipe=llama3.1-8b-24gb", *LONG, "trainer.tiled_mlp=true", f"trainer.seq_len={seq}"],
             }
         )
+    for name, extra in OBJECTIVE_CASES.items():
+        case = {
+            "case": f"llama3.1-8b-24gb + {name}",
+            "kind": "objective",
+            "overrides": ["recipe=llama3.1-8b-24gb", *extra],
+        }
+        out.append(case)
     return _dedupe(out)
 
 

@@ -22,13 +22,22 @@ pinned host RAM) on cpu.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from typing import Any
 
 import torch
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
 
-TRANSIENT = ("activations", "lm_head_loss", "layer_working", "dequant_scratch", "optimizer_scratch", "other")
+TRANSIENT = (
+    "activations",
+    "lm_head_loss",
+    "layer_working",
+    "dequant_scratch",
+    "optimizer_scratch",
+    "reference_forward",
+    "other",
+)
 HELD = "held_by_tracker"
 PHASE_COMPONENT = {
     "load": "other",
@@ -36,6 +45,7 @@ PHASE_COMPONENT = {
     "loss": "lm_head_loss",
     "backward": "layer_working",
     "optimizer": "optimizer_scratch",
+    "reference": "reference_forward",  # DPO: the reference's no_grad forward, adapter off
 }
 
 
@@ -145,6 +155,20 @@ class PlanTracker(MemTracker):
     def reset_mod_stats(self) -> None:
         super().reset_mod_stats()
         self._by_fqn = {}
+
+    @contextlib.contextmanager
+    def second_forward(self):
+        """A second forward of the same modules before the first one's backward (DPO's reference
+        forward): MemTracker keeps one set of module stats per iteration and refuses a module called
+        again; the second forward gets its own set, dropped after it, and the first one's comes back
+        for its backward. Bytes are counted throughout."""
+        saved = dict(self.memory_tracking)
+        self.reset_mod_stats()
+        try:
+            yield
+        finally:
+            self.reset_mod_stats()
+            self.memory_tracking.update(saved)
 
     def release_transients(self) -> int:
         """After a micro-batch's backward nothing of its transients is left in a run; what is still

@@ -37,6 +37,24 @@ class EvalProgress(TrainerCallback):
         self.started = None
 
 
+class EvalBeforeTraining(TrainerCallback):
+    """The objective's eval figures before the first step, for sharded runs: under FSDP2 accelerate
+    prepares the model only together with its optimizer (an evaluate() before train() is refused:
+    "a model and optimizer must be passed together"), and ZeRO builds its engine once, in train().
+    So the evaluation runs as training begins, on the prepared model and before any update; a
+    resumed run (past step 0) has no before figures. Its log entry is dropped, as one process's
+    evaluate() before train() leaves none in the run's history."""
+
+    def __init__(self, trainer, into: dict):
+        self.trainer, self.into = trainer, into
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0 and not self.into:
+            logged = len(state.log_history)
+            self.into.update(self.trainer.evaluate())
+            del state.log_history[logged:]
+
+
 def memory_sample(tracker: PeakTracker | None = None) -> dict:
     """GPU: allocated / reserved / peak allocated (since the run's start when its tracker reset the
     counter). CPU: current RSS of this process and the run's peak RSS (its tracker's; without one,

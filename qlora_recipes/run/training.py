@@ -201,7 +201,7 @@ def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan,
     `watch`: the TensorBoard writer (or None) and the run's PeakTracker, for the memory timeline."""
     from transformers.integrations import TensorBoardCallback
 
-    from .callbacks import EvalProgress, MemoryLogger
+    from .callbacks import EvalBeforeTraining, EvalProgress, MemoryLogger
 
     train_ds, eval_ds = splits
     tb, tracker = watch
@@ -228,7 +228,10 @@ def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan,
         trainer.adapter_sha256_step0 = dist.sync_adapters(model)  # every rank starts from rank 0's adapters
         if c.objective.name != "sft" and eval_ds is not None and not before:
             log.info("evaluation before training: %d eval rows", len(eval_ds))
-            before.update(trainer.evaluate())
+            if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:  # the model is prepared in train()
+                trainer.add_callback(EvalBeforeTraining(trainer, before))
+            else:
+                before.update(trainer.evaluate())
         return trainer
 
     trainer_args.note_optimizer_fallback(cfg.optim, gpu)

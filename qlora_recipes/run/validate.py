@@ -86,6 +86,14 @@ def validate(cfg: TrainConfig, gpu_available: bool, world_size: int | None = Non
             f"offload={'disk' if o.folder else 'cpu'} (device_map=auto) cannot run under {world_size} processes: "
             "each DDP/FSDP rank must hold its whole replica; use offload=none with torchrun"
         )
+    if cfg.objective.precompute_ref_log_probs and world_size > 1:
+        # TRL caches the precomputed log-probs in a file that each rank names for itself when the
+        # dataset is in memory (datasets' per-process temp dir, a random name): rank 1 reads a file
+        # rank 0 never wrote
+        raise UserError(
+            f"objective.precompute_ref_log_probs=true cannot run under {world_size} processes (TRL's cache of the "
+            "reference log-probs is per process); drop it (the reference is then the adapter off, on every rank)"
+        )
     if t.lm_eval_tasks:
         from .metrics import lm_eval_available
 

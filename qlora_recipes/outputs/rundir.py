@@ -162,7 +162,7 @@ def adapter_config(adapter_dir: Path) -> dict:
         ) from None
 
 
-def _same_base(a: str, b: str) -> bool:
+def same_base(a: str, b: str) -> bool:
     """Same base model: equal ids, the same existing dir, or the same last path component (a run dir
     moved with the repository, or a hub id against a local copy named after it)."""
     if a == b:
@@ -182,7 +182,7 @@ def check_adapter_base(cfg: TrainConfig, run_dir: Path) -> dict:
         )
     trained_on = adapter_cfg.get("base_model_name_or_path")
     loads = cfg.model.name_or_path
-    if trained_on and not _same_base(str(trained_on), str(loads)):
+    if trained_on and not same_base(str(trained_on), str(loads)):
         raise UserError(
             f"{run_dir}/adapter was trained on base {trained_on} (adapter_config.json base_model_name_or_path) but "
             f"{run_dir}/config.yaml loads model.name_or_path={loads}; an adapter only fits the base it was trained on: "

@@ -31,6 +31,13 @@ def trainer_config(cfg: TrainConfig, run_dir: Path, data_format: str, on_gpu: bo
     return sft_config(cfg, run_dir, data_format, on_gpu, has_eval)
 
 
+def guard_kwargs(cfg: TrainConfig) -> dict:
+    """What the objective's guarded trainer takes beside TRL's arguments (dpo: the reference adapter)."""
+    if cfg.objective.name == "dpo":
+        return {"ref_adapter": bool(cfg.objective.ref_adapter)}
+    return {}
+
+
 def sft_config(cfg: TrainConfig, run_dir: Path, data_format: str, on_gpu: bool, has_eval: bool):
     """TRL's SFTConfig: the shared keywords, the data format's loss masking and packing."""
     from trl import SFTConfig

@@ -89,3 +89,28 @@ def test_a_dpo_stage_merges_and_generates(dpo_stage, tmp_path):
     _, run_dir = dpo_stage
     report = merge(run_dir, tmp_path / "merged")
     assert (tmp_path / "merged" / "config.json").is_file(), report
+
+
+@pytest.mark.slow
+def test_a_stage_with_its_reference_adapter_resumes_after_sigterm_as_if_never_stopped(
+    sft_run, pairs, tmp_path, monkeypatch
+):
+    """The reference adapter is copied afresh from the earlier stage's adapter by the resumed run (it is
+    never in a checkpoint): the resumed run ends bit-exact where the uninterrupted one does."""
+    from qlora_recipes.run.lifecycle import Preempted
+    from qlora_recipes.run.training import train
+
+    stack = [*SMOKE, "objective=dpo", *pairs, f"init_from={sft_run[1]}", "objective.ref_adapter=true"]
+    stack += ["trainer.max_steps=4", "trainer.save_steps=2"]
+    whole = train(compose_cfg(*stack), tmp_path / "whole")
+    monkeypatch.setenv("QLORA_RECIPES_FAULTS", "sigterm_at_step=2")
+    with pytest.raises(Preempted):
+        train(compose_cfg(*stack), tmp_path / "stopped")
+    monkeypatch.delenv("QLORA_RECIPES_FAULTS")
+    assert not list((tmp_path / "stopped" / "checkpoints").rglob("ref"))  # one adapter in a checkpoint
+    resumed = train(compose_cfg(*stack, "resume=auto"), tmp_path / "stopped")
+    assert resumed["resumed_from"].endswith("checkpoint-2") and resumed["steps"] == 4
+    assert resumed["adapter_sha256"] == whole["adapter_sha256"]
+    assert resumed["train_losses"] == whole["train_losses"]
+    assert resumed["eval_reward_margin"] == whole["eval_reward_margin"]
+    assert resumed["init_from"] == whole["init_from"]

@@ -302,6 +302,12 @@ class ObjectiveConfig:
     precompute_ref_log_probs: bool | None = option(
         None, "dpo: the reference's log-probs computed once before training (no reference forward per step)"
     )
+    sft_weight: float | None = option(
+        None,
+        "dpo: weight of an SFT term on the chosen answers beside the preference loss (TRL's loss_type sft; RPO); "
+        "keeps the answers' likelihood, the EOS included, from falling",
+        range=">= 0|null",
+    )
     ref_adapter: bool | None = option(
         None, "dpo: the reference is init_from's adapter, frozen (false: the base with the adapter off)"
     )

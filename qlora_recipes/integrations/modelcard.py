@@ -104,7 +104,8 @@ def _objective(cfg: TrainConfig) -> str:
         reference = "precomputed log-probs" if o.precompute_ref_log_probs else "the base with the adapter off"
         if o.ref_adapter:
             reference = f"the earlier stage's adapter, frozen{', its log-probs precomputed' if o.precompute_ref_log_probs else ''}"
-        return f"dpo (loss {o.loss_type}, beta {o.beta}, reference: {reference})"
+        sft = f" + sft x {o.sft_weight:g}" if o.sft_weight else ""
+        return f"dpo (loss {o.loss_type}{sft}, beta {o.beta}, reference: {reference})"
     return o.name
 
 

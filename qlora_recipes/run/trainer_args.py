@@ -56,7 +56,9 @@ def dpo_config(cfg: TrainConfig, run_dir: Path, on_gpu: bool, has_eval: bool):
     return DPOConfig(
         **_shared(cfg, run_dir, on_gpu, has_eval),
         beta=o.beta,
-        loss_type=[o.loss_type],
+        # sft_weight: TRL's "sft" loss (the chosen answers' NLL) beside the preference loss, weighted
+        loss_type=[o.loss_type, "sft"] if o.sft_weight else [o.loss_type],
+        loss_weights=[1.0, float(o.sft_weight)] if o.sft_weight else None,
         precompute_ref_log_probs=bool(o.precompute_ref_log_probs),
     )
 

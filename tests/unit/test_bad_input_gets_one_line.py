@@ -156,6 +156,8 @@ OVERRIDES = [
     (["objective=dpo", "data.packing=true"], ["data.packing=true", "objective=dpo"]),
     (["objective=dpo", "objective.ref_adapter=true"], ["objective.ref_adapter=true", "init_from="]),
     (["init_from=no/such/run"], ["init_from=no/such/run", "no such directory"]),
+    (["objective=dpo", "objective.sft_weight=-1"], ["objective.sft_weight=-1", ">= 0"]),
+    (["objective.sft_weight=1"], ["objective.sft_weight=1", "objective=dpo"]),
     # data keys
     (["data.format=yaml"], ["data.format"]),
     (["data.packing_strategy=ffd"], ["data.packing_strategy=ffd", "bfd"]),

@@ -76,9 +76,10 @@ def resolve_dir(path: str | Path, allow_merged: bool) -> tuple[str, Path]:
 
 def load_run_config(run_dir: Path) -> TrainConfig:
     """The run's fully resolved config.yaml, typed by the schema, after its files are checked against the
-    manifest the run wrote when it finished. Every key must be there (for an older run without a manifest,
-    every section of the stack, STACK_SECTIONS): a file cut short is damage, not an older run whose
-    missing keys take today's defaults."""
+    manifest the run wrote when it finished. Without a manifest (an older run) every section of the stack
+    must be there (STACK_SECTIONS): a file cut short is damage, not an older run whose missing keys take
+    today's defaults. With one, config.yaml is byte for byte what the run wrote (its sha256), so a key it
+    lacks was added to the schema since (init_from, objective.ref_adapter, ...) and takes its default."""
     from omegaconf.errors import OmegaConfBaseException
 
     from ..config.loader import Incomplete, read_saved
@@ -86,7 +87,7 @@ def load_run_config(run_dir: Path) -> TrainConfig:
     recorded = check_manifest(run_dir)
     path = run_dir / "config.yaml"
     try:
-        cfg = read_saved(path, complete="keys" if recorded else STACK_SECTIONS)
+        cfg = read_saved(path, complete=None if recorded else STACK_SECTIONS)
     except Incomplete as err:
         raise UserError(
             f"{path}: damaged or cut short ({err}; a run writes them all); restore it or re-run training"

@@ -85,10 +85,18 @@ def test_the_plan_counts_the_reference_adapter_weights_only(sft_run):
 
 def test_a_dpo_stage_merges_and_generates(dpo_stage, tmp_path):
     from qlora_recipes.merge.pipeline import merge
+    from qlora_recipes.outputs.generation import generate, load_for_generation
+    from qlora_recipes.outputs.prompts import Prompt
 
     _, run_dir = dpo_stage
     report = merge(run_dir, tmp_path / "merged")
     assert (tmp_path / "merged" / "config.json").is_file(), report
+    answers = {}
+    for name, folder in (("run", run_dir), ("merged", tmp_path / "merged")):
+        model, tokenizer, info = load_for_generation(folder)
+        assert info["format"].prefix == "order: "  # a preference run's prompts are wrapped as trained
+        answers[name] = generate(model, tokenizer, [Prompt("text", "dcba"), Prompt("text", "fed")], info["format"], 8)
+    assert all(answers["run"]) and answers["merged"] == answers["run"], answers
 
 
 @pytest.mark.slow

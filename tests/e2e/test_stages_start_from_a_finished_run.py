@@ -67,6 +67,17 @@ def test_dpo_stage_with_the_earlier_adapter_as_reference(sft_run, dpo_ref_stage)
     assert "reference: the earlier stage's adapter, frozen" in (adapter / "README.md").read_text()
 
 
+@pytest.mark.slow
+def test_a_stages_precomputed_reference_is_the_one_it_scores_per_step(sft_run, pairs, dpo_stage, tmp_path):
+    """precompute_ref_log_probs scores the reference before training: the base with the adapter off
+    unless ref_adapter=true, as the per-step reference does (TRL would score its copy of the adapter)."""
+    stage = ["objective=dpo", *pairs, f"init_from={sft_run[1]}", "objective.precompute_ref_log_probs=true"]
+    metrics, _ = train_smoke(tmp_path / "pre", *stage)
+    assert metrics["eval_reward_margin_before"] == pytest.approx(dpo_stage[0]["eval_reward_margin_before"], rel=1e-4)
+    with_ref, _ = train_smoke(tmp_path / "pre-ref", *stage, "objective.ref_adapter=true")
+    assert with_ref["eval_reward_margin_before"] == 0.0
+
+
 def test_the_plan_counts_the_reference_adapter_weights_only(sft_run):
     from qlora_recipes import planner
 

@@ -81,7 +81,10 @@ def groups_help() -> str:
         lines.append(f"  {group:<{width}}  {', '.join(marked)}")
     lines.append(f"  {'recipe':<{width}}  {', '.join(_options(RECIPES_DIR))}")
     lines.append(f"  {'+sweep':<{width}}  {', '.join(_options(CONF_DIR / 'sweep'))}  (presets for -m)")
-    lines.append("top-level keys: seed, force (start even when the plan says it does not fit), hardware.*")
+    lines.append(
+        "top-level keys: seed, force (start even when the plan says it does not fit), init_from (a finished "
+        "run's adapter to start from), hardware.*"
+    )
     return "\n".join(lines)
 
 

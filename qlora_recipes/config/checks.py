@@ -110,6 +110,11 @@ def check_objective(cfg: TrainConfig) -> None:
     for key in own:
         if getattr(o, key) is None:
             raise UserError(f"objective={o.name} needs objective.{key}; pick the group (objective={o.name}) or set it")
+    if o.ref_adapter and not cfg.init_from:
+        raise UserError(
+            "objective.ref_adapter=true needs init_from=<a finished run dir>: the reference is that earlier stage's "
+            "adapter; without one the adapter starts as the base, which is the default reference (drop ref_adapter)"
+        )
 
 
 def check_precision(cfg: TrainConfig) -> None:

@@ -34,7 +34,7 @@ OBJECTIVES = {
         "preference/",
         2,
         True,
-        ("beta", "loss_type", "precompute_ref_log_probs"),
+        ("beta", "loss_type", "precompute_ref_log_probs", "ref_adapter", "sft_weight"),
     ),
 }
 

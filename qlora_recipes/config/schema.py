@@ -310,6 +310,15 @@ class ObjectiveConfig:
     precompute_ref_log_probs: bool | None = option(
         None, "dpo: the reference's log-probs computed once before training (no reference forward per step)"
     )
+    sft_weight: float | None = option(
+        None,
+        "dpo: weight of an SFT term on the chosen answers beside the preference loss (TRL's loss_type sft; RPO); "
+        "keeps the answers' likelihood, the EOS included, from falling",
+        range=">= 0|null",
+    )
+    ref_adapter: bool | None = option(
+        None, "dpo: the reference is init_from's adapter, frozen (false: the base with the adapter off)"
+    )
 
 
 @dataclass
@@ -422,6 +431,8 @@ class TrainConfig:
     logger: LoggerConfig = option(LoggerConfig, "the trackers", resume_safe=True)
     # whether the finished adapter is pushed
     hub: HubConfig = option(HubConfig, "pushing the adapter to the Hugging Face Hub", resume_safe=True)
+    # a stage: this run's adapter starts as a finished run's (SFT -> DPO), run/stages.py checks it
+    init_from: str | None = option(None, "a finished run dir whose adapter this run starts from (SFT -> DPO)")
     seed: int = option(0, "the random seed (numpy takes 0 .. 2**32 - 1)", range="[0, 4294967296)")
     force: bool = option(False, "start even when the memory plan says the stack does not fit", resume_safe=True)
     # a run dir holding a run (adapter/, checkpoints, metrics.json) is never reused silently (run/reuse.py)

@@ -102,8 +102,21 @@ def _objective(cfg: TrainConfig) -> str:
     o = cfg.objective
     if o.name == "dpo":
         reference = "precomputed log-probs" if o.precompute_ref_log_probs else "the base with the adapter off"
-        return f"dpo (loss {o.loss_type}, beta {o.beta}, reference: {reference})"
+        if o.ref_adapter:
+            reference = f"the earlier stage's adapter, frozen{', its log-probs precomputed' if o.precompute_ref_log_probs else ''}"
+        sft = f" + sft x {o.sft_weight:g}" if o.sft_weight else ""
+        return f"dpo (loss {o.loss_type}{sft}, beta {o.beta}, reference: {reference})"
     return o.name
+
+
+def _stage(init_from: dict | None) -> list[str]:
+    """A stage's card names the run its adapter started from (init_from) and that run's objective."""
+    if not init_from:
+        return []
+    return [
+        f"Stage: the adapter started from run `{portable(init_from['path'])}` (objective {init_from['objective']}).",
+        "",
+    ]
 
 
 def _number(value, digits: int = 4) -> str:
@@ -232,6 +245,7 @@ def _body(cfg: TrainConfig, kind, name, base_id, base_text, data_text, metrics, 
         f"{what} trained with QLoRA (TRL {OBJECTIVES[cfg.objective.name].trainer}, peft, bitsandbytes) by "
         f"qlora-recipes; objective: {_objective(cfg)}.",
         "",
+        *_stage(metrics.get("init_from")),
         "## Base model",
         "",
         base_text + (f", revision `{cfg.model.revision}`" if cfg.model.revision else ""),

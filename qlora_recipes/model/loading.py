@@ -260,10 +260,34 @@ def make_trainable(cfg: TrainConfig, model):
         raise UserError(f"peft: {str(err).splitlines()[0]} (check peft.target_modules)") from None
     _adapters_off_meta(cfg.offload, model)
     _trainable_in_fp32(model)
+    if cfg.init_from:  # a stage: the adapter starts as the earlier run's (run/stages.py checked the shape)
+        load_init_adapter(model, Path(cfg.init_from) / "adapter")
     _disk_layers_as_host_layers(model)
     if t.tiled_mlp:
         _tile_mlps(cfg, model)
     return model
+
+
+def load_init_adapter(model, adapter_dir: Path) -> None:
+    """The earlier stage's adapter weights copied into the adapter peft made (fp32, on its devices): the
+    shapes and the scale are this run's peft group's, which must match (run/stages.py); every tensor
+    of the file must land, and every trainable tensor must get one."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        result = set_peft_model_state_dict(model, weights)
+    unexpected = [k for k in getattr(result, "unexpected_keys", ()) if "lora_" in k or "modules_to_save" in k]
+    missing = trainable & set(getattr(result, "missing_keys", ()))
+    if unexpected or missing:
+        raise UserError(
+            f"init_from: {adapter_dir} does not fit this run's adapter ({len(unexpected)} tensors without a place, "
+            f"{len(missing)} left as initialised, e.g. {(unexpected or sorted(missing))[0]}); train the stages with "
+            "the same peft group"
+        )
+    log.info("init_from: the adapter starts from %s (%d tensors)", adapter_dir, len(weights))
 
 
 def _tile_mlps(cfg: TrainConfig, model) -> None:

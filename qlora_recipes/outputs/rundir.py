@@ -76,9 +76,10 @@ def resolve_dir(path: str | Path, allow_merged: bool) -> tuple[str, Path]:
 
 def load_run_config(run_dir: Path) -> TrainConfig:
     """The run's fully resolved config.yaml, typed by the schema, after its files are checked against the
-    manifest the run wrote when it finished. Every key must be there (for an older run without a manifest,
-    every section of the stack, STACK_SECTIONS): a file cut short is damage, not an older run whose
-    missing keys take today's defaults."""
+    manifest the run wrote when it finished. Without a manifest (an older run) every section of the stack
+    must be there (STACK_SECTIONS): a file cut short is damage, not an older run whose missing keys take
+    today's defaults. With one, config.yaml is byte for byte what the run wrote (its sha256), so a key it
+    lacks was added to the schema since (init_from, objective.ref_adapter, ...) and takes its default."""
     from omegaconf.errors import OmegaConfBaseException
 
     from ..config.loader import Incomplete, read_saved
@@ -86,7 +87,7 @@ def load_run_config(run_dir: Path) -> TrainConfig:
     recorded = check_manifest(run_dir)
     path = run_dir / "config.yaml"
     try:
-        cfg = read_saved(path, complete="keys" if recorded else STACK_SECTIONS)
+        cfg = read_saved(path, complete=None if recorded else STACK_SECTIONS)
     except Incomplete as err:
         raise UserError(
             f"{path}: damaged or cut short ({err}; a run writes them all); restore it or re-run training"
@@ -162,7 +163,7 @@ def adapter_config(adapter_dir: Path) -> dict:
         ) from None
 
 
-def _same_base(a: str, b: str) -> bool:
+def same_base(a: str, b: str) -> bool:
     """Same base model: equal ids, the same existing dir, or the same last path component (a run dir
     moved with the repository, or a hub id against a local copy named after it)."""
     if a == b:
@@ -182,7 +183,7 @@ def check_adapter_base(cfg: TrainConfig, run_dir: Path) -> dict:
         )
     trained_on = adapter_cfg.get("base_model_name_or_path")
     loads = cfg.model.name_or_path
-    if trained_on and not _same_base(str(trained_on), str(loads)):
+    if trained_on and not same_base(str(trained_on), str(loads)):
         raise UserError(
             f"{run_dir}/adapter was trained on base {trained_on} (adapter_config.json base_model_name_or_path) but "
             f"{run_dir}/config.yaml loads model.name_or_path={loads}; an adapter only fits the base it was trained on: "

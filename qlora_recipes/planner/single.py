@@ -163,7 +163,9 @@ def _tally_blocks(st: StackSpec, hw: _dev.Hardware, bbs: list, dmap: dict, exec_
             t.offloaded_max = max(t.offloaded_max, offloaded_working_bytes(st, blk))
         trainable_on = compute if offloaded else holder  # model/loading._adapters_off_meta
         if bb.lora_numel:
-            comp["lora_weights"][trainable_on] += 4 * bb.lora_numel
+            # dpo's init_adapter reference: TRL's frozen copy of the adapter beside it (no gradient, no state)
+            copies = 2 if st.reference == "init_adapter" else 1
+            comp["lora_weights"][trainable_on] += 4 * bb.lora_numel * copies
             comp["gradients"][trainable_on] += 4 * bb.lora_numel
             t.trainable_shapes[trainable_on] += bb.lora_tensors
         if blk.is_layer:
@@ -248,7 +250,7 @@ def _activation_rows(st: StackSpec, t: _Tally) -> None:
         comp["layer_working"][dev] += working
         comp["dequant_scratch"][dev] += t.dequant_on[dev] + t.dora_on[dev]
     comp["lm_head_loss"][t.lm_dev] += train_loss_bytes(st, b, t.lm_dev == "cpu")
-    if st.reference == "adapter_off":  # dpo: the reference's forward, under no_grad, after the policy's
+    if st.reference in ("adapter_off", "init_adapter"):  # dpo: the reference's no_grad forward, after the policy's
         for dev in dict.fromkeys([*t.layers_on, t.lm_dev]):
             layer = eval_layer_bytes(st, b, dev == "cpu") + t.dequant_on[dev] if t.layers_on.get(dev) else 0
             head = reference_head_bytes(st, b, dev == "cpu") if dev == t.lm_dev else 0

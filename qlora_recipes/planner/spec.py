@@ -70,7 +70,8 @@ class StackSpec:
     offload_option: str = "none"  # the conf/offload option this looks like (for ladder overrides)
     world_size: int = 1
     # the objective (config/objectives.py): sequences per example in a forward (dpo: chosen and rejected),
-    # and its reference: "adapter_off" (a no_grad forward per step), "precomputed" (before training) or "none"
+    # and its reference: "adapter_off" (a no_grad forward per step), "init_adapter" (the same forward with the
+    # earlier stage's adapter, a frozen copy of the LoRA weights), "precomputed" (before training) or "none"
     sequences: int = 1
     reference: str = "none"
 
@@ -113,6 +114,8 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
     reference = "none"
     if objective.reference:
         reference = "precomputed" if cfg.objective.precompute_ref_log_probs else "adapter_off"
+        if reference == "adapter_off" and cfg.objective.ref_adapter:
+            reference = "init_adapter"
     targets = peft.target_modules
     if targets is None:
         raise UserError("peft.target_modules is null; use all-linear or a list like [q_proj, v_proj]")

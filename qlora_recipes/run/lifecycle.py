@@ -87,13 +87,16 @@ class Guarded:
     """The guards, over whichever TRL trainer follows it in the class's bases (every method calls super())."""
 
     def __init__(self, *args, **kwargs):
+        model = kwargs.get("model")  # its fp32 values, on the host: an earlier stage's adapter (init_from) exactly
+        kept = {n: p.detach().to("cpu", copy=True) for n, p in _fp32_trainable(model)} if model is not None else {}
         super().__init__(*args, **kwargs)
         # TRL casts a quantized model's trainable adapter weights to bf16. We keep fp32 master
         # weights (what peft creates and what the planner counts): a bf16 master copy loses small
-        # updates, and a resumed run, which reloads fp32 from the checkpoint, would diverge.
-        for param in self.model.parameters():
+        # updates, and a resumed run, which reloads fp32 from the checkpoint, would diverge. The
+        # values come back as they were, not rounded through bf16.
+        for name, param in self.model.named_parameters():
             if param.requires_grad and param.dtype != torch.float32:
-                param.data = param.data.float()
+                param.data = kept[name].to(param.device) if name in kept else param.data.float()
         self.data_fingerprint: dict | None = None  # recorded in each checkpoint (train_with_oom_ladder)
         self.base_fingerprint: dict | None = None  # likewise: the base weights
         self._resumed_from: str | None = None
@@ -304,29 +307,55 @@ class Guarded:
             fsync_dir(sub)
 
 
+def _fp32_trainable(model):
+    return ((n, p) for n, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float32)
+
+
 class GuardedTrainer(Guarded, SFTTrainer):
     """SFT (objective=sft) under the guards."""
 
 
 class GuardedDPOTrainer(Guarded, DPOTrainer):
     """DPO (objective=dpo) under the guards. Given a PeftModel and no ref_model, TRL 1.16 adds a "ref"
-    adapter, a copy of the adapter as it is at construction, and scores the reference with it. Ours
-    start at peft's initialisation (LoRA B = 0: the base itself), so the reference is the base with the
-    adapter off, what TRL does for a model it wraps itself: the copy goes, and the saved adapter, a
-    resume and the OOM ladder's new trainer see one adapter. Under precompute_ref_log_probs TRL has
-    scored the reference with the copy by then: the same values (train_with_oom_ladder hands every
-    trainer the initial adapter)."""
+    adapter, a copy of the adapter as it is at construction, and scores the reference with it; without
+    that adapter, with the adapter off. Ours start at peft's initialisation (LoRA B = 0: the base
+    itself) or at an earlier stage's adapter (init_from). The reference is the base with the adapter
+    off unless `ref_adapter` (objective.ref_adapter=true): then it is the copy, the earlier stage's
+    adapter frozen (its LoRA weights beside ours, no second base). A copy not wanted goes before TRL
+    uses it (also before precompute_ref_log_probs scores the reference); a kept one is never saved
+    (checkpoints and adapter/ hold one adapter), and each new trainer (the OOM ladder's, a resume's)
+    copies it afresh from the adapter as train_with_oom_ladder hands it over: the initial one."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, ref_adapter: bool = False, **kwargs):
         # TRL's reference forward turns checkpointing off and on by transformers 5's deprecated names
         # (trl.models.utils.disable_gradient_checkpointing): a warning per step that says nothing to a user
         warnings.filterwarnings(
             "ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning
         )
+        self._ref_adapter = ref_adapter
+        _drop_ref_adapter(kwargs.get("model"))  # an earlier trainer's copy (the OOM ladder): TRL copies anew
         super().__init__(*args, **kwargs)
+        if not self._ref_adapter or self.precompute_ref_logps:  # precomputed: scored by now, not needed per step
+            _drop_ref_adapter(self.accelerator.unwrap_model(self.model))
+
+    def _precompute_ref_logps(self, *args, **kwargs):
+        if not self._ref_adapter:  # the base with the adapter off scores the reference
+            _drop_ref_adapter(self.accelerator.unwrap_model(self.model))
+        return super()._precompute_ref_logps(*args, **kwargs)
+
+    def _save(self, output_dir=None, state_dict=None):
         model = self.accelerator.unwrap_model(self.model)
-        if "ref" in getattr(model, "peft_config", {}):
-            model.delete_adapter("ref")
+        ref = getattr(model, "peft_config", {}).pop("ref", None)  # peft saves every adapter it lists
+        try:
+            return super()._save(output_dir, state_dict)
+        finally:
+            if ref is not None:
+                model.peft_config["ref"] = ref
+
+
+def _drop_ref_adapter(model) -> None:
+    if model is not None and "ref" in getattr(model, "peft_config", {}):
+        model.delete_adapter("ref")
 
 
 def guarded(objective: str) -> type:

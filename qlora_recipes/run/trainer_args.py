@@ -36,6 +36,13 @@ def trainer_config(cfg: TrainConfig, run_dir: Path, data_format: str, on_gpu: bo
     return sft_config(cfg, run_dir, data_format, on_gpu, has_eval)
 
 
+def guard_kwargs(cfg: TrainConfig) -> dict:
+    """What the objective's guarded trainer takes beside TRL's arguments (dpo: the reference adapter)."""
+    if cfg.objective.name == "dpo":
+        return {"ref_adapter": bool(cfg.objective.ref_adapter)}
+    return {}
+
+
 def sft_config(cfg: TrainConfig, run_dir: Path, data_format: str, on_gpu: bool, has_eval: bool):
     """TRL's SFTConfig: the shared keywords, the data format's loss masking and packing."""
     from trl import SFTConfig
@@ -54,7 +61,9 @@ def dpo_config(cfg: TrainConfig, run_dir: Path, on_gpu: bool, has_eval: bool):
     return DPOConfig(
         **_shared(cfg, run_dir, on_gpu, has_eval),
         beta=o.beta,
-        loss_type=[o.loss_type],
+        # sft_weight: TRL's "sft" loss (the chosen answers' NLL) beside the preference loss, weighted
+        loss_type=[o.loss_type, "sft"] if o.sft_weight else [o.loss_type],
+        loss_weights=[1.0, float(o.sft_weight)] if o.sft_weight else None,
         precompute_ref_log_probs=bool(o.precompute_ref_log_probs),
     )
 

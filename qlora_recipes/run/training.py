@@ -35,7 +35,7 @@ from ..model import loading
 from ..model.check import check_hub_model, validate_model
 from ..outputs.runfiles import give_umask_modes, remove_manifest, run_file_names, write_manifest
 from ..units import fmt_bytes
-from . import dist, lifecycle, metrics, trainer_args
+from . import dist, lifecycle, metrics, stages, trainer_args
 from .checkpoints import disk_full, find_checkpoint, free_bytes
 from .lock import RunDirLock
 from .memory import PeakTracker, pin_malloc_thresholds, planned_peak_gib, rss_bytes
@@ -95,6 +95,7 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
     except AlreadyComplete as done:  # resume=auto on a finished run: nothing to do, exit 0
         log.warning("%s", done)
         return done.metrics
+    stage = stages.check_init_from(cfg)  # init_from: a finished run, this base, this adapter shape
 
     cfg = planner.settle_eval_batch(cfg, plan)  # eval_batch_size=auto: as the plan resolved it
     set_seed(cfg.seed)
@@ -127,6 +128,7 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
             raise _stopped_in_final_eval(interrupts.signal_name(err), fitted.trainer, run_dir) from None
         out = {**_run_figures(fitted, plan, resume_from), **scores, "wall_s": time.time() - started, "data": data_stats}
         out.update(metrics.memory_figures(tracker.peak_gib(), plan, tracker.gpu))  # after eval and saving
+        out["init_from"] = stage  # the earlier stage: its run dir and objective
         sharded = cfg.dist.strategy in dist.SHARDED  # whole weights gathered; this rank's share, measured
         out["adapter_sha256"] = dist.adapter_digest(fitted.trainer) if sharded else metrics.trainable_digest(model)
         out["adapter_sha256_step0"] = getattr(fitted.trainer, "adapter_sha256_step0", None)  # equal on every rank
@@ -223,6 +225,7 @@ def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan,
             eval_dataset=eval_ds,
             processing_class=tokenizer,
             callbacks=[memory_log, *tb_callbacks, EvalProgress(), preemption],
+            **trainer_args.guard_kwargs(c),
         )
         trainer_args.offload_context(trainer, c.trainer)
         trainer.adapter_sha256_step0 = dist.sync_adapters(model)  # every rank starts from rank 0's adapters

@@ -98,6 +98,14 @@ REGISTRY: dict[str, How] = {
     "python train.py logger=none": How(suffix=SMOKE),
     "python train.py objective=dpo": How(suffix=SMOKE, expect=r"reward accuracy"),
     "qlora plan recipe=llama3.1-8b-24gb objective=dpo": How(expect=r"(?m)^(FITS|DOES NOT FIT): peak"),
+    # docs/objectives.md: a stage chain (SFT, DPO from it, generate from the DPO stage)
+    "python train.py hydra.run.dir=runs/stages/sft": How(suffix=SMOKE, creates=("runs/stages/sft/manifest.json",)),
+    "python train.py objective=dpo init_from=runs/stages/sft hydra.run.dir=runs/stages/dpo": How(
+        suffix=SMOKE, needs="python train.py hydra.run.dir=runs/stages/sft", expect=r"reward accuracy"
+    ),
+    "qlora generate runs/stages/dpo dcba": How(
+        needs="python train.py objective=dpo init_from=runs/stages/sft hydra.run.dir=runs/stages/dpo"
+    ),
     "python train.py hub.push=true hub.repo_id=me/llama-order-qlora": How(kind="refuse", expect=r"hub|token"),
     # docs/data.md
     "python train.py data.path=my.jsonl": How(suffix=SMOKE, files=("my.jsonl",)),

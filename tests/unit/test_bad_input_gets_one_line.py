@@ -154,6 +154,10 @@ OVERRIDES = [
     (["objective=dpo", "objective.beta=0"], ["objective.beta=0", "> 0"]),
     (["objective=dpo", "objective.loss_type=kl"], ["objective.loss_type=kl", "sigmoid"]),
     (["objective=dpo", "data.packing=true"], ["data.packing=true", "objective=dpo"]),
+    (["objective=dpo", "objective.ref_adapter=true"], ["objective.ref_adapter=true", "init_from="]),
+    (["init_from=no/such/run"], ["init_from=no/such/run", "no such directory"]),
+    (["objective=dpo", "objective.sft_weight=-1"], ["objective.sft_weight=-1", ">= 0"]),
+    (["objective.sft_weight=1"], ["objective.sft_weight=1", "objective=dpo"]),
     # data keys
     (["data.format=yaml"], ["data.format"]),
     (["data.packing_strategy=ffd"], ["data.packing_strategy=ffd", "bfd"]),
@@ -443,6 +447,57 @@ def test_data_dir_without_data_files(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# init_from: a finished run's dir (written here, not trained) with one thing wrong each.
+# ---------------------------------------------------------------------------------------------
+def finished_run(folder: Path, *overrides: str, status: str = "ok") -> Path:
+    """A run dir as a finished run leaves it (config.yaml, adapter/, metrics.json, manifest.json)."""
+    from conftest import compose_cfg
+
+    from qlora_recipes.config.loader import to_yaml
+    from qlora_recipes.outputs.runfiles import run_file_names, write_manifest
+
+    (folder / "adapter").mkdir(parents=True)
+    (folder / "config.yaml").write_text(to_yaml(compose_cfg(*SMOKE, *overrides)))
+    (folder / "adapter" / "adapter_config.json").write_text("{}")
+    (folder / "adapter" / "adapter_model.safetensors").write_bytes(b"")
+    (folder / "metrics.json").write_text(json.dumps({"status": status}))
+    write_manifest(folder, run_file_names(folder))
+    return folder
+
+
+INIT_FROM = {
+    "a run that was preempted": (lambda d: finished_run(d, status="preempted"), ["not a finished run", "resume=auto"]),
+    "a run without its manifest": (
+        lambda d: (finished_run(d) / "manifest.json").unlink(),
+        ["not a finished run", "no manifest.json"],
+    ),
+    "a run without an adapter": (
+        lambda d: shutil.rmtree(finished_run(d) / "adapter"),
+        ["a run dir without a saved adapter"],
+    ),
+    "a run on another base": (
+        lambda d: finished_run(d, "model.name_or_path=/models/other-llama"),
+        ["model.name_or_path=/models/other-llama", "an adapter only fits its base"],
+    ),
+    "a run with another adapter shape": (
+        lambda d: finished_run(d, "peft.r=8", "peft.target_modules=[q_proj,v_proj]"),
+        ["peft.r=8", "peft.r=16", "add peft.r=8 peft.target_modules=[q_proj,v_proj]"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INIT_FROM))
+def test_init_from(case, tmp_path, monkeypatch):
+    make, needles = INIT_FROM[case]
+    earlier = tmp_path / "sft"
+    earlier.mkdir()
+    make(earlier)
+    run_dir = tmp_path / "run"
+    code, stderr = run_in_process(["objective=dpo", f"init_from={earlier}"], run_dir, monkeypatch)
+    assert_refused(code, stderr, [f"init_from={earlier}", *needles], run_dir)
+
+
+# ---------------------------------------------------------------------------------------------
 # Model dirs: the tiny model with one thing broken each.
 # ---------------------------------------------------------------------------------------------
 def _config(**changes):
@@ -542,7 +597,7 @@ def test_environment_value(env, needles, tmp_path, monkeypatch):
 
 
 def test_the_catalog_is_large():
-    cases = len(OVERRIDES) + len(RECIPES) + len(DATA) + len(MODEL_DIRS) + len(ENVIRONMENT) + 4
+    cases = len(OVERRIDES) + len(RECIPES) + len(DATA) + len(MODEL_DIRS) + len(ENVIRONMENT) + len(INIT_FROM) + 4
     assert cases >= 100, cases
 
 

@@ -63,6 +63,14 @@ def test_dpo_config_carries_the_objective_and_the_shared_groups(tmp_path):
     assert args.optim == cfg.optim.name and args.precompute_ref_log_probs is False
 
 
+def test_an_sft_weight_adds_trls_sft_loss_on_the_chosen_answers(tmp_path):
+    cfg = compose_cfg("objective=dpo", "objective.sft_weight=0.5", "trainer.seq_len=64")
+    args = trainer_args.trainer_config(cfg, tmp_path, "preference", on_gpu=False, has_eval=True)
+    assert (args.loss_type, args.loss_weights) == (["sigmoid", "sft"], [1.0, 0.5])
+    plain = trainer_args.trainer_config(compose_cfg("objective=dpo"), tmp_path, "preference", False, True)
+    assert (plain.loss_type, plain.loss_weights) == (["sigmoid"], None)
+
+
 def test_the_shipped_pairs_prefer_the_sorted_string():
     for split in ("train", "eval"):
         for line in (PAIRS / f"{split}.jsonl").read_text().splitlines():

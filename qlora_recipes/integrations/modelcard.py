@@ -103,6 +103,10 @@ def _objective(cfg: TrainConfig) -> str:
     if o.name == "dpo":
         reference = "precomputed log-probs" if o.precompute_ref_log_probs else "the base with the adapter off"
         return f"dpo (loss {o.loss_type}, beta {o.beta}, reference: {reference})"
+    if o.name == "kto":
+        reference = "precomputed log-probs" if o.precompute_ref_log_probs else "the base with the adapter off"
+        weights = f"desirable weight {o.desirable_weight}, undesirable weight {o.undesirable_weight}"
+        return f"kto (beta {o.beta}, {weights}, reference: {reference})"
     return o.name
 
 

@@ -72,6 +72,7 @@ class StackSpec:
     # and its reference: "adapter_off" (a no_grad forward per step), "precomputed" (before training) or "none"
     sequences: int = 1
     reference: str = "none"
+    kl_batch: bool = False  # kto: a no_grad forward of the micro-batch's mismatched pairs before the policy's
 
     @property
     def train_rows(self) -> int:
@@ -152,6 +153,7 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         world_size=max(1, int(world_size)),
         sequences=objective.sequences,
         reference=reference,
+        kl_batch=objective.kl_batch,
     )
 
 

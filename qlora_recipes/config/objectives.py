@@ -53,6 +53,17 @@ OBJECTIVES = {
     ),
 }
 
+# Objectives a user may name that no row trains, and why: the end of the one line `objective=NAME` gets
+# (config/loader.py one_line). ORPO runs on a 4-bit + LoRA model (trl.experimental.orpo, tried on the tiny
+# model), but its concatenated_forward takes the model's full logits, which nothing here plans.
+NOT_OFFERED = {
+    "orpo": (
+        "TRL 1.16 has ORPO only as trl.experimental's ORPOTrainer, which builds the full (2 x micro-batch, "
+        "seq_len, vocab) logits that TRL's fused LM head and this planner leave out, so its memory would go "
+        "unplanned; use objective=dpo on an SFT run's data (ORPO's two terms in two runs) or objective=kto"
+    ),
+}
+
 # TRL 1.16 DPOConfig.loss_type's values (trl/trainer/dpo_config.py) but exo_pair, which needs a
 # label_smoothing this repository does not pass
 DPO_LOSS_TYPES = (

@@ -150,6 +150,7 @@ OVERRIDES = [
     (["precision=fp16"], ["precision=fp16 needs a CUDA GPU"]),
     # the objective: its keys only under it
     (["objective=ppo"], ["objective=ppo is not an option", "kto"]),
+    (["objective=orpo"], ["objective=orpo is not an option", "trl.experimental", "full", "objective=kto"]),
     (["objective=dpo", "objective.desirable_weight=2"], ["objective.desirable_weight", "objective=kto"]),
     (["objective=kto", "trainer.micro_batch_size=1"], ["trainer.micro_batch_size=1", "objective=kto", "2 or more"]),
     (["objective.beta=0.2"], ["objective.beta=0.2", "objective=dpo", "objective=sft"]),

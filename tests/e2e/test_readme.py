@@ -98,6 +98,8 @@ REGISTRY: dict[str, How] = {
     "python train.py logger=none": How(suffix=SMOKE),
     "python train.py objective=dpo": How(suffix=SMOKE, expect=r"reward accuracy"),
     "qlora plan recipe=llama3.1-8b-24gb objective=dpo": How(expect=r"(?m)^(FITS|DOES NOT FIT): peak"),
+    "python train.py objective=kto": How(suffix=SMOKE, expect=r"reward accuracy"),
+    "qlora plan recipe=llama3.1-8b-24gb objective=kto": How(expect=r"KL forward"),
     "python train.py hub.push=true hub.repo_id=me/llama-order-qlora": How(kind="refuse", expect=r"hub|token"),
     # docs/data.md
     "python train.py data.path=my.jsonl": How(suffix=SMOKE, files=("my.jsonl",)),

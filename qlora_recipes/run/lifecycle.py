@@ -457,8 +457,11 @@ class OomRecord:
 def next_in_process_rung(cfg: TrainConfig) -> tuple[TrainConfig, str] | None:
     """Halve the micro-batch (doubling accumulation keeps the effective batch), else turn on
     gradient checkpointing; None when neither is left. Returns the changed copy and its overrides."""
+    from ..config.objectives import OBJECTIVES
+
     t = cfg.trainer
-    if t.micro_batch_size > 1:
+    least = 2 if OBJECTIVES[cfg.objective.name].kl_batch else 1  # kto's KL batch needs 2 rows (config/checks.py)
+    if t.micro_batch_size // 2 >= least:
         applied = f"trainer.micro_batch_size={t.micro_batch_size // 2} trainer.grad_accum={t.grad_accum * 2}"
     elif not t.gradient_checkpointing:
         applied = "trainer.gradient_checkpointing=true"

@@ -156,3 +156,21 @@ def test_kto_plans_the_reference_forward_and_the_kl_batch():
     assert kto["components"]["activations"][gpu] == sft["components"]["activations"][gpu]
     assert kto["devices"][0]["peak_phase"] == "train: layer backward" and kto["peak_gib"] == sft["peak_gib"]
     assert "reference_forward" not in pre["components"] and pre["components"]["kl_forward"][gpu] > 0
+
+
+def test_no_ladder_rung_leaves_kto_a_micro_batch_of_one():
+    from qlora_recipes.run.lifecycle import next_in_process_rung
+
+    def micro_batches(*overrides):
+        rungs = _plan("trainer.micro_batch_size=4", "trainer.seq_len=16384", *overrides)["ladder"]
+        return [int(w.split("=")[1]) for r in rungs for w in r["overrides"].split() if "micro_batch" in w]
+
+    assert set(micro_batches()) == {1} and set(micro_batches("objective=kto")) == {
+        2
+    }  # SFT's rung goes to 1, KTO's to 2
+    cfg = compose_cfg("objective=kto", "trainer.micro_batch_size=2", "trainer.gradient_checkpointing=false")
+    assert next_in_process_rung(cfg)[1] == "trainer.gradient_checkpointing=true"
+    assert next_in_process_rung(compose_cfg("objective=kto", "trainer.micro_batch_size=4"))[1].startswith(
+        "trainer.micro_batch_size=2 "
+    )
+    assert next_in_process_rung(compose_cfg("trainer.micro_batch_size=2"))[1].startswith("trainer.micro_batch_size=1 ")

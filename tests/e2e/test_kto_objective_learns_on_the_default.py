@@ -1,7 +1,8 @@
 """objective=kto on the embedded default: TRL's KTOTrainer under our guards learns the order sample's
 unpaired rows (eval reward accuracy - the share of eval rows whose reward has their label's sign - from 0
 before training to >= 0.8), records it in metrics.json, the summary and the model card, saves one
-adapter (the reference is the base with the adapter off) and measures the peak its plan predicts."""
+adapter (the reference is the base with the adapter off), measures the peak its plan predicts, merges,
+generates and resumes after SIGTERM bit-exact."""
 
 import json
 import subprocess
@@ -54,6 +55,20 @@ def test_kto_saves_one_adapter_and_its_card_names_the_objective(kto_run):
 def test_kto_measured_peak_is_within_ten_percent_of_its_plan(kto_run):
     metrics, _, _ = kto_run
     assert 0.9 <= metrics["peak_mem_gib"] / metrics["planned_peak_gib"] <= 1.1, metrics
+
+
+def test_a_kto_run_merges_and_generates_as_an_sft_run_does(kto_run):
+    _, run_dir, _ = kto_run
+    for script, *args in (("merge.py",), ("generate.py", "order: dcba")):
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "scripts" / script), str(run_dir), *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run_dir / "merged" / "config.json").is_file()
+    assert "### order: dcba" in proc.stdout and proc.stdout.strip().splitlines()[-1]  # an answer after the header
 
 
 @pytest.fixture

@@ -7,7 +7,9 @@ in train. Seeded, so the files are reproducible byte for byte.
 Beside them, `preference/` holds the same prompts as preference pairs for `objective=dpo`: chosen the
 sorted string, rejected a plausible wrong answer (the string as given, two neighbouring letters of the
 sorted string swapped, or the sorted string reversed), picked by a second seeded generator so the SFT
-files stay as they were.
+files stay as they were. `kto/` holds those pairs as unpaired rows for `objective=kto`: each pair's
+chosen answer a row labelled true, its rejected answer one labelled false, in an order shuffled by a
+third seeded generator (KTO trains in file order and estimates its KL term within each micro-batch).
 
     python scripts/make_sample_data.py [--out assets/data/order] [--train 2000] [--eval 64]
 """
@@ -37,6 +39,16 @@ def pair(sft_row: dict, rng: random.Random) -> dict:
     return {"prompt": sft_row["prompt"], "chosen": sft_row["completion"], "rejected": wrong(s, rng)}
 
 
+def unpaired(pairs: list[dict], rng: random.Random) -> list[dict]:
+    rows = [
+        {"prompt": p["prompt"], "completion": p[k], "label": k == "chosen"}
+        for p in pairs
+        for k in ("chosen", "rejected")
+    ]
+    rng.shuffle(rows)
+    return rows
+
+
 def make(out: Path, n_train: int, n_eval: int, seed: int = 0) -> None:
     rng = random.Random(seed)
     seen: set[str] = set()
@@ -59,7 +71,13 @@ def make(out: Path, n_train: int, n_eval: int, seed: int = 0) -> None:
     for name, rows in (("train", train_rows), ("eval", eval_rows)):
         with open(out / "preference" / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(pair(r, pairs_rng)) + "\n" for r in rows)
-    print(f"wrote {n_train} train and {n_eval} eval rows to {out} (and as preference pairs to {out / 'preference'})")
+    kto_rng = random.Random(seed + 2)
+    (out / "kto").mkdir(exist_ok=True)
+    for name in ("train", "eval"):
+        pairs = [json.loads(line) for line in (out / "preference" / f"{name}.jsonl").read_text().splitlines()]
+        with open(out / "kto" / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in unpaired(pairs, kto_rng))
+    print(f"wrote {n_train} train and {n_eval} eval rows to {out} (and as preference pairs, and unpaired, beside)")
 
 
 def main() -> None:

@@ -107,6 +107,12 @@ def check_objective(cfg: TrainConfig) -> None:
             f"{key}=true does not apply to objective={o.name}: TRL pads each pair's sequences (its padding-free "
             f"path is off since its refactor); drop {key}"
         )
+    mb = cfg.trainer.micro_batch_size
+    if OBJECTIVES[o.name].kl_batch and isinstance(mb, int) and mb < 2:
+        raise UserError(
+            f"trainer.micro_batch_size={mb} is too small for objective={o.name}: its KL estimate pairs each prompt "
+            "with another row's completion of the same micro-batch; set trainer.micro_batch_size=2 or more"
+        )
     for key in own:
         if getattr(o, key) is None:
             raise UserError(f"objective={o.name} needs objective.{key}; pick the group (objective={o.name}) or set it")

@@ -206,8 +206,11 @@ def one_line(err: Exception) -> str:
     from hydra.errors import MissingConfigException
 
     if isinstance(err, MissingConfigException) and err.options is not None and err.missing_cfg_file:
+        from .objectives import NOT_OFFERED
+
         group, _, option = err.missing_cfg_file.rpartition("/")
-        return f"{group}={option} is not an option; choose one of: {', '.join(err.options)}"
+        why = f"; {NOT_OFFERED[option]}" if group == "objective" and option in NOT_OFFERED else ""
+        return f"{group}={option} is not an option; choose one of: {', '.join(err.options)}{why}"
     text = str(err)
     cause = err.__cause__ or err.__context__
     if cause is not None and str(cause) not in text:

@@ -24,7 +24,7 @@ from .objectives import DPO_LOSS_TYPES, OBJECTIVES
 QUANT_METHODS = ("nf4", "fp4", "int8", "none")
 PEFT_METHODS = ("lora", "dora", "rslora")
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # TRL 1.16 SFTConfig.packing_strategy
-DATA_FORMATS = ("auto", "alpaca", "messages", "sharegpt", "prompt_completion", "text", "preference")
+DATA_FORMATS = ("auto", "alpaca", "messages", "sharegpt", "prompt_completion", "text", "preference", "unpaired")
 STORAGE_DTYPES = ("uint8", "bfloat16", "float16", "float32")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")  # short aliases (bf16, ...) accepted too
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -302,13 +302,19 @@ class TrainerConfig:
 class ObjectiveConfig:
     # The `objective` group (config/objectives.py: the trainer, data kind and planner terms each name picks).
     # Keys one objective reads are null under the others (config/checks.py refuses them there).
-    name: str = option("sft", "what the adapter is trained for: sft | dpo", choices=tuple(OBJECTIVES))
+    name: str = option("sft", "what the adapter is trained for: sft | dpo | kto", choices=tuple(OBJECTIVES))
     beta: float | None = option(
-        None, "dpo: how far the policy may move from the reference (TRL's beta; higher: closer)", range="> 0|null"
+        None, "dpo, kto: how far the policy may move from the reference (TRL's beta; higher: closer)", range="> 0|null"
     )
     loss_type: str | None = option(None, "dpo: TRL's loss", choices=(None, *DPO_LOSS_TYPES))
     precompute_ref_log_probs: bool | None = option(
-        None, "dpo: the reference's log-probs computed once before training (no reference forward per step)"
+        None, "dpo, kto: the reference's log-probs computed once before training (no reference forward per step)"
+    )
+    desirable_weight: float | None = option(
+        None, "kto: weight of the desirable (label true) rows' losses, to balance unequal counts", range="> 0|null"
+    )
+    undesirable_weight: float | None = option(
+        None, "kto: weight of the undesirable (label false) rows' losses", range="> 0|null"
     )
     sft_weight: float | None = option(
         None,
@@ -423,7 +429,7 @@ class TrainConfig:
     offload: OffloadConfig = option(OffloadConfig, "where layers go when the GPU is too small", resume_safe=True)
     precision: PrecisionConfig = option(PrecisionConfig, "the compute dtype")
     trainer: TrainerConfig = option(TrainerConfig, "batch, length, steps, checkpointing, logging")
-    objective: ObjectiveConfig = option(ObjectiveConfig, "what the adapter is trained for (sft, dpo)")
+    objective: ObjectiveConfig = option(ObjectiveConfig, "what the adapter is trained for (sft, dpo, kto)")
     resume: ResumeConfig = option(ResumeConfig, "continuing a run", resume_safe=True)
     hardware: HardwareConfig = option(HardwareConfig, "what a recipe is sized for")
     dist: DistConfig = option(DistConfig, "how ranks share the work")

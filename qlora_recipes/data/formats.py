@@ -9,6 +9,9 @@
 - `preference` (objective=dpo): `prompt`, `chosen`, `rejected` as text, or as lists of messages; or
   `chosen`/`rejected` whole conversations whose shared leading turns are the prompt (TRL's implicit
   prompt, and the UltraFeedback-binarized layout, whose `prompt` string and `messages` are left aside)
+- `unpaired` (objective=kto): `prompt`, `completion` (text, or lists of messages) and `label`, true for a
+  desirable completion and false for an undesirable one. objective=kto also reads preference pairs:
+  `unpair` splits each into a desirable and an undesirable row (TRL's unpair_preference_dataset)
 
 Every row is checked here before training starts; a bad row stops the run with one line naming the
 row (as `readers.Rows` names it) and the field. `format_kwargs` and `generation_pairs` give the SFTConfig
@@ -39,9 +42,14 @@ FORMAT_FIELDS = {
     "prompt_completion": "prompt, completion",
     "text": "text",
     "preference": "prompt, chosen, rejected (text or messages)",
+    "unpaired": "prompt, completion, label (true or false; text or messages)",
 }
 # The rows each objective's data kind (config/objectives.py) trains on.
-KIND_FORMATS = {"preference": ("preference",), "sft": tuple(f for f in FORMAT_FIELDS if f != "preference")}
+KIND_FORMATS = {
+    "preference": ("preference",),
+    "unpaired": ("unpaired", "preference"),
+    "sft": tuple(f for f in FORMAT_FIELDS if f not in ("preference", "unpaired")),
+}
 FORMATS = tuple(FORMAT_FIELDS)
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT speakers (`from`, case-insensitive) and the role each is trained as.
@@ -112,6 +120,8 @@ def detect(rows: Rows) -> str:
     keys = set(first)
     if {"chosen", "rejected"} <= keys:  # before messages: UltraFeedback-binarized rows hold both
         return "preference"
+    if {"prompt", "completion", "label"} <= keys:  # before prompt_completion: KTO's rows hold both
+        return "unpaired"
     if "conversations" in keys:
         return "sharegpt"
     if "messages" in keys:
@@ -284,7 +294,7 @@ def _conversational(first: Any, fmt: str, text_cells: bool) -> bool:
     """Whether the first row's prompt (prompt_completion) or chosen (preference) is a message list."""
     if not isinstance(first, dict):
         return False
-    if fmt == "prompt_completion":
+    if fmt in ("prompt_completion", "unpaired"):
         return isinstance(first.get("prompt"), list)
     chosen = first.get("chosen")
     return fmt == "preference" and (isinstance(chosen, list) or (text_cells and str(chosen).lstrip().startswith("[")))
@@ -349,6 +359,8 @@ def convert_row(rows: Rows, i: Any, row: Any, fmt: str, conversational: bool) ->
         return {"messages": _sharegpt(rows, i, row)}
     if fmt == "preference":
         return _preference(rows, i, row, conversational)
+    if fmt == "unpaired":
+        return {**convert_row(rows, i, row, "prompt_completion", conversational), "label": _label(rows, i, row)}
     if conversational:
         if not isinstance(row.get("prompt"), list) and row.get("prompt") is not None:
             raise UserError(
@@ -361,10 +373,44 @@ def convert_row(rows: Rows, i: Any, row: Any, fmt: str, conversational: bool) ->
     return {"prompt": _string(rows, i, row, "prompt"), "completion": _string(rows, i, row, "completion")}
 
 
+def _label(rows: Rows, i: Any, row: dict) -> bool:
+    """An unpaired row's `label`: true (desirable) or false (undesirable); CSV cells say it as text."""
+    value = row.get("label")
+    if value is None:
+        raise UserError(f"{rows.where(i)}: missing field 'label'; every row needs it, true or false")
+    if rows.text_cells and isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if not isinstance(value, bool):
+        raise UserError(
+            f"{rows.where(i)}: field 'label' must be true (a desirable completion) or false (an undesirable one), "
+            f"got {type(value).__name__} {_short(value)}"
+        )
+    return value
+
+
+def unpair(ds: Dataset, seed: int) -> Dataset:
+    """Preference pairs as objective=kto's unpaired rows: each pair a desirable row (its chosen answer)
+    and an undesirable one (its rejected answer), TRL's unpair_preference_dataset, then shuffled (seeded):
+    TRL unpairs batch by batch and KTO samples in order, so unshuffled a micro-batch would hold one label."""
+    from trl.data_utils import unpair_preference_dataset
+
+    return unpair_preference_dataset(ds).shuffle(seed=seed).flatten_indices()
+
+
 def check_objective_data(fmt: str, kind: str, objective: str, source: str) -> None:
     """Rows of the kind the objective trains on (config/objectives.py `data`), or one line naming both."""
     if fmt in KIND_FORMATS[kind]:
         return
+    if kind == "unpaired":
+        raise UserError(
+            f"objective={objective} trains on unpaired rows ({FORMAT_FIELDS['unpaired']}) or preference pairs but "
+            f"{source} holds {fmt} rows; give it such rows (docs/objectives.md) or train with objective=sft"
+        )
+    if fmt == "unpaired":
+        raise UserError(
+            f"{source} holds unpaired rows (prompt, completion, label), which objective={objective} does not train "
+            "on; train them with objective=kto"
+        )
     if kind == "preference":
         raise UserError(
             f"objective={objective} trains on preference pairs ({FORMAT_FIELDS['preference']}) but {source} holds "
@@ -395,7 +441,7 @@ def format_kwargs(data: DataConfig, fmt: str) -> dict:
         "completion_only_loss": None,
         "assistant_only_loss": False,
     }
-    if fmt in ("prompt_completion", "alpaca", "preference"):
+    if fmt in ("prompt_completion", "alpaca", "preference", "unpaired"):
         kwargs["completion_only_loss"] = only
     elif fmt == "messages":
         kwargs["assistant_only_loss"] = only
@@ -415,6 +461,9 @@ def generation_pairs(eval_ds: Dataset | None, fmt: str, limit: int | None) -> li
     if eval_ds is None or fmt == "text" or (limit is not None and limit <= 0):
         return []
     n = len(eval_ds) if limit is None else min(int(limit), len(eval_ds))
+    if fmt == "unpaired":  # the desirable completions are the references
+        eval_ds = eval_ds.filter(lambda row: row["label"])
+        n = min(n, len(eval_ds))
     rows = eval_ds.select(range(n))
     pairs: list[tuple[Any, str]] = []
     if fmt == "messages":

@@ -23,7 +23,7 @@ from ..config.objectives import OBJECTIVES
 from ..config.schema import DataConfig, ObjectiveConfig
 from ..errors import UserError
 from .chat import resolve_template, use_chat_template
-from .formats import check_format_name, check_objective_data, convert, detect, trains_as
+from .formats import check_format_name, check_objective_data, convert, detect, trains_as, unpair
 from .readers import BATCH_ROWS, read_source
 from .tokens import SCRATCH, quiet_datasets, token_figures, tokenization_for, tokenize_split
 
@@ -35,17 +35,16 @@ TOO_LONG = ("truncate", "drop")
 def load_splits(
     data: DataConfig, tokenizer: Any, seq_len: Any, seed: int, objective: ObjectiveConfig | None = None
 ) -> tuple[Dataset, Dataset | None, dict]:
-    """Load `data.path` (and `data.eval_path`), validate every row and return
-    `(train, eval_or_None, stats)`. `seq_len`: tokens, or (trainer.seq_len=auto, with a tokenizer) a
-    function of the train rows' token lengths and their source that returns it (stats["seq_len"]).
+    """Load `data.path` (and `data.eval_path`), validate every row and return `(train, eval_or_None, stats)`.
+    `seq_len`: tokens, or (trainer.seq_len=auto, with a tokenizer) a function of the train rows' token
+    lengths and their source that returns it (stats["seq_len"]).
 
-    The datasets have the columns TRL's SFTTrainer reads: `prompt`+`completion` (alpaca and
-    prompt_completion; strings, or message lists for a conversational prompt_completion), `messages`
-    (messages and ShareGPT), or `text`; with a tokenizer also TRL's token columns, `input_ids` and
-    `completion_mask` or `assistant_masks` (tokens.py), so TRL does not tokenize them again. Without
-    `eval_path`, a seeded `eval_fraction` of the rows is held out (None when 0). For chat data the
-    tokenizer gets the chat template it trains with (`data.chat_template`), so the tokenizer saved with
-    the adapter renders prompts the same way.
+    The datasets have the columns TRL's trainer reads: `prompt`+`completion` (alpaca and prompt_completion;
+    strings, or message lists for a conversational prompt_completion), `messages` (messages and ShareGPT),
+    or `text`; with a tokenizer also TRL's token columns, `input_ids` and `completion_mask` or
+    `assistant_masks` (tokens.py), so TRL does not tokenize them again (DPO's and KTO's rows keep their
+    text). Without `eval_path`, a seeded `eval_fraction` of the rows is held out (None when 0). For chat
+    data the tokenizer gets the chat template it trains with (`data.chat_template`), as the one saved will.
 
     stats: `format` (what TRL trains: ShareGPT is `messages`), `detected` (the rows' own format),
     `format_from` (`detected` or `data.format`), `conversational`, `source`, `eval_source`, `rows`
@@ -78,6 +77,7 @@ def load_splits(
             log.info("data.eval_path is set, so data.eval_fraction=%s is not used", eval_fraction)
     elif eval_fraction > 0:
         train, eval_ds, eval_source = _hold_out(train, eval_fraction, source, seed, data.eval_max_rows)
+    train, eval_ds, fmt = _as_read(train, eval_ds, fmt, OBJECTIVES[name].data, seed)
 
     chat = fmt == "messages" or conversational
     stats: dict[str, Any] = {
@@ -112,6 +112,14 @@ def load_splits(
     stats["prompt_format"] = prompt_format(train, fmt, conversational)
     log.info(_summary_line(stats, eval_fraction if eval_path in (None, "") else None))
     return train, eval_ds, stats
+
+
+def _as_read(train: Dataset, eval_ds: Dataset | None, fmt: str, kind: str, seed: int) -> tuple:
+    """The rows as the objective reads them: for kto (`unpaired`) preference pairs become two rows each,
+    a desirable and an undesirable one (formats.unpair); every other case as loaded."""
+    if kind != "unpaired" or fmt != "preference":
+        return train, eval_ds, fmt
+    return unpair(train, seed), None if eval_ds is None else unpair(eval_ds, seed), "unpaired"
 
 
 def _eval_fraction(value: Any) -> float:
@@ -201,6 +209,7 @@ def _summary_line(stats: dict[str, Any], held_out: float | None) -> str:
         shape = f"alpaca rows ({how}) -> prompt/completion in the Alpaca template"
     elif detected == "preference":
         shape = f"preference pairs ({how})" + (", chat" if stats["conversational"] else "")
+        shape += " -> unpaired rows" if stats["format"] == "unpaired" else ""
     elif stats["conversational"]:
         shape = f"{detected} rows ({how}), chat"
     else:
@@ -298,7 +307,9 @@ def _add_token_stats(
         if callable(seq_len):  # trainer.seq_len=auto: from the train rows, the first split
             seq_len = stats["seq_len"] = seq_len(token_figures(ds)[0], stats["source"])
         counts[k] = _count(ds, seq_len)
-        scratch = (*SCRATCH, "input_ids") if fmt == "preference" else SCRATCH  # DPOTrainer tokenizes the text
+        # DPOTrainer and KTOTrainer tokenize the text themselves
+        scratch = {"preference": (*SCRATCH, "input_ids"), "unpaired": (*SCRATCH, "input_ids", "completion_mask")}
+        scratch = scratch.get(fmt, SCRATCH)
         tokenized[k] = ds.remove_columns([c for c in scratch if c in ds.column_names])
         _report_prompt_left_out(k, counts[k])
     keys = ("train", "eval")

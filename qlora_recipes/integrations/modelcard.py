@@ -106,6 +106,10 @@ def _objective(cfg: TrainConfig) -> str:
             reference = f"the earlier stage's adapter, frozen{', its log-probs precomputed' if o.precompute_ref_log_probs else ''}"
         sft = f" + sft x {o.sft_weight:g}" if o.sft_weight else ""
         return f"dpo (loss {o.loss_type}{sft}, beta {o.beta}, reference: {reference})"
+    if o.name == "kto":
+        reference = "precomputed log-probs" if o.precompute_ref_log_probs else "the base with the adapter off"
+        weights = f"desirable weight {o.desirable_weight}, undesirable weight {o.undesirable_weight}"
+        return f"kto (beta {o.beta}, {weights}, reference: {reference})"
     return o.name
 
 

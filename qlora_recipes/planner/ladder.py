@@ -72,7 +72,8 @@ def _candidates(kind: str, st: StackSpec, hw: _dev.Hardware, plan: dict) -> list
             e //= 2
     elif kind == "micro_batch":
         total = st.micro_batch * st.grad_accum
-        for m in range(st.micro_batch - 1, 0, -1):
+        least = 2 if st.kl_batch else 1  # kto's KL batch pairs rows of one micro-batch (config/checks.py)
+        for m in range(st.micro_batch - 1, least - 1, -1):
             if total % m == 0:
                 out.append(
                     (

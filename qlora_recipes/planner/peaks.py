@@ -1,7 +1,7 @@
 """How a device's rows add up to its peak. The rows of plan.json are static (weights, adapters,
 gradients, optimizer state), fixed (CUDA context, process baseline, offload staging) or transient;
 the transient rows do not coexist: a device's peak is its fixed and static rows plus the largest
-phase - train (activations + max(lm_head_loss, layer_working + dequant_scratch, reference_forward)), optimizer step
+phase - train (activations + max(lm_head_loss, layer_working + dequant_scratch, reference_forward); kl_forward), optimizer step
 (optimizer_scratch), eval (eval_transient) or loading (load_transient: the checkpoint's mapped
 pages on CPU, k-bit prep's upcast) - plus
 allocator overhead. The allocated peak leaves
@@ -33,6 +33,7 @@ TRANSIENT = (
     "layer_working",
     "lm_head_loss",
     "reference_forward",
+    "kl_forward",
     "dequant_scratch",
     "optimizer_scratch",
     "eval_transient",
@@ -45,7 +46,7 @@ COMPONENTS = (*STATIC, *TRANSIENT, "offload_staging", "cuda_context", "process_b
 def _phases(row: Callable[[str], int]) -> dict[str, int]:
     """Transient bytes per phase of one device."""
     act = row("activations")
-    return {
+    phases = {
         "train: loss": act + row("lm_head_loss"),
         "train: layer backward": act + row("layer_working") + row("dequant_scratch"),
         "train: reference forward": act + row("reference_forward"),
@@ -53,6 +54,9 @@ def _phases(row: Callable[[str], int]) -> dict[str, int]:
         "eval": row("eval_transient"),
         "load": row("load_transient"),
     }
+    if row("kl_forward"):  # kto: its KL batch's forward, before the policy's, when nothing is kept yet
+        phases["train: KL forward"] = row("kl_forward")
+    return phases
 
 
 def phase_peaks(row: Callable[[str], int], device: str) -> tuple[int, dict[str, int], dict[str, int]]:

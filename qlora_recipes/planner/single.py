@@ -250,13 +250,27 @@ def _activation_rows(st: StackSpec, t: _Tally) -> None:
         comp["layer_working"][dev] += working
         comp["dequant_scratch"][dev] += t.dequant_on[dev] + t.dora_on[dev]
     comp["lm_head_loss"][t.lm_dev] += train_loss_bytes(st, b, t.lm_dev == "cpu")
-    if st.reference in ("adapter_off", "init_adapter"):  # dpo: the reference's no_grad forward, after the policy's
+    if st.reference in ("adapter_off", "init_adapter"):  # dpo, kto: the reference's no_grad forward, after the policy's
         for dev in dict.fromkeys([*t.layers_on, t.lm_dev]):
             layer = eval_layer_bytes(st, b, dev == "cpu") + t.dequant_on[dev] if t.layers_on.get(dev) else 0
             head = reference_head_bytes(st, b, dev == "cpu") if dev == t.lm_dev else 0
             comp["reference_forward"][dev] += max(layer, head)
+    if st.kl_batch:
+        _kl_rows(st, t)
     if st.evaluates or st.reference == "precomputed":
         _eval_rows(st, t)
+
+
+def _kl_rows(st: StackSpec, t: _Tally) -> None:
+    """KTO's KL batch (TRL 1.16 KTOTrainer._compute_kl_logps): each step first runs the policy under no_grad
+    over the micro-batch's prompts paired with their neighbours' completions, before its own forward keeps
+    anything: one layer's forward at a time and the fused head's forward tiles, an eval-sized pass of the
+    micro-batch. The reference's KL forward runs beside its other one, after the policy's (reference_forward)."""
+    for dev in dict.fromkeys([*t.layers_on, t.lm_dev]):
+        cpu = dev == "cpu"
+        layer = eval_layer_bytes(st, st.train_rows, cpu) + t.dequant_on[dev] if t.layers_on.get(dev) else 0
+        head = eval_loss_bytes(st, st.train_rows, cpu) if dev == t.lm_dev else 0
+        t.comp["kl_forward"][dev] += max(layer, head)
 
 
 def _prep_rows(t: _Tally) -> None:

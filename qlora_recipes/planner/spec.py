@@ -74,6 +74,7 @@ class StackSpec:
     # earlier stage's adapter, a frozen copy of the LoRA weights), "precomputed" (before training) or "none"
     sequences: int = 1
     reference: str = "none"
+    kl_batch: bool = False  # kto: a no_grad forward of the micro-batch's mismatched pairs before the policy's
 
     @property
     def train_rows(self) -> int:
@@ -157,6 +158,7 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         world_size=max(1, int(world_size)),
         sequences=objective.sequences,
         reference=reference,
+        kl_batch=objective.kl_batch,
     )
 
 

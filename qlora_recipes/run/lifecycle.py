@@ -2,7 +2,7 @@
 resume, preemption, NaN and OOM, one run per run dir.
 
 - `Guarded` is the guard every objective's TRL trainer wears (`GuardedTrainer`: SFTTrainer,
-  `GuardedDPOTrainer`: DPOTrainer; `guarded(objective)` picks one). Its changes: each checkpoint is written into a staging
+  `GuardedDPOTrainer`: DPOTrainer, `GuardedKTOTrainer`: KTOTrainer; `guarded(objective)` picks one). Its changes: each checkpoint is written into a staging
   dir, sealed (its files fsynced and listed with size and sha256 in `qlora_state.json`, beside the
   LR schedule, the data and base fingerprints and the step totals) and renamed into place only when complete:
   a crash, `kill -9` or a full disk mid-save leaves the previous checkpoint loadable and no staging
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
-from trl import DPOTrainer, SFTTrainer
+from trl import DPOTrainer, KTOTrainer, SFTTrainer
 
 from ..config.loader import with_overrides
 from ..config.schema import TrainConfig
@@ -358,11 +358,75 @@ def _drop_ref_adapter(model) -> None:
         model.delete_adapter("ref")
 
 
+class GuardedKTOTrainer(Guarded, KTOTrainer):
+    """KTO (objective=kto) under the guards. TRL 1.16's KTOTrainer makes the same "ref" adapter copy as
+    DPOTrainer given a PeftModel, and it goes for the same reason (GuardedDPOTrainer). TRL logs no accuracy
+    for KTO: `evaluate` adds `rewards/accuracies`, the share of eval rows whose implied reward (beta times
+    the policy's minus the reference's log-prob of the completion, TRL's rewards/chosen and
+    rewards/rejected per row) has the sign of the row's label: above 0 for a desirable row, below 0 for an
+    undesirable one. Strictly, so 0 before training, where the policy is the reference."""
+
+    def __init__(self, *args, **kwargs):
+        warnings.filterwarnings(  # as GuardedDPOTrainer: TRL's reference forward toggles checkpointing
+            "ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning
+        )
+        super().__init__(*args, **kwargs)
+        model = self.accelerator.unwrap_model(self.model)
+        if "ref" in getattr(model, "peft_config", {}):
+            model.delete_adapter("ref")
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        figures = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        if eval_dataset is None and self.eval_dataset is not None:
+            figures[f"{metric_key_prefix}_rewards/accuracies"] = self.reward_accuracy()
+        return figures
+
+    def reward_accuracy(self) -> float:
+        """The share of eval rows whose reward has their label's sign (the class docstring)."""
+        from trl.trainer.utils import use_adapter
+
+        model, right, total = self.model, 0, 0
+        was_training = model.training
+        unwrapped = self.accelerator.unwrap_model(model)
+        model.eval()
+        try:
+            with torch.no_grad():
+                for batch in self.get_eval_dataloader():
+                    batch = self._prepare_inputs(batch)
+                    reward = _completion_logps(model, batch)
+                    if "ref_logps" in batch:  # precompute_ref_log_probs
+                        reward = reward - batch["ref_logps"]
+                    else:
+                        with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                            reward = reward - _completion_logps(model, batch)
+                    label = batch["label"].to(reward.device).bool()
+                    right_here = self.accelerator.gather_for_metrics(torch.where(label, reward > 0, reward < 0))
+                    right, total = right + int(right_here.sum()), total + right_here.numel()
+        finally:
+            model.train(was_training)
+        return right / max(total, 1)
+
+
+def _completion_logps(model, batch) -> torch.Tensor:
+    """Each row's summed log-prob of its completion tokens, as TRL 1.16's KTOTrainer computes it (the fused
+    LM head, the prompt's labels -100)."""
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        labels=labels,
+        use_cache=False,
+        fused_lm_head=True,
+    )
+    return out.log_probs[:, -(batch["input_ids"].size(1) - 1) :].sum(-1)
+
+
 def guarded(objective: str) -> type:
     """The guarded TRL trainer of an objective (config/objectives.py names its TRL class)."""
     from ..config.objectives import OBJECTIVES
 
-    return {"SFTTrainer": GuardedTrainer, "DPOTrainer": GuardedDPOTrainer}[OBJECTIVES[objective].trainer]
+    classes = {"SFTTrainer": GuardedTrainer, "DPOTrainer": GuardedDPOTrainer, "KTOTrainer": GuardedKTOTrainer}
+    return classes[OBJECTIVES[objective].trainer]
 
 
 # ---------------------------------------------------------------- preemption
@@ -422,8 +486,11 @@ class OomRecord:
 def next_in_process_rung(cfg: TrainConfig) -> tuple[TrainConfig, str] | None:
     """Halve the micro-batch (doubling accumulation keeps the effective batch), else turn on
     gradient checkpointing; None when neither is left. Returns the changed copy and its overrides."""
+    from ..config.objectives import OBJECTIVES
+
     t = cfg.trainer
-    if t.micro_batch_size > 1:
+    least = 2 if OBJECTIVES[cfg.objective.name].kl_batch else 1  # kto's KL batch needs 2 rows (config/checks.py)
+    if t.micro_batch_size // 2 >= least:
         applied = f"trainer.micro_batch_size={t.micro_batch_size // 2} trainer.grad_accum={t.grad_accum * 2}"
     elif not t.gradient_checkpointing:
         applied = "trainer.gradient_checkpointing=true"

@@ -115,9 +115,11 @@ def objective_figures(objective: str, before: dict | None, after: dict | None) -
     """metrics.json's objective figures: its name, and for dpo TRL's eval rewards/accuracies (the share
     of eval pairs whose chosen answer the policy rewards above the rejected one, relative to the
     reference) before and after training, and rewards/margins after. Before training the policy is the
-    reference, so every reward is 0 and the accuracy 0 (TRL counts chosen > rejected, strictly)."""
+    reference, so every reward is 0 and the accuracy 0 (TRL counts chosen > rejected, strictly). For kto
+    the accuracy is the share of eval rows whose reward has their label's sign (GuardedKTOTrainer; TRL
+    logs none) and the margin TRL's: the desirable rows' mean reward minus the undesirable rows'."""
     out: dict = {"objective": objective}
-    if objective == "dpo":
+    if objective in ("dpo", "kto"):
         pick = lambda figures, key: None if figures is None else figures.get(f"eval_rewards/{key}")  # noqa: E731
         out["eval_reward_accuracy_before"] = pick(before, "accuracies")
         out["eval_reward_accuracy"] = pick(after, "accuracies")

@@ -1,5 +1,5 @@
 """TRL's trainer configs built from the stack: the one place the trainer's arguments are made.
-`trainer_config` picks the objective's (SFTConfig, DPOConfig); both share `_shared`, the trainer, optim,
+`trainer_config` picks the objective's (SFTConfig, DPOConfig, KTOConfig); all share `_shared`, the trainer, optim,
 precision, logger and dist groups' keywords."""
 
 import logging
@@ -33,6 +33,8 @@ def trainer_config(cfg: TrainConfig, run_dir: Path, data_format: str, on_gpu: bo
     """The objective's TRL config (config/objectives.py names it)."""
     if cfg.objective.name == "dpo":
         return dpo_config(cfg, run_dir, on_gpu, has_eval)
+    if cfg.objective.name == "kto":
+        return kto_config(cfg, run_dir, on_gpu, has_eval)
     return sft_config(cfg, run_dir, data_format, on_gpu, has_eval)
 
 
@@ -64,6 +66,22 @@ def dpo_config(cfg: TrainConfig, run_dir: Path, on_gpu: bool, has_eval: bool):
         # sft_weight: TRL's "sft" loss (the chosen answers' NLL) beside the preference loss, weighted
         loss_type=[o.loss_type, "sft"] if o.sft_weight else [o.loss_type],
         loss_weights=[1.0, float(o.sft_weight)] if o.sft_weight else None,
+        precompute_ref_log_probs=bool(o.precompute_ref_log_probs),
+    )
+
+
+def kto_config(cfg: TrainConfig, run_dir: Path, on_gpu: bool, has_eval: bool):
+    """TRL's KTOConfig: the shared keywords and the objective group's KTO keys. TRL's other defaults stay:
+    loss_type kto (with its KL estimate), dropout off, sequential sampling (each row's KL completion is
+    its micro-batch neighbour's, fixed when the data is prepared)."""
+    from trl import KTOConfig
+
+    o = cfg.objective
+    return KTOConfig(
+        **_shared(cfg, run_dir, on_gpu, has_eval),
+        beta=o.beta,
+        desirable_weight=o.desirable_weight,
+        undesirable_weight=o.undesirable_weight,
         precompute_ref_log_probs=bool(o.precompute_ref_log_probs),
     )
 

@@ -106,6 +106,8 @@ REGISTRY: dict[str, How] = {
     "qlora generate runs/stages/dpo dcba": How(
         needs="python train.py objective=dpo init_from=runs/stages/sft hydra.run.dir=runs/stages/dpo"
     ),
+    "python train.py objective=kto": How(suffix=SMOKE, expect=r"reward accuracy"),
+    "qlora plan recipe=llama3.1-8b-24gb objective=kto": How(expect=r"KL forward"),
     "python train.py hub.push=true hub.repo_id=me/llama-order-qlora": How(kind="refuse", expect=r"hub|token"),
     # docs/data.md
     "python train.py data.path=my.jsonl": How(suffix=SMOKE, files=("my.jsonl",)),

@@ -149,7 +149,10 @@ OVERRIDES = [
     (["precision=bf16", "precision.dtype=float16"], ["precision.dtype=float16", "precision=bf16"]),
     (["precision=fp16"], ["precision=fp16 needs a CUDA GPU"]),
     # the objective: its keys only under it
-    (["objective=kto"], ["objective=kto is not an option", "dpo"]),
+    (["objective=ppo"], ["objective=ppo is not an option", "kto"]),
+    (["objective=orpo"], ["objective=orpo is not an option", "trl.experimental", "full", "objective=kto"]),
+    (["objective=dpo", "objective.desirable_weight=2"], ["objective.desirable_weight", "objective=kto"]),
+    (["objective=kto", "trainer.micro_batch_size=1"], ["trainer.micro_batch_size=1", "objective=kto", "2 or more"]),
     (["objective.beta=0.2"], ["objective.beta=0.2", "objective=dpo", "objective=sft"]),
     (["objective=dpo", "objective.beta=0"], ["objective.beta=0", "> 0"]),
     (["objective=dpo", "objective.loss_type=kl"], ["objective.loss_type=kl", "sigmoid"]),
@@ -409,6 +412,19 @@ DATA = {
         '{"prompt": "order: ba", "chosen": "ab", "rejected": "ba"}\n{"prompt": "order: cb", "chosen": "bc"}\n',
         ["objective=dpo", "data.eval_fraction=0"],
         ["p.jsonl line 2", "'rejected'"],
+    ),
+    "unpaired row with a label that is not true or false": (
+        "r.jsonl",
+        '{"prompt": "order: ba", "completion": "ab", "label": true}\n{"prompt": "order: cb", "completion": "bc", '
+        '"label": "no"}\n',
+        ["objective=kto", "data.eval_fraction=0"],
+        ["r.jsonl line 2", "'label'", "true"],
+    ),
+    "unpaired rows under objective=sft": (
+        "r.jsonl",
+        '{"prompt": "order: ba", "completion": "ab", "label": true}\n',
+        [],
+        ["r.jsonl", "unpaired rows", "objective=sft", "objective=kto"],
     ),
     "eval split leaves nothing to train on": (
         "t.jsonl",

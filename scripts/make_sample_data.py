@@ -9,6 +9,9 @@ sorted string, rejected a plausible wrong answer (the string as given, two neigh
 sorted string swapped, or the sorted string reversed), picked by a second seeded generator so the SFT
 files stay as they were.
 
+And `grpo/` holds the same prompts with their reference answers (`prompt`, `answer`) for
+`objective=grpo`: the rewards score sampled completions against `answer`.
+
     python scripts/make_sample_data.py [--out assets/data/order] [--train 2000] [--eval 64]
 """
 
@@ -59,6 +62,10 @@ def make(out: Path, n_train: int, n_eval: int, seed: int = 0) -> None:
     for name, rows in (("train", train_rows), ("eval", eval_rows)):
         with open(out / "preference" / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(pair(r, pairs_rng)) + "\n" for r in rows)
+    (out / "grpo").mkdir(exist_ok=True)
+    for name, rows in (("train", train_rows), ("eval", eval_rows)):
+        with open(out / "grpo" / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps({"prompt": r["prompt"], "answer": r["completion"]}) + "\n" for r in rows)
     print(f"wrote {n_train} train and {n_eval} eval rows to {out} (and as preference pairs to {out / 'preference'})")
 
 

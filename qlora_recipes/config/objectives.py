@@ -22,6 +22,7 @@ class Objective:
     sequences: int  # sequences per example in one forward (DPO: chosen and rejected in one batch)
     reference: bool  # a reference forward under no_grad (adapter off) beside the policy's
     keys: tuple[str, ...]  # the objective.* keys that only this objective reads
+    trainer_evaluates: bool = True  # the eval split goes to the TRL trainer (grpo: exact match only)
 
 
 OBJECTIVES = {
@@ -36,7 +37,23 @@ OBJECTIVES = {
         True,
         ("beta", "loss_type", "precompute_ref_log_probs"),
     ),
+    # grpo: sequences and reference follow the config (planner/spec.py: num_generations, beta > 0)
+    "grpo": Objective(
+        "grpo",
+        "GRPOTrainer",
+        "GRPOConfig",
+        "prompt",
+        "grpo/",
+        1,
+        True,
+        ("beta", "num_generations", "max_completion_length", "temperature", "rewards"),
+        trainer_evaluates=False,  # TRL's evaluate would generate num_generations per eval prompt
+    ),
 }
+
+# grpo's built-in rewards (run/rewards.py), each reading the row's `answer` column; any other name is the
+# user's own `module:function`
+BUILTIN_REWARDS = ("exact_match", "char_match", "one_line")
 
 # TRL 1.16 DPOConfig.loss_type's values (trl/trainer/dpo_config.py) but exo_pair, which needs a
 # label_smoothing this repository does not pass

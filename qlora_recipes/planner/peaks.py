@@ -33,6 +33,7 @@ TRANSIENT = (
     "layer_working",
     "lm_head_loss",
     "reference_forward",
+    "sampling",
     "dequant_scratch",
     "optimizer_scratch",
     "eval_transient",
@@ -45,7 +46,7 @@ COMPONENTS = (*STATIC, *TRANSIENT, "offload_staging", "cuda_context", "process_b
 def _phases(row: Callable[[str], int]) -> dict[str, int]:
     """Transient bytes per phase of one device."""
     act = row("activations")
-    return {
+    phases = {
         "train: loss": act + row("lm_head_loss"),
         "train: layer backward": act + row("layer_working") + row("dequant_scratch"),
         "train: reference forward": act + row("reference_forward"),
@@ -53,6 +54,9 @@ def _phases(row: Callable[[str], int]) -> dict[str, int]:
         "eval": row("eval_transient"),
         "load": row("load_transient"),
     }
+    if row("sampling"):  # grpo: its completions generated before the step's forward (no activations held)
+        phases["train: sampling"] = row("sampling")
+    return phases
 
 
 def phase_peaks(row: Callable[[str], int], device: str) -> tuple[int, dict[str, int], dict[str, int]]:

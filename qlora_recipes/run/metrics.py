@@ -127,8 +127,9 @@ def objective_figures(objective: str, before: dict | None, after: dict | None) -
 
 
 def reward_figures(history: list[dict]) -> dict:
-    """grpo: the mean reward (TRL's `reward`, the sum of objective.rewards averaged over the step's
-    completions) at the first and the last logged step, and each one logged, in order."""
+    """grpo: the mean reward (TRL's `reward`, the sum of objective.rewards averaged over the completions
+    of a logging window: trainer.logging_steps steps) at the first and the last logged step, and each
+    one logged, in order."""
     curve = [float(e["reward"]) for e in history if "reward" in e]
     return {
         "reward_first": curve[0] if curve else None,

@@ -68,6 +68,8 @@ def grpo_config(cfg: TrainConfig, run_dir: Path, on_gpu: bool):
     shared = _shared(cfg, run_dir, on_gpu, has_eval=False)
     for key in ("max_length", "activation_offloading"):
         shared.pop(key)
+    # each logged reward is TRL's mean over the logging window: the first window's, not step 1's two prompts
+    shared["logging_first_step"] = False
     return GRPOConfig(
         **shared,
         beta=o.beta,

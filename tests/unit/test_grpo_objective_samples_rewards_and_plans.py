@@ -36,11 +36,11 @@ def write(path: Path, rows: list) -> Path:
 def test_grpo_picks_its_sample_and_keys():
     cfg = compose_cfg("objective=grpo")
     o = cfg.objective
-    assert (o.beta, o.num_generations, o.max_completion_length, o.temperature) == (0.0, 8, 8, 1.0)
+    assert (o.beta, o.num_generations, o.max_completion_length, o.temperature) == (0.0, 4, 8, 1.0)
     assert list(o.rewards) == ["char_match", "exact_match"]
     assert Path(cfg.data.path) == PROMPTS / "train.jsonl" and Path(cfg.data.eval_path) == PROMPTS / "eval.jsonl"
     assert cfg.data.metric == "exact_match"  # the answer column is the reference
-    assert (cfg.trainer.micro_batch_size, cfg.trainer.max_steps) == (16, 40)
+    assert (cfg.trainer.micro_batch_size, cfg.trainer.max_steps) == (32, 40)
     check_stack(cfg)
 
 
@@ -57,8 +57,8 @@ def test_grpo_config_carries_the_generation_keys_and_the_shared_groups(tmp_path)
     cfg = compose_cfg("objective=grpo", "objective.beta=0.04", "objective.temperature=0.7", "trainer.seq_len=64")
     args = trainer_args.trainer_config(cfg, tmp_path, "prompt", on_gpu=False, has_eval=True)
     assert type(args).__name__ == OBJECTIVES["grpo"].args
-    assert (args.beta, args.num_generations, args.max_completion_length, args.temperature) == (0.04, 8, 8, 0.7)
-    assert args.generation_batch_size == 16 and args.learning_rate == cfg.optim.lr
+    assert (args.beta, args.num_generations, args.max_completion_length, args.temperature) == (0.04, 4, 8, 0.7)
+    assert args.generation_batch_size == 32 and args.learning_rate == cfg.optim.lr
     assert args.eval_strategy == "no"  # TRL would sample num_generations per eval prompt; exact match measures it
 
 
@@ -155,4 +155,4 @@ def test_grpo_sequences_are_the_prompt_bound_plus_the_completion():
     from qlora_recipes.planner.spec import spec_from_cfg
 
     st = spec_from_cfg(compose_cfg("objective=grpo", "trainer.seq_len=64", "objective.max_completion_length=16"), 1)
-    assert (st.seq_len, st.completion_len, st.sample_rows, st.reference) == (80, 16, 16, "none")
+    assert (st.seq_len, st.completion_len, st.sample_rows, st.reference) == (80, 16, 32, "none")

@@ -100,6 +100,8 @@ def summary_rows(out: dict) -> list[tuple[str, str]]:
         before, after = out.get("eval_reward_accuracy_before"), out["eval_reward_accuracy"]
         margin = f"  (margin {_num(out.get('eval_reward_margin'), 3)})"
         rows.append(("reward accuracy", f"{_num(before, 3)} -> {_num(after, 3)}{margin}"))
+    if out.get("reward_last") is not None:  # grpo: the mean reward of the first and last logged steps
+        rows.append(("reward", f"{_num(out.get('reward_first'), 3)} -> {_num(out['reward_last'], 3)}"))
     if out.get("eval_exact_match") is not None:
         before, after = out.get("eval_exact_match_before"), out["eval_exact_match"]
         rows.append(("exact match", f"{_num(before, 3)} -> {_num(after, 3)}"))

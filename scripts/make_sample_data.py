@@ -11,6 +11,9 @@ files stay as they were. `kto/` holds those pairs as unpaired rows for `objectiv
 chosen answer a row labelled true, its rejected answer one labelled false, in an order shuffled by a
 third seeded generator (KTO trains in file order and estimates its KL term within each micro-batch).
 
+And `grpo/` holds the same prompts with their reference answers (`prompt`, `answer`) for
+`objective=grpo`: the rewards score sampled completions against `answer`.
+
     python scripts/make_sample_data.py [--out assets/data/order] [--train 2000] [--eval 64]
 """
 
@@ -77,7 +80,13 @@ def make(out: Path, n_train: int, n_eval: int, seed: int = 0) -> None:
         pairs = [json.loads(line) for line in (out / "preference" / f"{name}.jsonl").read_text().splitlines()]
         with open(out / "kto" / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in unpaired(pairs, kto_rng))
-    print(f"wrote {n_train} train and {n_eval} eval rows to {out} (and as preference pairs, and unpaired, beside)")
+    (out / "grpo").mkdir(exist_ok=True)
+    for name, rows in (("train", train_rows), ("eval", eval_rows)):
+        with open(out / "grpo" / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps({"prompt": r["prompt"], "answer": r["completion"]}) + "\n" for r in rows)
+    print(
+        f"wrote {n_train} train and {n_eval} eval rows to {out} (and beside them: preference pairs, unpaired rows, prompts)"
+    )
 
 
 def main() -> None:

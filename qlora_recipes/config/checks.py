@@ -12,7 +12,7 @@ import re
 from ..errors import UserError
 from ..units import PRECISION_DTYPE, dtype_name
 from .fields import keys, range_ok, values
-from .objectives import OBJECTIVES
+from .objectives import BUILTIN_REWARDS, OBJECTIVES
 from .schema import ATTENTION, COMPUTE_DTYPES, TrainConfig, TrainerConfig
 
 CHOICES = {key: f.metadata["choices"] for key, f in keys(TrainConfig) if "choices" in f.metadata}
@@ -121,6 +121,39 @@ def check_objective(cfg: TrainConfig) -> None:
             "objective.ref_adapter=true needs init_from=<a finished run dir>: the reference is that earlier stage's "
             "adapter; without one the adapter starts as the base, which is the default reference (drop ref_adapter)"
         )
+    if o.name in ("dpo", "kto") and o.beta == 0:
+        raise UserError(
+            f"objective.beta=0 leaves {o.name.upper()} no reference to move from; set objective.beta > 0 (e.g. 0.1)"
+        )
+    if o.name == "grpo":
+        check_grpo(cfg)
+
+
+def check_grpo(cfg: TrainConfig) -> None:
+    """GRPO's generation batch holds whole groups (TRL 1.16 GRPOConfig: micro_batch_size x grad_accum
+    completions, num_generations per prompt), and its rewards are built-ins or module:function names."""
+    o, t = cfg.objective, cfg.trainer
+    batch = t.micro_batch_size * t.grad_accum
+    if batch % o.num_generations:
+        raise UserError(
+            f"objective.num_generations={o.num_generations} does not divide the generation batch of {batch} "
+            f"completions (trainer.micro_batch_size={t.micro_batch_size} x trainer.grad_accum={t.grad_accum}); "
+            f"make the batch a multiple of it or pick num_generations among its divisors"
+        )
+    if t.activation_offloading:
+        raise UserError(
+            "trainer.activation_offloading=true does not apply to objective=grpo (TRL's GRPOTrainer has no such path); drop it"
+        )
+    if not o.rewards:
+        raise UserError(
+            f"objective.rewards is empty; name at least one, e.g. [{BUILTIN_REWARDS[0]}] (docs/objectives.md)"
+        )
+    for name in o.rewards:
+        if name not in BUILTIN_REWARDS and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", str(name)):
+            raise UserError(
+                f"objective.rewards: {name!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor "
+                "module:function (a function of your own module, e.g. my_rewards:length_penalty)"
+            )
 
 
 def check_precision(cfg: TrainConfig) -> None:

@@ -26,6 +26,7 @@ class Objective:
     # kto: a no_grad forward per step of policy and reference each over mismatched prompt/completion pairs
     # (TRL's KL batch, the KL estimate its loss subtracts)
     kl_batch: bool = False
+    trainer_evaluates: bool = True  # the eval split goes to the TRL trainer (grpo: exact match only)
 
 
 OBJECTIVES = {
@@ -51,6 +52,18 @@ OBJECTIVES = {
         ("beta", "desirable_weight", "undesirable_weight", "precompute_ref_log_probs"),
         kl_batch=True,
     ),
+    # grpo: sequences and reference follow the config (planner/spec.py: num_generations, beta > 0)
+    "grpo": Objective(
+        "grpo",
+        "GRPOTrainer",
+        "GRPOConfig",
+        "prompt",
+        "grpo/",
+        1,
+        True,
+        ("beta", "num_generations", "max_completion_length", "temperature", "rewards"),
+        trainer_evaluates=False,  # TRL's evaluate would generate num_generations per eval prompt
+    ),
 }
 
 # Objectives a user may name that no row trains, and why: the end of the one line `objective=NAME` gets
@@ -63,6 +76,10 @@ NOT_OFFERED = {
         "unplanned; use objective=dpo on an SFT run's data (ORPO's two terms in two runs) or objective=kto"
     ),
 }
+
+# grpo's built-in rewards (run/rewards.py), each reading the row's `answer` column; any other name is the
+# user's own `module:function`
+BUILTIN_REWARDS = ("exact_match", "char_match", "one_line")
 
 # TRL 1.16 DPOConfig.loss_type's values (trl/trainer/dpo_config.py) but exo_pair, which needs a
 # label_smoothing this repository does not pass

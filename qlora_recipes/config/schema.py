@@ -18,13 +18,23 @@ from typing import Any
 from omegaconf import MISSING
 
 from .fields import option
-from .objectives import DPO_LOSS_TYPES, OBJECTIVES
+from .objectives import BUILTIN_REWARDS, DPO_LOSS_TYPES, OBJECTIVES
 
 # The value sets of keys with a fixed set of values: the one list each, for the checks and the planner.
 QUANT_METHODS = ("nf4", "fp4", "int8", "none")
 PEFT_METHODS = ("lora", "dora", "rslora")
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # TRL 1.16 SFTConfig.packing_strategy
-DATA_FORMATS = ("auto", "alpaca", "messages", "sharegpt", "prompt_completion", "text", "preference", "unpaired")
+DATA_FORMATS = (
+    "auto",
+    "alpaca",
+    "messages",
+    "sharegpt",
+    "prompt_completion",
+    "text",
+    "preference",
+    "unpaired",
+    "prompt",
+)
 STORAGE_DTYPES = ("uint8", "bfloat16", "float16", "float32")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")  # short aliases (bf16, ...) accepted too
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -302,9 +312,12 @@ class TrainerConfig:
 class ObjectiveConfig:
     # The `objective` group (config/objectives.py: the trainer, data kind and planner terms each name picks).
     # Keys one objective reads are null under the others (config/checks.py refuses them there).
-    name: str = option("sft", "what the adapter is trained for: sft | dpo | kto", choices=tuple(OBJECTIVES))
+    name: str = option("sft", "what the adapter is trained for: sft | dpo | kto | grpo", choices=tuple(OBJECTIVES))
     beta: float | None = option(
-        None, "dpo, kto: how far the policy may move from the reference (TRL's beta; higher: closer)", range="> 0|null"
+        None,
+        "dpo, kto, grpo: how far the policy may move from the reference (TRL's beta; higher: closer; grpo: 0 = no "
+        "reference forward)",
+        range=">= 0|null",
     )
     loss_type: str | None = option(None, "dpo: TRL's loss", choices=(None, *DPO_LOSS_TYPES))
     precompute_ref_log_probs: bool | None = option(
@@ -324,6 +337,14 @@ class ObjectiveConfig:
     )
     ref_adapter: bool | None = option(
         None, "dpo: the reference is init_from's adapter, frozen (false: the base with the adapter off)"
+    )
+    num_generations: int | None = option(
+        None, "grpo: completions sampled per prompt (the group its advantages compare)", range=">= 2|null"
+    )
+    max_completion_length: int | None = option(None, "grpo: the most tokens a completion has", range=">= 1|null")
+    temperature: float | None = option(None, "grpo: the sampling temperature of the completions", range="> 0|null")
+    rewards: list[str] | None = option(
+        None, f"grpo: reward functions, summed: built-ins ({', '.join(BUILTIN_REWARDS)}) or your module:function"
     )
 
 

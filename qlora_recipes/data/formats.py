@@ -43,12 +43,14 @@ FORMAT_FIELDS = {
     "text": "text",
     "preference": "prompt, chosen, rejected (text or messages)",
     "unpaired": "prompt, completion, label (true or false; text or messages)",
+    "prompt": "prompt (text or messages), plus the columns the rewards read",
 }
 # The rows each objective's data kind (config/objectives.py) trains on.
 KIND_FORMATS = {
     "preference": ("preference",),
     "unpaired": ("unpaired", "preference"),
-    "sft": tuple(f for f in FORMAT_FIELDS if f not in ("preference", "unpaired")),
+    "prompt": ("prompt",),  # grpo: prompts alone, completions sampled in training
+    "sft": tuple(f for f in FORMAT_FIELDS if f not in ("preference", "unpaired", "prompt")),
 }
 FORMATS = tuple(FORMAT_FIELDS)
 ROLES = ("system", "user", "assistant", "tool")
@@ -135,6 +137,8 @@ def detect(rows: Rows) -> str:
         return "alpaca"
     if "text" in keys:
         return "text"
+    if "prompt" in keys:  # a prompt with no answer to train on: grpo samples the completions
+        return "prompt"
     known = "; ".join(f"{name} ({fields})" for name, fields in FORMAT_FIELDS.items())
     raise UserError(
         f"{rows.where(key)}: cannot detect the data format from the first row's keys {sorted(keys)}; "
@@ -273,16 +277,19 @@ def convert(rows: Rows, fmt: str) -> tuple[Dataset, bool]:
 
     first = rows.first()
     conversational = _conversational(first[1], fmt, rows.text_cells)
+    extra = reward_columns(first[1]) if fmt == "prompt" else ()
     if rows.in_memory or rows.nbytes <= IN_MEMORY_BYTES:
         columns: dict[str, list] = {}
         for key, row in rows.items():
-            for name, value in convert_row(rows, key, row, fmt, conversational).items():
+            for name, value in convert_row(rows, key, row, fmt, conversational, extra).items():
                 columns.setdefault(name, []).append(value)
         return Dataset.from_dict(columns), conversational
     from datasets.exceptions import DatasetGenerationError
 
     try:
-        ds = Dataset.from_generator(_converted, gen_kwargs={"rows": rows, "fmt": fmt, "conversational": conversational})
+        ds = Dataset.from_generator(
+            _converted, gen_kwargs={"rows": rows, "fmt": fmt, "conversational": conversational, "extra": extra}
+        )
     except DatasetGenerationError as err:  # a bad row stops the generator: its UserError is the cause
         if isinstance(err.__cause__, UserError):
             raise err.__cause__ from None
@@ -294,7 +301,7 @@ def _conversational(first: Any, fmt: str, text_cells: bool) -> bool:
     """Whether the first row's prompt (prompt_completion) or chosen (preference) is a message list."""
     if not isinstance(first, dict):
         return False
-    if fmt in ("prompt_completion", "unpaired"):
+    if fmt in ("prompt_completion", "unpaired", "prompt"):
         return isinstance(first.get("prompt"), list)
     chosen = first.get("chosen")
     return fmt == "preference" and (isinstance(chosen, list) or (text_cells and str(chosen).lstrip().startswith("[")))
@@ -334,13 +341,14 @@ def _preference(rows: Rows, i: Any, row: dict, conversational: bool) -> dict[str
     return {"prompt": chosen[:shared], "chosen": chosen[shared:], "rejected": rejected[shared:]}
 
 
-def _converted(rows: Rows, fmt: str, conversational: bool) -> Iterator[dict]:
+def _converted(rows: Rows, fmt: str, conversational: bool, extra: tuple = ()) -> Iterator[dict]:
     for key, row in rows.items():
-        yield convert_row(rows, key, row, fmt, conversational)
+        yield convert_row(rows, key, row, fmt, conversational, extra)
 
 
-def convert_row(rows: Rows, i: Any, row: Any, fmt: str, conversational: bool) -> dict[str, Any]:
-    """One row validated for `fmt` and converted to TRL's columns; `rows.where(i)` names it in an error."""
+def convert_row(rows: Rows, i: Any, row: Any, fmt: str, conversational: bool, extra: tuple = ()) -> dict[str, Any]:
+    """One row validated for `fmt` and converted to TRL's columns; `rows.where(i)` names it in an error.
+    `extra`: prompt rows' other columns (the first row's), which every row must hold."""
     if not isinstance(row, dict):
         raise UserError(
             f"{rows.where(i)}: expected an object with fields ({FORMAT_FIELDS[fmt]}), got "
@@ -361,6 +369,8 @@ def convert_row(rows: Rows, i: Any, row: Any, fmt: str, conversational: bool) ->
         return _preference(rows, i, row, conversational)
     if fmt == "unpaired":
         return {**convert_row(rows, i, row, "prompt_completion", conversational), "label": _label(rows, i, row)}
+    if fmt == "prompt":
+        return _prompt_row(rows, i, row, conversational, extra)
     if conversational:
         if not isinstance(row.get("prompt"), list) and row.get("prompt") is not None:
             raise UserError(
@@ -397,6 +407,34 @@ def unpair(ds: Dataset, seed: int) -> Dataset:
     return unpair_preference_dataset(ds).shuffle(seed=seed).flatten_indices()
 
 
+def reward_columns(first: Any) -> tuple[str, ...]:
+    """A prompt row's columns beside `prompt` (what the rewards may read: `answer` for the built-ins)."""
+    return tuple(k for k in first if k != "prompt") if isinstance(first, dict) else ()
+
+
+def _prompt_row(rows: Rows, i: Any, row: dict, conversational: bool, extra: tuple) -> dict[str, Any]:
+    """A grpo prompt as TRL's GRPOTrainer reads it (text, or chat turns ending before the answer), with
+    the columns the first row has, each a text or a number."""
+    if conversational:
+        if not isinstance(row.get("prompt"), list):
+            raise UserError(
+                f"{rows.where(i)}: field 'prompt' must be a list of {{role, content}} objects like the first "
+                f"row's, got {type(row.get('prompt')).__name__} {_short(row.get('prompt'))}"
+            )
+        out: dict[str, Any] = {"prompt": _messages(rows, i, row, "prompt", need_assistant=False)}
+    else:
+        out = {"prompt": _string(rows, i, row, "prompt")}
+    for key in extra:
+        value = row.get(key)
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            got = "missing" if value is None else f"{type(value).__name__} {_short(value)}"
+            raise UserError(
+                f"{rows.where(i)}: field {key!r} must be a text or a number like the first row's, got {got}"
+            )
+        out[key] = value
+    return out
+
+
 def check_objective_data(fmt: str, kind: str, objective: str, source: str) -> None:
     """Rows of the kind the objective trains on (config/objectives.py `data`), or one line naming both."""
     if fmt in KIND_FORMATS[kind]:
@@ -405,6 +443,16 @@ def check_objective_data(fmt: str, kind: str, objective: str, source: str) -> No
         raise UserError(
             f"objective={objective} trains on unpaired rows ({FORMAT_FIELDS['unpaired']}) or preference pairs but "
             f"{source} holds {fmt} rows; give it such rows (docs/objectives.md) or train with objective=sft"
+        )
+    if kind == "prompt" or fmt == "prompt":
+        what = (
+            f"objective={objective} trains on prompt rows ({FORMAT_FIELDS['prompt']}) but {source} holds {fmt} rows"
+            if kind == "prompt"
+            else f"{source} holds prompt rows without an answer (no 'completion' field), which objective={objective} "
+            "does not train on"
+        )
+        raise UserError(
+            f"{what}; train prompt rows with objective=grpo, rows with a 'completion' with the others (docs/objectives.md)"
         )
     if fmt == "unpaired":
         raise UserError(
@@ -474,6 +522,10 @@ def generation_pairs(eval_ds: Dataset | None, fmt: str, limit: int | None) -> li
             prompt = [{"role": m["role"], "content": m["content"]} for m in messages[:last]]
             pairs.append((prompt, messages[last]["content"]))
         return pairs
+    if fmt == "prompt":  # grpo: the reference answer its built-in rewards read, where the rows have one
+        if "answer" not in rows.column_names:
+            return []
+        return [(p, str(a)) for p, a in zip(rows["prompt"], rows["answer"], strict=True)]
     answers = rows["chosen"] if fmt == "preference" else rows["completion"]  # preference: the chosen answer
     for prompt, completion in zip(rows["prompt"], answers, strict=True):
         if isinstance(completion, list):  # chat prompt/completion

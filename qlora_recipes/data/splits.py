@@ -207,6 +207,8 @@ def _summary_line(stats: dict[str, Any], held_out: float | None) -> str:
         shape = f"sharegpt rows ({how}) -> chat messages"
     elif detected == "alpaca":
         shape = f"alpaca rows ({how}) -> prompt/completion in the Alpaca template"
+    elif detected == "prompt":
+        shape = f"prompt rows ({how}) for sampled completions" + (", chat" if stats["conversational"] else "")
     elif detected == "preference":
         shape = f"preference pairs ({how})" + (", chat" if stats["conversational"] else "")
         shape += " -> unpaired rows" if stats["format"] == "unpaired" else ""
@@ -307,9 +309,12 @@ def _add_token_stats(
         if callable(seq_len):  # trainer.seq_len=auto: from the train rows, the first split
             seq_len = stats["seq_len"] = seq_len(token_figures(ds)[0], stats["source"])
         counts[k] = _count(ds, seq_len)
-        # DPOTrainer and KTOTrainer tokenize the text themselves
-        scratch = {"preference": (*SCRATCH, "input_ids"), "unpaired": (*SCRATCH, "input_ids", "completion_mask")}
-        scratch = scratch.get(fmt, SCRATCH)
+        # DPOTrainer, KTOTrainer and GRPOTrainer tokenize the text themselves
+        scratch = {
+            "preference": (*SCRATCH, "input_ids"),
+            "unpaired": (*SCRATCH, "input_ids", "completion_mask"),
+            "prompt": (*SCRATCH, "input_ids"),
+        }.get(fmt, SCRATCH)
         tokenized[k] = ds.remove_columns([c for c in scratch if c in ds.column_names])
         _report_prompt_left_out(k, counts[k])
     keys = ("train", "eval")

@@ -91,6 +91,8 @@ def _tokenize_batch(batch: dict, indices: list[int], tokenizer: Any, how: Tokeni
         out = {"input_ids": tokenizer(text=[_with_eos(t, tokenizer.eos_token) for t in batch["text"]])["input_ids"]}
     elif how.fmt == "preference":
         out = _preference(batch, tokenizer, how, chat)
+    elif how.fmt == "prompt":
+        return _prompt_only(batch, tokenizer, how, chat)
     elif how.fmt == "messages":
         done = tokenizer.apply_chat_template(batch["messages"], return_assistant_tokens_mask=how.assistant_only, **chat)
         out = {k: done[k] for k in ("input_ids", "assistant_masks") if k in done}
@@ -166,6 +168,17 @@ def _preference(batch: dict, tokenizer: Any, how: Tokenization, chat: dict) -> d
     longer = [max(c, r, key=len) for c, r in zip(full["chosen"], full["rejected"], strict=True)]
     left_out = [len(p) - s for p, s in zip(prompt_ids, starts, strict=True)]
     return {"input_ids": longer, "prompt_left_out": left_out, "trained_from": starts}
+
+
+def _prompt_only(batch: dict, tokenizer: Any, how: Tokenization, chat: dict) -> dict:
+    """grpo's prompts as TRL 1.16 GRPOTrainer tokenizes them (chat: with the generation prompt), for the
+    counts only: the completions are sampled in training, after the prompt."""
+    if how.conversational:
+        ids = tokenizer.apply_chat_template(batch["prompt"], add_generation_prompt=True, **chat)["input_ids"]
+    else:
+        ids = tokenizer(text=batch["prompt"])["input_ids"]
+    # trained_from 0: every prompt gets its sampled completions (TRL truncates no prompt), none is dropped
+    return {"input_ids": ids, "prompt_left_out": [0] * len(ids), "trained_from": [0] * len(ids)}
 
 
 def _first_trained(ids: list[int], masks: list[list[int]]) -> int:

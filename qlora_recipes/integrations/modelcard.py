@@ -110,6 +110,10 @@ def _objective(cfg: TrainConfig) -> str:
         reference = "precomputed log-probs" if o.precompute_ref_log_probs else "the base with the adapter off"
         weights = f"desirable weight {o.desirable_weight}, undesirable weight {o.undesirable_weight}"
         return f"kto (beta {o.beta}, {weights}, reference: {reference})"
+    if o.name == "grpo":
+        reference = "the base with the adapter off" if o.beta else "none"
+        rewards = ", ".join(o.rewards or ())
+        return f"grpo (rewards {rewards}, {o.num_generations} completions per prompt, beta {o.beta}, reference: {reference})"
     return o.name
 
 
@@ -150,6 +154,8 @@ def _results(metrics: dict) -> list[str]:
         ("eval reward accuracy, before training", metrics.get("eval_reward_accuracy_before")),
         ("eval reward accuracy", metrics.get("eval_reward_accuracy")),
         ("eval reward margin", metrics.get("eval_reward_margin")),
+        ("mean reward, first logged step", metrics.get("reward_first")),
+        ("mean reward, last logged step", metrics.get("reward_last")),
         ("train loss, first logged", metrics.get("train_loss_first")),
         ("train loss, last logged", metrics.get("train_loss_last")),
         ("optimizer steps", metrics.get("steps")),

@@ -90,7 +90,8 @@ class _Head:
 
 def _head(st: StackSpec, b: int, on_cpu: bool) -> _Head:
     c, r, _ = act_dtypes(st, on_cpu)
-    n_pos = b * (st.seq_len - 1)
+    # grpo: the fused head over the completions alone (TRL's logits_to_keep), not the prompts
+    n_pos = b * (getattr(st, "completion_len", 0) or st.seq_len - 1)
     fig = st.fig
     return _Head(
         n_pos, min(n_pos, TOKEN_TILE), min(fig.vocab_size, VOCAB_TILE), c, r, fig.hidden_size,
@@ -172,6 +173,28 @@ def reference_head_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
     out, copy = _head_input(k, b, s)
     held = b * s * (4 * k.h + 4) + (copy or out) + 16 * k.n_pos
     return held + eval_loss_bytes(st, b, on_cpu)
+
+
+def sampling_bytes(st: StackSpec, layers: int, with_head: bool, on_cpu: bool = False) -> int:
+    """grpo's generation on one device computing `layers` decoder layers (and the LM head when
+    `with_head`): TRL 1.16 samples a generation batch (micro-batch x grad_accum completions) with
+    transformers generate under no_grad, the adapter on: the KV cache of every layer for each sequence's
+    seq_len positions (its prompt padded to the longest, then max_completion_length new tokens), the
+    larger of the prefill (one layer's no_grad forward over the batch) and one layer's keys grown by
+    torch.cat, and the last position's logits with their fp32 copy (sampling at the temperature)."""
+    batch = st.sample_rows
+    if not batch or not (layers or with_head):
+        return 0
+    fig = st.fig
+    _, r, _ = act_dtypes(st, on_cpu)
+    kv = 2 * fig.num_kv_heads * fig.head_dim * r * batch * st.seq_len  # keys and values, one layer
+    total = 0
+    if layers:
+        prefill = eval_layer_bytes(st, batch, on_cpu, autocast=False)
+        total = layers * kv + max(prefill, kv // 2)
+    if with_head:
+        total += batch * fig.vocab_size * (r + 4)
+    return total
 
 
 def eval_loss_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:

@@ -34,6 +34,7 @@ TRANSIENT = (
     "lm_head_loss",
     "reference_forward",
     "kl_forward",
+    "sampling",
     "dequant_scratch",
     "optimizer_scratch",
     "eval_transient",
@@ -56,6 +57,8 @@ def _phases(row: Callable[[str], int]) -> dict[str, int]:
     }
     if row("kl_forward"):  # kto: its KL batch's forward, before the policy's, when nothing is kept yet
         phases["train: KL forward"] = row("kl_forward")
+    if row("sampling"):  # grpo: its completions generated before the step's forward (no activations held)
+        phases["train: sampling"] = row("sampling")
     return phases
 
 

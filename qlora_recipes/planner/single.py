@@ -36,7 +36,7 @@ from .constants import (
     HEADROOM_TARGET,
     OPTIMIZERS,
 )
-from .loss import eval_loss_bytes, generation_bytes, reference_head_bytes, train_loss_bytes
+from .loss import eval_loss_bytes, generation_bytes, reference_head_bytes, sampling_bytes, train_loss_bytes
 from .peaks import COMPONENTS, STATIC, allocated_peak, allocator_bytes, device_entry, peak_allocated_gib, phase_peaks
 from .placement import (
     OFFLOADED,
@@ -257,6 +257,8 @@ def _activation_rows(st: StackSpec, t: _Tally) -> None:
             comp["reference_forward"][dev] += max(layer, head)
     if st.kl_batch:
         _kl_rows(st, t)
+    if st.sample_rows:
+        _sampling_rows(st, t)
     if st.evaluates or st.reference == "precomputed":
         _eval_rows(st, t)
 
@@ -271,6 +273,15 @@ def _kl_rows(st: StackSpec, t: _Tally) -> None:
         layer = eval_layer_bytes(st, st.train_rows, cpu) + t.dequant_on[dev] if t.layers_on.get(dev) else 0
         head = eval_loss_bytes(st, st.train_rows, cpu) if dev == t.lm_dev else 0
         t.comp["kl_forward"][dev] += max(layer, head)
+
+
+def _sampling_rows(st: StackSpec, t: _Tally) -> None:
+    """grpo: the generation of each step's completions per device (loss.sampling_bytes), a phase of its
+    own before the forward; a layer's forward adds the dequantization scratch."""
+    for dev in dict.fromkeys([*t.layers_on, t.lm_dev]):
+        layers = len(t.layers_on.get(dev, ()))
+        here = sampling_bytes(st, layers, dev == t.lm_dev, dev == "cpu")
+        t.comp["sampling"][dev] += here + (t.dequant_on.get(dev, 0) if layers else 0)
 
 
 def _prep_rows(t: _Tally) -> None:

@@ -75,6 +75,14 @@ class StackSpec:
     sequences: int = 1
     reference: str = "none"
     kl_batch: bool = False  # kto: a no_grad forward of the micro-batch's mismatched pairs before the policy's
+    # grpo: the tokens a sampled completion may have (objective.max_completion_length); 0: no sampling in
+    # training. seq_len is then a prompt's bound plus these (the sequences TRL trains on).
+    completion_len: int = 0
+
+    @property
+    def sample_rows(self) -> int:
+        """grpo: completions one generate call samples (TRL's generation batch: micro-batch x grad_accum)."""
+        return self.micro_batch * self.grad_accum if self.completion_len else 0
 
     @property
     def train_rows(self) -> int:
@@ -113,10 +121,11 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         raise UserError(f"trainer.checkpointing_mode={mode!r} is not one of non_reentrant, reentrant")
     objective = OBJECTIVES[cfg.objective.name]
     reference = "none"
-    if objective.reference:
+    if objective.reference and (objective.name != "grpo" or cfg.objective.beta > 0):  # grpo: beta 0, none
         reference = "precomputed" if cfg.objective.precompute_ref_log_probs else "adapter_off"
         if reference == "adapter_off" and cfg.objective.ref_adapter:
             reference = "init_adapter"
+    completion = int(cfg.objective.max_completion_length or 0) if objective.name == "grpo" else 0
     targets = peft.target_modules
     if targets is None:
         raise UserError("peft.target_modules is null; use all-linear or a list like [q_proj, v_proj]")
@@ -143,7 +152,7 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         grad_accum=ints["grad_accum"],
         eval_batch=ints["eval_batch"],
         evaluates=bool(data.eval_path) or float(data.eval_fraction) > 0,
-        seq_len=ints["seq_len"],
+        seq_len=ints["seq_len"] + completion,
         checkpointing=bool(trainer.gradient_checkpointing),
         checkpointing_mode=mode,
         activation_offloading=bool(trainer.activation_offloading),
@@ -159,6 +168,7 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         sequences=objective.sequences,
         reference=reference,
         kl_batch=objective.kl_batch,
+        completion_len=completion,
     )
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
-from trl import DPOTrainer, KTOTrainer, SFTTrainer
+from trl import DPOTrainer, GRPOTrainer, KTOTrainer, SFTTrainer
 
 from ..config.loader import with_overrides
 from ..config.schema import TrainConfig
@@ -421,11 +421,30 @@ def _completion_logps(model, batch) -> torch.Tensor:
     return out.log_probs[:, -(batch["input_ids"].size(1) - 1) :].sum(-1)
 
 
+class GuardedGRPOTrainer(Guarded, GRPOTrainer):
+    """GRPO (objective=grpo) under the guards. With beta > 0 and a PeftModel TRL 1.16 adds a "ref"
+    adapter, a copy of ours at construction, and scores the reference with it; ours start at peft's
+    initialisation (the base itself), so, as for DPO, the copy goes and the reference is the base with
+    the adapter off (TRL's `use_adapter(model, None)` when no "ref" adapter exists). beta = 0: no copy,
+    no reference forward."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        model = self.accelerator.unwrap_model(self.model)
+        if "ref" in getattr(model, "peft_config", {}):
+            model.delete_adapter("ref")
+
+
 def guarded(objective: str) -> type:
     """The guarded TRL trainer of an objective (config/objectives.py names its TRL class)."""
     from ..config.objectives import OBJECTIVES
 
-    classes = {"SFTTrainer": GuardedTrainer, "DPOTrainer": GuardedDPOTrainer, "KTOTrainer": GuardedKTOTrainer}
+    classes = {
+        "SFTTrainer": GuardedTrainer,
+        "DPOTrainer": GuardedDPOTrainer,
+        "KTOTrainer": GuardedKTOTrainer,
+        "GRPOTrainer": GuardedGRPOTrainer,
+    }
     return classes[OBJECTIVES[objective].trainer]
 
 

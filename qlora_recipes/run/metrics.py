@@ -126,3 +126,15 @@ def objective_figures(objective: str, before: dict | None, after: dict | None) -
         out["eval_reward_margin_before"] = pick(before, "margins")
         out["eval_reward_margin"] = pick(after, "margins")
     return out
+
+
+def reward_figures(history: list[dict]) -> dict:
+    """grpo: the mean reward (TRL's `reward`, the sum of objective.rewards averaged over the completions
+    of a logging window: trainer.logging_steps steps) at the first and the last logged step, and each
+    one logged, in order."""
+    curve = [float(e["reward"]) for e in history if "reward" in e]
+    return {
+        "reward_first": curve[0] if curve else None,
+        "reward_last": curve[-1] if curve else None,
+        "rewards": curve,
+    }

@@ -35,6 +35,8 @@ def trainer_config(cfg: TrainConfig, run_dir: Path, data_format: str, on_gpu: bo
         return dpo_config(cfg, run_dir, on_gpu, has_eval)
     if cfg.objective.name == "kto":
         return kto_config(cfg, run_dir, on_gpu, has_eval)
+    if cfg.objective.name == "grpo":
+        return grpo_config(cfg, run_dir, on_gpu)
     return sft_config(cfg, run_dir, data_format, on_gpu, has_eval)
 
 
@@ -83,6 +85,29 @@ def kto_config(cfg: TrainConfig, run_dir: Path, on_gpu: bool, has_eval: bool):
         desirable_weight=o.desirable_weight,
         undesirable_weight=o.undesirable_weight,
         precompute_ref_log_probs=bool(o.precompute_ref_log_probs),
+    )
+
+
+def grpo_config(cfg: TrainConfig, run_dir: Path, on_gpu: bool):
+    """TRL's GRPOConfig: the shared keywords but the sequence length (GRPO's is the prompt's plus
+    max_completion_length) and activation offloading (GRPOTrainer has neither), and the objective
+    group's generation keys. TRL evaluates nothing (its evaluation would sample num_generations
+    completions per eval prompt); the exact-match metric measures the eval split before and after.
+    One generation batch per optimizer step (TRL's default steps_per_generation = grad_accum)."""
+    from trl import GRPOConfig
+
+    o = cfg.objective
+    shared = _shared(cfg, run_dir, on_gpu, has_eval=False)
+    for key in ("max_length", "activation_offloading"):
+        shared.pop(key)
+    # each logged reward is TRL's mean over the logging window: the first window's, not step 1's two prompts
+    shared["logging_first_step"] = False
+    return GRPOConfig(
+        **shared,
+        beta=o.beta,
+        num_generations=o.num_generations,
+        max_completion_length=o.max_completion_length,
+        temperature=o.temperature,
     )
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from .. import data, interrupts, planner
 from ..config.devices import precision_line
 from ..config.loader import to_yaml as config_yaml
+from ..config.objectives import OBJECTIVES
 from ..config.schema import TrainConfig
 from ..console import next_commands, print_stack, print_summary, shown_path
 from ..data.readers import check_local_source
@@ -35,7 +36,7 @@ from ..model import loading
 from ..model.check import check_hub_model, validate_model
 from ..outputs.runfiles import give_umask_modes, remove_manifest, run_file_names, write_manifest
 from ..units import fmt_bytes
-from . import dist, lifecycle, metrics, stages, trainer_args
+from . import dist, lifecycle, metrics, rewards, stages, trainer_args
 from .checkpoints import disk_full, find_checkpoint, free_bytes
 from .lock import RunDirLock
 from .memory import PeakTracker, pin_malloc_thresholds, planned_peak_gib, rss_bytes
@@ -103,6 +104,8 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
     seq_len = planner.seq_len_for_data(cfg, plan)  # trainer.seq_len=auto: from the train rows' tokens
     train_ds, eval_ds, data_stats = data.load_splits(cfg.data, tokenizer, seq_len, cfg.seed, cfg.objective)
     cfg, plan = planner.settle_for_data(cfg, plan, data_stats)  # planned for the batches the rows make
+    # grpo: its rewards imported and checked against the rows' columns before anything is written or loaded
+    reward_funcs = rewards.reward_functions(cfg, tuple(train_ds.column_names)) if cfg.objective.name == "grpo" else None
     _write_run_files(cfg, run_dir, choices, plan, on_write, replace=True)  # every check has passed
     model = loading.make_trainable(cfg, loading.load_model(cfg, run_dir, planner.loader_max_memory(plan)))
     trainable, total = model.get_nb_trainable_parameters()
@@ -117,13 +120,20 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
     finished = False
     try:
         splits = (train_ds, eval_ds)
-        fitted = _fit(cfg, run_dir, model, tokenizer, splits, data_stats["format"], plan, resume_from, (tb, tracker))
+        fitted = _fit(
+            cfg, run_dir, model, tokenizer, splits, data_stats["format"], plan, resume_from, (tb, tracker), reward_funcs
+        )
         try:
             with sigint_deferred():  # the trained adapter first, whole: a signal in the evaluation keeps it
                 _save_adapter(fitted.trainer, tokenizer, run_dir)
-            final_eval = _final_eval(fitted.trainer, eval_ds)
+            final_eval = _final_eval(
+                fitted.trainer, eval_ds if OBJECTIVES[cfg.objective.name].trainer_evaluates else None
+            )
             scores = _scores(cfg, model, tokenizer, pairs, (final_eval or {}).get("eval_loss"), em_before, plan)
             scores.update(metrics.objective_figures(cfg.objective.name, fitted.eval_before, final_eval))
+            scores.update(
+                metrics.reward_figures(fitted.trainer.state.log_history) if cfg.objective.name == "grpo" else {}
+            )
         except KeyboardInterrupt as err:
             raise _stopped_in_final_eval(interrupts.signal_name(err), fitted.trainer, run_dir) from None
         out = {**_run_figures(fitted, plan, resume_from), **scores, "wall_s": time.time() - started, "data": data_stats}
@@ -198,7 +208,9 @@ def _tensorboard(run_dir: Path):
     return SummaryWriter(log_dir=str(run_dir / "tb")) if _main_rank() else None
 
 
-def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan, resume_from, watch) -> _Fitted:
+def _fit(
+    cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan, resume_from, watch, reward_funcs=None
+) -> _Fitted:
     """Train under the guards; a preemption writes its metrics and raises lifecycle.Preempted.
     `watch`: the TensorBoard writer (or None) and the run's PeakTracker, for the memory timeline."""
     from transformers.integrations import TensorBoardCallback
@@ -211,6 +223,8 @@ def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan,
     planned = (planned_peak_gib(plan, gpu), tracker.quantity)  # memory.png's line to compare with
     preemption = lifecycle.PreemptionCallback()
     before: dict = {}  # dpo: TRL's eval rewards before the first step (the policy is the reference there)
+    trainer_eval = eval_ds if OBJECTIVES[cfg.objective.name].trainer_evaluates else None
+    extra = {"reward_funcs": reward_funcs} if reward_funcs is not None else {}  # grpo
 
     def make_trainer(c: TrainConfig):
         tb_callback = TensorBoardCallback(tb_writer=tb)
@@ -220,16 +234,17 @@ def _fit(cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan,
         dist.prepare_ranks(c.dist, gpu)
         trainer = lifecycle.guarded(c.objective.name)(
             model=model,
-            args=trainer_args.trainer_config(c, run_dir, data_format, gpu, eval_ds is not None),
+            args=trainer_args.trainer_config(c, run_dir, data_format, gpu, trainer_eval is not None),
             train_dataset=train_ds,
-            eval_dataset=eval_ds,
+            eval_dataset=trainer_eval,
             processing_class=tokenizer,
             callbacks=[memory_log, *tb_callbacks, EvalProgress(), preemption],
             **trainer_args.guard_kwargs(c),
+            **extra,
         )
         trainer_args.offload_context(trainer, c.trainer)
         trainer.adapter_sha256_step0 = dist.sync_adapters(model)  # every rank starts from rank 0's adapters
-        if c.objective.name != "sft" and eval_ds is not None and not before:
+        if c.objective.name != "sft" and trainer_eval is not None and not before:
             log.info("evaluation before training: %d eval rows", len(eval_ds))
             if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:  # the model is prepared in train()
                 trainer.add_callback(EvalBeforeTraining(trainer, before))

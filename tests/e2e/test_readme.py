@@ -108,6 +108,11 @@ REGISTRY: dict[str, How] = {
     ),
     "python train.py objective=kto": How(suffix=SMOKE, expect=r"reward accuracy"),
     "qlora plan recipe=llama3.1-8b-24gb objective=kto": How(expect=r"KL forward"),
+    "python train.py objective=grpo": How(suffix=SMOKE, expect=r"(?m)^\s*reward\s+\S+ -> "),
+    "qlora plan recipe=llama3.1-8b-24gb objective=grpo": How(expect=r"(?m)^(FITS|DOES NOT FIT): peak"),
+    "python train.py objective=grpo 'objective.rewards=[exact_match,my_rewards:short_answers]'": How(
+        suffix=SMOKE, files=("my_rewards.py",), expect=r"(?m)^\s*reward\s+\S+ -> "
+    ),
     "python train.py hub.push=true hub.repo_id=me/llama-order-qlora": How(kind="refuse", expect=r"hub|token"),
     # docs/data.md
     "python train.py data.path=my.jsonl": How(suffix=SMOKE, files=("my.jsonl",)),
@@ -176,6 +181,8 @@ def _fixture_files() -> dict[str, str]:
         "held_out.jsonl": "\n".join(own(r) for r in held) + "\n",
         "chats.jsonl": "\n".join(chat(r) for r in rows) + "\n",
         "prompts.txt": "order: qcab\n",  # a plain prompt line, as a user types it
+        # docs/objectives.md: a reward of the user's own, in the directory the command runs in
+        "my_rewards.py": "def short_answers(completions, **kwargs):\n    return [-len(c) / 8 for c in completions]\n",
     }
 
 

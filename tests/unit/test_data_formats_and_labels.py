@@ -371,7 +371,7 @@ def test_unknown_format_name(tmp_path, tok):
     path = write(tmp_path / "t.jsonl", ROWS["text"])
     user_error(
         r"data\.format: unknown format 'chatml'; use one of auto, alpaca, messages, sharegpt, prompt_completion, "
-        r"text, preference, unpaired \(a chat template\? set data\.chat_template=chatml\)",
+        r"text, preference, unpaired, prompt \(a chat template\? set data\.chat_template=chatml\)",
         load_splits,
         cfg(path, format="chatml"),
         tok,

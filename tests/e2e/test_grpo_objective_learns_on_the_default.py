@@ -1,7 +1,8 @@
 """objective=grpo on the embedded default: TRL's GRPOTrainer under our guards samples completions of the
 order sample's prompts, scores them with the default rewards against each row's answer, and the mean
 reward rises (reward_last > reward_first in metrics.json and the summary); one adapter is saved (no
-reference copy) and the model card names the objective. One shared run, as a user runs it."""
+reference copy) and the model card names the objective. One shared run, as a user runs it. A smoke-sized
+run merges and generates (in the fast suite)."""
 
 import json
 import subprocess
@@ -79,3 +80,19 @@ def test_grpo_resumes_after_sigterm_as_if_never_stopped(few_prompts, tmp_path, m
     assert resumed["resumed_from"].endswith("checkpoint-2") and resumed["steps"] == 4
     assert resumed["adapter_sha256"] == whole["adapter_sha256"]
     assert resumed["rewards"][-1] == whole["rewards"][-1]
+
+
+def test_a_grpo_run_merges_and_generates_as_an_sft_run_does(smoke_run):
+    """A smoke-sized GRPO run (3 steps of sampled completions): its adapter merges into the base and
+    generates from the run dir."""
+    _, run_dir = smoke_run("objective=grpo")
+    for script, *args in (("merge.py",), ("generate.py", "order: dcba")):
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "scripts" / script), str(run_dir), *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run_dir / "merged" / "config.json").is_file()
+    assert "order: dcba" in proc.stdout and proc.stdout.strip().splitlines()[-1]  # an answer after the prompt

@@ -1,7 +1,10 @@
 """Shared test helpers: compose the real config, the smoke stack and a smoke run, find every config
 file on disk, a GPU skip. Both tests/unit and tests/e2e see this file: `from conftest import ...`."""
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,10 +74,77 @@ def requires_gpu(reason: str = "needs a CUDA GPU"):
 def small_data(tmp_path: Path) -> list[str]:
     """Overrides for 64 training rows and 8 eval rows of the shipped sample: loading and the final
     eval stay short where a test trains and resumes several times."""
-    for name, keep in (("train", 64), ("eval", 8)):
-        rows = (REPO / f"assets/data/order/{name}.jsonl").read_text().splitlines()[:keep]
+    return sample_subset(tmp_path, "", 64, 8)
+
+
+def sample_subset(tmp_path: Path, sample: str, train: int, eval: int) -> list[str]:
+    """Overrides for the first `train` and `eval` rows of a shipped order sample (`sample`: "" for SFT,
+    or preference/, kto/, grpo/): short resumes of each objective."""
+    for name, keep in (("train", train), ("eval", eval)):
+        rows = (REPO / f"assets/data/order/{sample}{name}.jsonl").read_text().splitlines()[:keep]
         (tmp_path / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
     return [f"data.path={tmp_path / 'train.jsonl'}", f"data.eval_path={tmp_path / 'eval.jsonl'}"]
+
+
+def resumed_as_if_never_stopped(stack: list[str], tmp_path: Path, monkeypatch) -> tuple[dict, dict]:
+    """Train `stack` whole, then again stopped by SIGTERM at step 2 and resumed (save_steps=2, 4 steps):
+    (whole, resumed) metrics, after checking the resume started from checkpoint-2, ran to step 4 and
+    ended with the very adapter the whole run did."""
+    from qlora_recipes.run.lifecycle import Preempted
+    from qlora_recipes.run.training import train
+
+    stack = [*stack, "trainer.max_steps=4", "trainer.save_steps=2"]
+    whole = train(compose_cfg(*stack), tmp_path / "whole")
+    monkeypatch.setenv("QLORA_RECIPES_FAULTS", "sigterm_at_step=2")
+    with pytest.raises(Preempted):
+        train(compose_cfg(*stack), tmp_path / "stopped")
+    monkeypatch.delenv("QLORA_RECIPES_FAULTS")
+    resumed = train(compose_cfg(*stack, "resume=auto"), tmp_path / "stopped")
+    assert resumed["resumed_from"].endswith("checkpoint-2") and resumed["steps"] == 4
+    assert resumed["adapter_sha256"] == whole["adapter_sha256"]
+    return whole, resumed
+
+
+def train_py(run_dir: Path, *overrides: str, timeout: int = 1800) -> tuple[dict, Path, str]:
+    """`python train.py OVERRIDES` as a user runs it, in its own process (its measured peak is a first
+    run's, not that of a test process that trained before): (metrics, run dir, stdout)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((run_dir / "metrics.json").read_text()), run_dir, proc.stdout
+
+
+def merge_and_generate(run_dir: Path, prompt: str = "order: dcba") -> str:
+    """scripts/merge.py then scripts/generate.py on a finished run, each in its own process: the merged
+    dir exists and generate's stdout (the prompt, then an answer) is returned."""
+    for script, *args in (("merge.py",), ("generate.py", prompt)):
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "scripts" / script), str(run_dir), *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run_dir / "merged" / "config.json").is_file()
+    assert prompt in proc.stdout and proc.stdout.strip().splitlines()[-1]  # an answer after the prompt
+    return proc.stdout
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """The tiny model's tokenizer (assets/tiny-llama)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama")
 
 
 @pytest.fixture

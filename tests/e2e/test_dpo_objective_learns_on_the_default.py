@@ -3,12 +3,8 @@ preferences (eval reward accuracy from 0 before training to >= 0.8), records it 
 summary and the model card, saves one adapter (the reference is the base with the adapter off), and
 measures the peak its plan predicts. One shared run."""
 
-import json
-import subprocess
-import sys
-
 import pytest
-from conftest import REPO, SMOKE, compose_cfg
+from conftest import SMOKE, resumed_as_if_never_stopped, sample_subset, train_py
 
 from qlora_recipes.console import summary_rows
 
@@ -19,16 +15,10 @@ def dpo_run(tmp_path_factory):
     run's, not that of a test process that trained before. (metrics, run dir, stdout)."""
     # the default's pairs and batch (conf/trainer/tiny.yaml: 8 pairs a step), 20 of its 40 steps; no
     # generation metric (SMOKE's choice: it would double the run)
-    run_dir = tmp_path_factory.mktemp("dpo") / "run"
-    overrides = ["objective=dpo", "trainer.max_steps=20", "trainer.progress_bar=false", "data.metric=null"]
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
-        capture_output=True,
-        text=True,
-        timeout=1200,
+    return train_py(
+        tmp_path_factory.mktemp("dpo") / "run",
+        *["objective=dpo", "trainer.max_steps=20", "trainer.progress_bar=false", "data.metric=null"],
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((run_dir / "metrics.json").read_text()), run_dir, proc.stdout
 
 
 def test_dpo_learns_the_preferences_of_the_order_sample(dpo_run):
@@ -56,29 +46,11 @@ def test_dpo_measured_peak_is_within_ten_percent_of_its_plan(dpo_run):
     assert 0.9 <= metrics["peak_mem_gib"] / metrics["planned_peak_gib"] <= 1.1, metrics
 
 
-@pytest.fixture
-def few_pairs(tmp_path):
-    """32 train and 8 eval pairs of the shipped sample: resumes stay short."""
-    for name, keep in (("train", 32), ("eval", 8)):
-        rows = (REPO / f"assets/data/order/preference/{name}.jsonl").read_text().splitlines()[:keep]
-        (tmp_path / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
-    return [f"data.path={tmp_path / 'train.jsonl'}", f"data.eval_path={tmp_path / 'eval.jsonl'}"]
-
-
 @pytest.mark.slow
-def test_dpo_resumes_after_sigterm_as_if_never_stopped(few_pairs, tmp_path, monkeypatch):
-    from qlora_recipes.run.lifecycle import Preempted
-    from qlora_recipes.run.training import train
-
-    stack = [*SMOKE, "objective=dpo", *few_pairs, "trainer.max_steps=4", "trainer.save_steps=2"]
-    stack += ["trainer.logging_steps=1"]
-    whole = train(compose_cfg(*stack), tmp_path / "whole")
-    monkeypatch.setenv("QLORA_RECIPES_FAULTS", "sigterm_at_step=2")
-    with pytest.raises(Preempted):
-        train(compose_cfg(*stack), tmp_path / "stopped")
-    monkeypatch.delenv("QLORA_RECIPES_FAULTS")
-    resumed = train(compose_cfg(*stack, "resume=auto"), tmp_path / "stopped")
-    assert resumed["resumed_from"].endswith("checkpoint-2") and resumed["steps"] == 4
-    assert resumed["adapter_sha256"] == whole["adapter_sha256"]
+def test_dpo_resumes_after_sigterm_as_if_never_stopped(tmp_path, monkeypatch):
+    few = sample_subset(tmp_path, "preference/", 32, 8)
+    whole, resumed = resumed_as_if_never_stopped(
+        [*SMOKE, "objective=dpo", *few, "trainer.logging_steps=1"], tmp_path, monkeypatch
+    )
     assert resumed["train_losses"] == whole["train_losses"]
     assert resumed["eval_reward_accuracy"] == whole["eval_reward_accuracy"]

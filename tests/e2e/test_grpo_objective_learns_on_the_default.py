@@ -4,12 +4,8 @@ reward rises (reward_last > reward_first in metrics.json and the summary); one a
 reference copy) and the model card names the objective. One shared run, as a user runs it. A smoke-sized
 run merges and generates (in the fast suite)."""
 
-import json
-import subprocess
-import sys
-
 import pytest
-from conftest import REPO, SMOKE, compose_cfg
+from conftest import SMOKE, merge_and_generate, resumed_as_if_never_stopped, sample_subset, train_py
 
 from qlora_recipes.console import summary_rows
 
@@ -18,16 +14,10 @@ from qlora_recipes.console import summary_rows
 def grpo_run(tmp_path_factory):
     """The default's prompts, batch and steps (conf/trainer/tiny.yaml), in its own process; exact match
     over 16 eval prompts before and after. (metrics, run dir, stdout)."""
-    run_dir = tmp_path_factory.mktemp("grpo") / "run"
-    overrides = ["objective=grpo", "trainer.progress_bar=false", "data.metric_examples=16"]
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
-        capture_output=True,
-        text=True,
-        timeout=1800,
+    return train_py(
+        tmp_path_factory.mktemp("grpo") / "run",
+        *["objective=grpo", "trainer.progress_bar=false", "data.metric_examples=16"],
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((run_dir / "metrics.json").read_text()), run_dir, proc.stdout
 
 
 @pytest.mark.slow
@@ -56,29 +46,10 @@ def test_grpo_measured_peak_is_within_ten_percent_of_its_plan(grpo_run):
     assert 0.9 <= metrics["peak_mem_gib"] / metrics["planned_peak_gib"] <= 1.1, metrics
 
 
-@pytest.fixture
-def few_prompts(tmp_path):
-    """32 train and 8 eval prompts of the shipped sample: resumes stay short."""
-    for name, keep in (("train", 32), ("eval", 8)):
-        rows = (REPO / f"assets/data/order/grpo/{name}.jsonl").read_text().splitlines()[:keep]
-        (tmp_path / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
-    return [f"data.path={tmp_path / 'train.jsonl'}", f"data.eval_path={tmp_path / 'eval.jsonl'}"]
-
-
 @pytest.mark.slow
-def test_grpo_resumes_after_sigterm_as_if_never_stopped(few_prompts, tmp_path, monkeypatch):
-    from qlora_recipes.run.lifecycle import Preempted
-    from qlora_recipes.run.training import train
-
-    stack = [*SMOKE, "objective=grpo", *few_prompts, "trainer.max_steps=4", "trainer.save_steps=2"]
-    whole = train(compose_cfg(*stack), tmp_path / "whole")
-    monkeypatch.setenv("QLORA_RECIPES_FAULTS", "sigterm_at_step=2")
-    with pytest.raises(Preempted):
-        train(compose_cfg(*stack), tmp_path / "stopped")
-    monkeypatch.delenv("QLORA_RECIPES_FAULTS")
-    resumed = train(compose_cfg(*stack, "resume=auto"), tmp_path / "stopped")
-    assert resumed["resumed_from"].endswith("checkpoint-2") and resumed["steps"] == 4
-    assert resumed["adapter_sha256"] == whole["adapter_sha256"]
+def test_grpo_resumes_after_sigterm_as_if_never_stopped(tmp_path, monkeypatch):
+    few = sample_subset(tmp_path, "grpo/", 32, 8)
+    whole, resumed = resumed_as_if_never_stopped([*SMOKE, "objective=grpo", *few], tmp_path, monkeypatch)
     assert resumed["rewards"][-1] == whole["rewards"][-1]
 
 
@@ -86,13 +57,4 @@ def test_a_grpo_run_merges_and_generates_as_an_sft_run_does(smoke_run):
     """A smoke-sized GRPO run (3 steps of sampled completions): its adapter merges into the base and
     generates from the run dir."""
     _, run_dir = smoke_run("objective=grpo")
-    for script, *args in (("merge.py",), ("generate.py", "order: dcba")):
-        proc = subprocess.run(
-            [sys.executable, str(REPO / "scripts" / script), str(run_dir), *args],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (run_dir / "merged" / "config.json").is_file()
-    assert "order: dcba" in proc.stdout and proc.stdout.strip().splitlines()[-1]  # an answer after the prompt
+    merge_and_generate(run_dir)

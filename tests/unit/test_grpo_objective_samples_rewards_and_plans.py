@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO, compose_cfg
+from conftest import REPO, compose_cfg, write_jsonl
 
 from qlora_recipes import planner
 from qlora_recipes.config import devices
@@ -19,18 +19,6 @@ from qlora_recipes.run import rewards, trainer_args
 from qlora_recipes.units import GiB
 
 PROMPTS = REPO / "assets/data/order/grpo"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama")
-
-
-def write(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def test_grpo_picks_its_sample_and_keys():
@@ -68,7 +56,7 @@ CHAT = [{"role": "user", "content": "order: cab"}]
 @pytest.mark.parametrize("layout", ["text", "messages"])
 def test_prompt_rows_are_detected_from_the_rows_alone(tmp_path, tok, layout):
     prompt = "order: cab\n" if layout == "text" else CHAT
-    path = write(tmp_path / "prompts.jsonl", [{"prompt": prompt, "answer": "abc", "level": 1}] * 4)
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": prompt, "answer": "abc", "level": 1}] * 4)
     cfg = compose_cfg("objective=grpo", f"data.path={path}", "data.eval_fraction=0.25")
     train, _, stats = load_splits(cfg.data, tok, 64, 0, cfg.objective)
     assert stats["format"] == "prompt" and stats["conversational"] == (layout == "messages")
@@ -118,7 +106,7 @@ def test_a_users_reward_is_imported_by_name_and_its_columns_checked(tmp_path, mo
 def test_a_reward_module_beside_the_data_is_refused(tmp_path, monkeypatch):
     data = tmp_path / "downloaded"
     data.mkdir()
-    write(data / "train.jsonl", [{"prompt": "order: ba\n", "answer": "ab"}])
+    write_jsonl(data / "train.jsonl", [{"prompt": "order: ba\n", "answer": "ab"}])
     (data / "sneaky_rewards.py").write_text("def r(completions, **kw):\n    return [1.0] * len(completions)\n")
     monkeypatch.syspath_prepend(str(data))
     cfg = compose_cfg("objective=grpo", "objective.rewards=[sneaky_rewards:r]", f"data.path={data / 'train.jsonl'}")

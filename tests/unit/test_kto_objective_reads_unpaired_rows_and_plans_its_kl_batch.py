@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO, compose_cfg
+from conftest import REPO, compose_cfg, write_jsonl
 
 from qlora_recipes import planner
 from qlora_recipes.config import devices
@@ -19,18 +19,6 @@ from qlora_recipes.errors import UserError
 from qlora_recipes.run import trainer_args
 
 ROWS = REPO / "assets/data/order/kto"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama")
-
-
-def write(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def test_kto_picks_its_sample_and_keys():
@@ -96,7 +84,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_unpaired_rows_are_detected_from_the_rows_alone(tmp_path, tok, layout):
-    path = write(tmp_path / "rows.jsonl", LAYOUTS[layout] * 4)
+    path = write_jsonl(tmp_path / "rows.jsonl", LAYOUTS[layout] * 4)
     cfg = compose_cfg("objective=kto", f"data.path={path}", "data.eval_fraction=0.25")
     train, eval_ds, stats = load_splits(cfg.data, tok, 64, 0, cfg.objective)
     assert stats["format"] == stats["detected"] == "unpaired" and stats["conversational"] == (layout == "messages")
@@ -126,7 +114,7 @@ def test_preference_pairs_train_kto_as_two_rows_each(tok):
     ],
 )
 def test_a_bad_unpaired_row_names_file_row_and_field(tmp_path, tok, row, match):
-    path = write(tmp_path / "rows.jsonl", [LAYOUTS["text"][0], row])
+    path = write_jsonl(tmp_path / "rows.jsonl", [LAYOUTS["text"][0], row])
     cfg = compose_cfg("objective=kto", f"data.path={path}", "data.eval_fraction=0")
     with pytest.raises(UserError, match=r"rows.jsonl.*line 2: " + match):
         load_splits(cfg.data, tok, 64, 0, cfg.objective)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO, compose_cfg
+from conftest import REPO, compose_cfg, write_jsonl
 
 from qlora_recipes import planner
 from qlora_recipes.config import devices
@@ -18,18 +18,6 @@ from qlora_recipes.run import trainer_args
 from qlora_recipes.units import GiB
 
 PAIRS = REPO / "assets/data/order/preference"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama")
-
-
-def write(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def test_sft_is_the_default_and_dpo_picks_its_sample_and_keys():
@@ -108,7 +96,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_preference_rows_are_detected_from_the_rows_alone(tmp_path, tok, layout):
-    path = write(tmp_path / "pairs.jsonl", [LAYOUTS[layout]] * 4)
+    path = write_jsonl(tmp_path / "pairs.jsonl", [LAYOUTS[layout]] * 4)
     cfg = compose_cfg("objective=dpo", f"data.path={path}", "data.eval_fraction=0.25")
     train, _, stats = load_splits(cfg.data, tok, 64, 0, cfg.objective)
     assert stats["format"] == "preference" and stats["conversational"] == (layout != "text")
@@ -122,12 +110,12 @@ def test_preference_rows_are_detected_from_the_rows_alone(tmp_path, tok, layout)
 
 
 def test_a_bad_pair_names_file_row_and_field(tmp_path, tok):
-    path = write(tmp_path / "pairs.jsonl", [LAYOUTS["text"], {"prompt": "order: ba\n", "chosen": "ab"}])
+    path = write_jsonl(tmp_path / "pairs.jsonl", [LAYOUTS["text"], {"prompt": "order: ba\n", "chosen": "ab"}])
     cfg = compose_cfg("objective=dpo", f"data.path={path}", "data.eval_fraction=0")
     with pytest.raises(UserError, match=r"pairs.jsonl.*line 2: missing field 'rejected'"):
         load_splits(cfg.data, tok, 64, 0, cfg.objective)
     same = [{"chosen": LAYOUTS["implicit prompt"]["chosen"], "rejected": LAYOUTS["implicit prompt"]["chosen"]}]
-    path = write(tmp_path / "same.jsonl", same)
+    path = write_jsonl(tmp_path / "same.jsonl", same)
     with pytest.raises(UserError, match=r"same.jsonl.*line 1: fields 'chosen' and 'rejected' are the same answer"):
         load_splits(
             compose_cfg("objective=dpo", f"data.path={path}", "data.eval_fraction=0").data, tok, 64, 0, cfg.objective

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO, SMOKE, compose_cfg
@@ -35,6 +36,20 @@ def _sigint_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _wait_for_exec(pid: int) -> None:
+    """Until the child runs train.py: between fork and exec it is still a copy of this process, whose
+    signal handlers would take the signal and lose it with the exec (seen once, a loaded machine)."""
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if str(REPO / "train.py").encode() in cmdline.read_bytes().split(b"\0"):
+                return
+        except OSError:  # not yet there, or already gone
+            return
+        time.sleep(0.001)
+
+
 def _signal_while_starting(cwd, after_s: float, sig, preexec_fn=None):
     """`train.py trainer=smoke` started in a new `cwd`, sent `sig` `after_s` seconds later: (the
     finished child, its stderr, a description for the assertions)."""
@@ -47,6 +62,7 @@ def _signal_while_starting(cwd, after_s: float, sig, preexec_fn=None):
         text=True,
         preexec_fn=preexec_fn,
     )
+    _wait_for_exec(child.pid)
     time.sleep(after_s)
     child.send_signal(sig)
     _, err = child.communicate(timeout=300)

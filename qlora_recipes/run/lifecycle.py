@@ -327,11 +327,7 @@ class GuardedDPOTrainer(Guarded, DPOTrainer):
     copies it afresh from the adapter as train_with_oom_ladder hands it over: the initial one."""
 
     def __init__(self, *args, ref_adapter: bool = False, **kwargs):
-        # TRL's reference forward turns checkpointing off and on by transformers 5's deprecated names
-        # (trl.models.utils.disable_gradient_checkpointing): a warning per step that says nothing to a user
-        warnings.filterwarnings(
-            "ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning
-        )
+        _quiet_checkpointing_toggles()
         self._ref_adapter = ref_adapter
         _drop_ref_adapter(kwargs.get("model"))  # an earlier trainer's copy (the OOM ladder): TRL copies anew
         super().__init__(*args, **kwargs)
@@ -353,6 +349,14 @@ class GuardedDPOTrainer(Guarded, DPOTrainer):
                 model.peft_config["ref"] = ref
 
 
+def _quiet_checkpointing_toggles() -> None:
+    """TRL's reference forward turns checkpointing off and on by transformers 5's deprecated names
+    (trl.models.utils.disable_gradient_checkpointing): a warning per step that says nothing to a user."""
+    warnings.filterwarnings(
+        "ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning
+    )
+
+
 def _drop_ref_adapter(model) -> None:
     if model is not None and "ref" in getattr(model, "peft_config", {}):
         model.delete_adapter("ref")
@@ -367,13 +371,9 @@ class GuardedKTOTrainer(Guarded, KTOTrainer):
     undesirable one. Strictly, so 0 before training, where the policy is the reference."""
 
     def __init__(self, *args, **kwargs):
-        warnings.filterwarnings(  # as GuardedDPOTrainer: TRL's reference forward toggles checkpointing
-            "ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning
-        )
+        _quiet_checkpointing_toggles()
         super().__init__(*args, **kwargs)
-        model = self.accelerator.unwrap_model(self.model)
-        if "ref" in getattr(model, "peft_config", {}):
-            model.delete_adapter("ref")
+        _drop_ref_adapter(self.accelerator.unwrap_model(self.model))
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         figures = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
@@ -430,9 +430,7 @@ class GuardedGRPOTrainer(Guarded, GRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        model = self.accelerator.unwrap_model(self.model)
-        if "ref" in getattr(model, "peft_config", {}):
-            model.delete_adapter("ref")
+        _drop_ref_adapter(self.accelerator.unwrap_model(self.model))
 
 
 def guarded(objective: str) -> type:

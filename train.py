@@ -16,7 +16,7 @@ if __name__ == "__main__":
 
         from qlora_recipes import interrupts
 
-        interrupts.install()  # from here on a Ctrl-C never lands inside an import
+        interrupts.install(interrupts.starting_line)  # from here a Ctrl-C never lands inside an import
         from qlora_recipes.cli import train
 
         train.run(sys.argv[1:], prog="train.py")

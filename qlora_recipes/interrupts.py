@@ -13,6 +13,11 @@ a second Ctrl-C meanwhile raises at once, whatever it cuts short. One that Pytho
 ...") is delivered again once the finalizer has returned. Handlers installed later (the trainer's
 save-and-stop) replace this one; a delivery still waiting then reaches them.
 
+Until the command holds anything (a run dir's lock, a group of files being written, a run under
+way: `raising` and `sigint_deferred` mark it), a stop signal ends the process at once with the
+entry point's one line: start-up is mostly one long import (transformers, torch), and a Ctrl-C
+held until it ends would wait ten seconds, with nothing to clean up in exchange.
+
 No dependency beyond the standard library: train.py installs this before anything heavy.
 """
 
@@ -20,17 +25,19 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 _IMPORT_MACHINERY = ("<frozen importlib._bootstrap", "<frozen importlib._bootstrap_external")
 _POLL_S = 0.02
 _waiting = threading.Event()  # a delivery is scheduled: one watcher at a time
 _received: list[str] = []  # the names of the stop signals our handler got
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_at_once: list[Callable[[str], str]] = []  # while nothing is held: the entry point's line for a signal
 
 
 class Interrupted(KeyboardInterrupt):
@@ -51,6 +58,11 @@ def described(signame: str) -> str:
     return "SIGINT (Ctrl-C)" if signame == "SIGINT" else signame
 
 
+def starting_line(signame: str) -> str:
+    """The line for a stop signal before the command wrote anything."""
+    return f"stopped by {described(signame)} while starting; nothing was written"
+
+
 def exit_code(signame: str) -> int:
     """143 for SIGTERM (what the shell reports for a process it ended), 130 for the others."""
     return 143 if signame == "SIGTERM" else 130
@@ -63,14 +75,30 @@ def received() -> str | None:
     return _received[-1] if _received else None
 
 
-def install() -> None:
+def install(starting_line: Callable[[str], str] | None = None) -> None:
     """Our handler for SIGINT and SIGTERM in place of Python's default ones (only those: a handler
-    someone else installed, or a signal ignored as SIGINT is in a background job, is left as it is)."""
+    someone else installed, or a signal ignored as SIGINT is in a background job, is left as it is).
+    `starting_line(signame)`: until the command holds anything, a stop signal prints it and exits."""
     if threading.current_thread() is not threading.main_thread():
         return
+    if starting_line is not None:
+        _at_once[:] = [starting_line]
     for sig in STOP_SIGNALS:
         _take_over(sig)
     sys.unraisablehook = _unraisable
+
+
+def holding() -> None:
+    """From here the command holds something a stop signal must let go of (a lock, files being
+    written): signals raise where our code handles them, no longer end the process at once."""
+    _at_once.clear()
+
+
+def _exit_at_once(name: str) -> None:
+    with contextlib.suppress(BaseException):  # the main thread may have been inside a write to stdout
+        sys.stdout.flush()
+    os.write(2, f"{_at_once[0](name)}\n".encode())
+    os._exit(exit_code(name))
 
 
 def _take_over(sig: signal.Signals):
@@ -88,6 +116,7 @@ def raising(*signals: signal.Signals) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    holding()
     previous = {sig: _take_over(sig) for sig in dict.fromkeys(signals)}
     try:
         yield
@@ -100,6 +129,8 @@ def raising(*signals: signal.Signals) -> Iterator[None]:
 def _on_signal(signum, frame) -> None:
     name = signal.Signals(signum).name
     _received.append(name)
+    if _at_once:
+        _exit_at_once(name)
     if _unsafe(frame) and not _waiting.is_set():  # a second signal while one waits: now, whatever it cuts
         _deliver_when_safe(signum)
         return
@@ -145,6 +176,7 @@ def sigint_deferred() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    holding()
     received = []
     previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in STOP_SIGNALS}
     try:

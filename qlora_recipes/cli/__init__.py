@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     try:  # Ctrl-C while the subcommand's imports run: one line, as in train.py (its own handling is not in place yet)
         from .. import interrupts
 
-        interrupts.install()  # a Ctrl-C never lands inside an import (a half-imported library)
+        interrupts.install(lambda signame: f"qlora {name}: {interrupts.starting_line(signame)}")
         module = importlib.import_module(f"{__name__}.{SUBCOMMANDS[name][0]}")
         module.run(rest, prog=f"qlora {name}")
     except KeyboardInterrupt as err:

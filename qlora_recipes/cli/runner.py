@@ -19,8 +19,6 @@ from .. import interrupts
 from ..config.loader import one_line
 from ..errors import UserError
 
-INTERRUPTED = "stopped by SIGINT (Ctrl-C) while starting; nothing was written"
-
 
 class Stop(BaseException):
     """A finished message and exit code carried out of a Hydra task function: Hydra catches
@@ -31,15 +29,10 @@ class Stop(BaseException):
         self.message, self.code = message, code
 
 
-def starting_line(signame: str) -> str:
-    """The line for a stop signal before anything was written."""
-    return INTERRUPTED if signame == "SIGINT" else f"stopped by {signame} while starting; nothing was written"
-
-
 def _exit(message: str, code: int):
     signame = interrupts.received()
     if code == 2 and signame:  # e.g. OmegaConf's error about a node Ctrl-C left half built
-        message, code = starting_line(signame), interrupts.exit_code(signame)
+        message, code = interrupts.starting_line(signame), interrupts.exit_code(signame)
     if code in (130, 143) and threading.current_thread() is threading.main_thread():
         for sig in interrupts.STOP_SIGNALS:  # one signal, one line: the exit is not interrupted again
             signal.signal(sig, signal.SIG_IGN)
@@ -61,7 +54,7 @@ def run(hydra_main: Callable[[], object]) -> None:
         _exit(f"error: {err}", 2)
     except KeyboardInterrupt as err:
         signame = interrupts.signal_name(err)
-        _exit(starting_line(signame), interrupts.exit_code(signame))
+        _exit(interrupts.starting_line(signame), interrupts.exit_code(signame))
 
 
 def _hydra_errors_as_user_errors(hydra_main: Callable[[], object]) -> None:

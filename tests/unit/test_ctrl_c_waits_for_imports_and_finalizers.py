@@ -1,5 +1,7 @@
-"""A Ctrl-C never lands inside an import or a finalizer (qlora_recipes/interrupts.py): it waits until
-the import has finished, or the finalizer has returned, and is then a KeyboardInterrupt as usual.
+"""A Ctrl-C never lands inside an import or a finalizer (qlora_recipes/interrupts.py): while the
+command holds nothing it ends the process at once with the entry point's line; once it holds
+something it waits until the import has finished, or the finalizer has returned, and is then a
+KeyboardInterrupt as usual.
 Each case runs in a child Python, with and without our handler: without it the import is left half
 done (numpy failed that way once) or the Ctrl-C is lost."""
 
@@ -9,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from conftest import REPO
@@ -119,3 +122,46 @@ def test_sigterm_is_raised_as_ctrl_c_is_and_names_itself(tmp_path):
         " getattr(sys.modules.get('slow_module'), 'DONE', False))"
     )
     assert _python(code, tmp_path).splitlines()[0] == "SIGTERM 143 True"
+
+
+HANGING_IMPORT = "import signal, time\nsignal.raise_signal({sig})\ntime.sleep(30)  # start-up's long import\n"
+
+
+@pytest.mark.parametrize("sig, code", [("signal.SIGINT", 130), ("signal.SIGTERM", 143)])
+def test_a_stop_signal_before_anything_is_held_ends_the_process_at_once_with_its_line(tmp_path, sig, code):
+    (tmp_path / "long_import.py").write_text(HANGING_IMPORT.format(sig=sig))
+    script = (
+        "import time; from qlora_recipes import interrupts\n"
+        "interrupts.install(lambda s: 'mine: ' + interrupts.starting_line(s))\n"
+        "print('stdout before', end='')\n"
+        "import long_import\n"
+        "print('not stopped')"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=_as_in_a_terminal,
+    )
+    name = sig.split(".")[1]
+    said = "SIGINT (Ctrl-C)" if name == "SIGINT" else name
+    assert (done.returncode, done.stderr) == (code, f"mine: stopped by {said} while starting; nothing was written\n")
+    assert done.stdout == "stdout before"  # what was printed before is not lost with the exit
+    assert time.monotonic() - started < 20  # not the import's 30 s
+
+
+def test_once_something_is_held_a_stop_signal_waits_for_the_import_again(tmp_path):
+    (tmp_path / "slow_module.py").write_text(textwrap.dedent(INTERRUPTED_IN_AN_IMPORT))
+    code = (
+        "import sys, time; from qlora_recipes import interrupts\n"
+        "interrupts.install(interrupts.starting_line)\n"
+        "with interrupts.raising():  # a run under way: its lock and files need letting go\n"
+        "    try:\n        import slow_module\n        time.sleep(5)\n        print('not interrupted')\n"
+        "    except KeyboardInterrupt:\n        print('interrupted', getattr(sys.modules.get('slow_module'), 'DONE', False))"
+    )
+    assert _python(code, tmp_path) == "interrupted True"

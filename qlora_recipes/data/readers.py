@@ -25,9 +25,13 @@ from ..errors import UserError
 
 FILE_TYPES = (".jsonl", ".json", ".csv", ".parquet")
 EVAL_SPLIT_NAMES = ("validation", "valid", "val", "eval", "test", "dev")
-# Every field some format reads (formats.FORMAT_FIELDS); kept here so hub datasets load only these columns.
 BATCH_ROWS = 1000  # rows read (and converted) at a time from a streamed source
-KNOWN_FIELDS = ("messages", "conversations", "prompt", "completion", "instruction", "input", "output", "text")
+# Every field some format reads (formats.FORMAT_FIELDS): what a hub or saved dataset is read for, with its
+# text and number columns (a grpo reward's reference answer); images and nested records stay unread.
+KNOWN_FIELDS = (
+    *("messages", "conversations", "prompt", "completion", "instruction", "input", "output", "text"),
+    *("chosen", "rejected", "label"),
+)
 
 
 class Rows:
@@ -252,17 +256,27 @@ def _read_file(path: Path) -> Rows:
 
 
 def _rows_from_dataset(label: str, ds: Any) -> Rows:
-    """Rows of a loaded `datasets.Dataset`, reading only the columns some format uses (hub datasets often
-    carry others, e.g. images); with none of them, the first row whole, for the detection error.
-    Read batch by batch from its memory-mapped Arrow table."""
-    columns = [c for c in ds.column_names if c in KNOWN_FIELDS]
-    ds = ds.select_columns(columns) if columns else ds.select(range(min(1, len(ds))))
+    """Rows of a loaded `datasets.Dataset`, reading only the columns some format uses and its text and
+    number columns (hub datasets often carry others, e.g. images); with no field of a format, the
+    first row whole, for the detection error. Read batch by batch from its memory-mapped Arrow table."""
+    if any(c in KNOWN_FIELDS for c in ds.column_names):
+        ds = ds.select_columns([c for c, feature in ds.features.items() if c in KNOWN_FIELDS or _scalar(feature)])
+    else:
+        ds = ds.select(range(min(1, len(ds))))
 
     def batches() -> Iterator[list[dict]]:
         for batch in ds.iter(batch_size=BATCH_ROWS):
             yield [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
 
     return _ArrowRows(label, batches, (label, ds._fingerprint), ds.data.nbytes)
+
+
+def _scalar(feature: Any) -> bool:
+    """A column of texts or numbers (not booleans: a `label` is read as a field of its own)."""
+    dtype = getattr(feature, "dtype", None)
+    return type(feature).__name__ == "Value" and (
+        dtype in ("string", "large_string") or str(dtype).startswith(("int", "float"))
+    )
 
 
 def _pick_split(label: str, available: list[str], wanted: tuple[str, ...], field: str) -> str | None:

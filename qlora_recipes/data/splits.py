@@ -5,7 +5,9 @@ count from those tokens, and say in one line what was found.
 
 Rows longer than `trainer.seq_len` tokens: with `data.too_long=truncate` (the default) TRL keeps their
 first seq_len tokens, and the counts say how many examples that touches (and how many TRL then drops for
-having no trained token left); with `data.too_long=drop` they are removed here. Train and eval alike; the
+having no trained token left); with `data.too_long=drop` they are removed here, as grpo's prompt rows
+always are (TRL's GRPOTrainer samples from a prompt whole, so one cut short would ask something else,
+and one kept whole would outgrow the plan). Train and eval alike; the
 counts go into the run's metrics.json (`data`), and a run where nothing would be left to train on stops
 before it starts.
 """
@@ -318,6 +320,11 @@ def _add_token_stats(
         tokenized[k] = ds.remove_columns([c for c in scratch if c in ds.column_names])
         _report_prompt_left_out(k, counts[k])
     keys = ("train", "eval")
+    if fmt == "prompt" and too_long == "truncate":  # a prompt cut short would sample something else
+        too_long = stats["too_long"] = "drop"
+        log.info(
+            "prompt rows longer than trainer.seq_len are dropped: TRL's GRPOTrainer samples from every prompt whole"
+        )
     stats["over_seq_len"] = {k: counts[k]["over"] if k in counts else 0 for k in keys}
     stats["max_tokens"] = {k: counts[k]["max_tokens"] if k in counts else 0 for k in keys}
     kept = dict(tokenized)
@@ -351,17 +358,18 @@ def _drop_long(stats: dict[str, Any], k: str, ds: Dataset, c: dict[str, Any]) ->
     if c["over"] == n:
         raise UserError(
             f"trainer.seq_len: all {n} {k} examples of {_where(stats, k)} are longer than {seq_len} tokens "
-            f"(shortest {int(c['lengths'].min())}) and data.too_long=drop drops them all; raise trainer.seq_len or use "
-            "data.too_long=truncate"
+            f"(shortest {int(c['lengths'].min())}) and data.too_long=drop drops them all; raise trainer.seq_len"
+            + (" (prompts are never truncated)" if stats["format"] == "prompt" else " or use data.too_long=truncate")
         )
     log.warning(
         "%d of %d %s examples are longer than trainer.seq_len=%d tokens (longest %d) and are dropped "
-        "(data.too_long=drop); raise trainer.seq_len to keep them",
+        "(data.too_long=%s); raise trainer.seq_len to keep them",
         c["over"],
         n,
         k,
         seq_len,
         c["max_tokens"],
+        "drop" if stats["format"] != "prompt" else "drop: prompts are never truncated",
     )
     import numpy as np
 

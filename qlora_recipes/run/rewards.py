@@ -13,6 +13,7 @@ downloaded dataset or model is not code to run.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -23,6 +24,9 @@ from ..config.objectives import BUILTIN_REWARDS
 from ..config.schema import TrainConfig
 from ..errors import UserError
 
+# TRL's own rewards that compare answers with a package of their own (trl.rewards: accuracy_reward and
+# the rewards built on it check LaTeX answers with math-verify), and how to install it
+NEEDS_PACKAGE = {"trl.rewards.accuracy_rewards": ("math_verify", "math-verify[antlr4_9_3]")}
 # what TRL passes every reward besides the dataset's columns
 TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
@@ -107,6 +111,12 @@ def user_reward(name: str, cfg: TrainConfig) -> Callable:
         raise UserError(
             f"objective.rewards: {name}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no function "
             f"{func_name!r}; name one it defines"
+        )
+    package, install = NEEDS_PACKAGE.get(getattr(func, "__module__", ""), (None, None))
+    if package is not None and importlib.util.find_spec(package) is None:  # TRL's reward would fail at its first call
+        raise UserError(
+            f"objective.rewards: {name} compares answers with {package}, which is not installed here: "
+            f"pip install '{install}' (requirements.txt pins it)"
         )
     return func
 

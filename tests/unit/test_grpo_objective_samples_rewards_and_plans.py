@@ -3,6 +3,7 @@ row one line), its rewards (built-ins, the user's own module:function, each chec
 columns before training) and the memory it plans (the sampling phase, the fused head over the
 completions, a reference forward only when beta > 0)."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -64,6 +65,39 @@ def test_prompt_rows_are_detected_from_the_rows_alone(tmp_path, tok, layout):
     assert train[0]["prompt"] == prompt and train[0]["answer"] == "abc"
 
 
+def test_prompt_rows_of_a_saved_or_hub_dataset_keep_their_text_and_number_columns(tmp_path, tok):
+    """TRL's GRPO datasets (trl-lib/DeepMath-103K: `prompt` messages and a `solution` text) read from a
+    saved copy as from the hub: the reference column comes with the rows, an image column does not."""
+    from datasets import Dataset
+
+    row = {"prompt": CHAT, "solution": "abc", "difficulty": 2.5, "image": {"bytes": b"\x89PNG", "path": None}}
+    Dataset.from_list([row] * 4).save_to_disk(str(tmp_path / "saved"))
+    cfg = compose_cfg("objective=grpo", f"data.path={tmp_path / 'saved'}", "data.eval_fraction=0")
+    train, _, stats = load_splits(cfg.data, tok, 64, 0, cfg.objective)
+    assert stats["format"] == "prompt" and set(train.column_names) == {"prompt", "solution", "difficulty"}
+
+
+def test_prompts_longer_than_seq_len_are_dropped_never_cut(tmp_path, tok):
+    """TRL's GRPOTrainer samples from a prompt whole: cut, it would ask something else; kept, it would
+    outgrow the plan (seq_len is the prompt's bound). So such rows go, whatever data.too_long says."""
+    rows = [{"prompt": "order: cab\n", "answer": "abc"}] * 3 + [{"prompt": "order: " + "z" * 200, "answer": "z"}]
+    path = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    cfg = compose_cfg("objective=grpo", f"data.path={path}", "data.eval_fraction=0")
+    train, _, stats = load_splits(cfg.data, tok, 32, 0, cfg.objective)
+    assert len(train) == 3 and stats["dropped_too_long"]["train"] == 1 and stats["too_long"] == "drop"
+    only_long = write_jsonl(tmp_path / "long.jsonl", rows[-1:] * 2)
+    with pytest.raises(
+        UserError, match=r"longer than 32 tokens .* raise trainer.seq_len \(prompts are never truncated\)"
+    ):
+        load_splits(
+            compose_cfg("objective=grpo", f"data.path={only_long}", "data.eval_fraction=0").data,
+            tok,
+            32,
+            0,
+            cfg.objective,
+        )
+
+
 def test_prompt_rows_under_another_objective_and_other_rows_under_grpo_are_one_line(tok):
     grpo = compose_cfg("objective=grpo")
     with pytest.raises(UserError, match=r"objective=grpo trains on prompt rows .* holds prompt_completion rows"):
@@ -101,6 +135,26 @@ def test_a_users_reward_is_imported_by_name_and_its_columns_checked(tmp_path, mo
         rewards.reward_functions(_reward_cfg("my_rewards:missing"), ("answer",))
     with pytest.raises(UserError, match=r"exact_match reads the column 'answer', .* lack \(their columns: hint\)"):
         rewards.reward_functions(_reward_cfg("exact_match"), ("hint",))
+
+
+def test_trls_accuracy_reward_is_named_like_a_users_and_reads_the_solution_column(monkeypatch):
+    """The GRPO recipe's reward: TRL's own, math-verify comparing LaTeX answers (a boxed 1/3 is \\frac{1}{3})."""
+    (accuracy,) = rewards.reward_functions(_reward_cfg("trl.rewards:accuracy_reward"), ("solution",))
+    said = [
+        [{"role": "assistant", "content": "so it is \\boxed{\\frac{1}{3}}"}],
+        [{"role": "assistant", "content": "\\boxed{2}"}],
+    ]
+    assert accuracy(completions=said, solution=["1/3", "3"]) == [1.0, 0.0]
+    with pytest.raises(UserError, match=r"trl.rewards:accuracy_reward reads the column 'solution'"):
+        rewards.reward_functions(_reward_cfg("trl.rewards:accuracy_reward"), ("answer",))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real_find_spec(name, *a)
+    )
+    with pytest.raises(
+        UserError, match=r"accuracy_reward compares answers with math_verify, which is not installed here: pip install"
+    ):
+        rewards.reward_functions(_reward_cfg("trl.rewards:accuracy_reward"), ("solution",))
 
 
 def test_a_reward_module_beside_the_data_is_refused(tmp_path, monkeypatch):
@@ -144,3 +198,18 @@ def test_grpo_sequences_are_the_prompt_bound_plus_the_completion():
 
     st = spec_from_cfg(compose_cfg("objective=grpo", "trainer.seq_len=64", "objective.max_completion_length=16"), 1)
     assert (st.seq_len, st.completion_len, st.sample_rows, st.reference) == (80, 16, 32, "none")
+
+
+def test_the_8b_grpo_recipe_is_the_24gb_stack_sampling_math_prompts_and_fits():
+    cfg, sft = compose_cfg("recipe=llama3.1-8b-24gb-grpo"), compose_cfg("recipe=llama3.1-8b-24gb")
+    assert cfg.objective.name == "grpo" and cfg.data.path == "trl-lib/DeepMath-103K" and cfg.data.format == "prompt"
+    for group in ("model", "quant", "peft", "optim", "offload", "precision", "hardware"):
+        assert getattr(cfg, group) == getattr(sft, group), group
+    batch = cfg.trainer.micro_batch_size * cfg.trainer.grad_accum
+    assert batch % cfg.objective.num_generations == 0  # whole groups per generation batch, as TRL requires
+    check_stack(cfg)
+    planned = _plan("recipe=llama3.1-8b-24gb-grpo")
+    assert planned["fits"] and planned["devices"][0]["peak_phase"] == "train: sampling"
+    assert planned["components"]["sampling"]["cuda:0"] > 0 and "reference_forward" not in planned["components"]
+    funcs = rewards.reward_functions(cfg, ("prompt", "solution"))  # DeepMath's columns
+    assert [f.__name__ for f in funcs] == ["accuracy_reward"]

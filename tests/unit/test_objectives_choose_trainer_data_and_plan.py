@@ -109,6 +109,20 @@ def test_preference_rows_are_detected_from_the_rows_alone(tmp_path, tok, layout)
     assert stats["max_tokens"]["train"] > 0
 
 
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_pairs_in_a_saved_or_hub_dataset_keep_their_answers_and_leave_other_columns(tmp_path, tok, objective):
+    """A hub dataset is read as a saved one is (readers._rows_from_dataset): the pair's fields come with
+    the rows, the columns no format reads (here an image's bytes) stay unread."""
+    from datasets import Dataset
+
+    row = {**LAYOUTS["ultrafeedback-binarized"], "image": {"bytes": b"\x89PNG", "path": None}}
+    Dataset.from_list([row] * 4).save_to_disk(str(tmp_path / "saved"))
+    cfg = compose_cfg(f"objective={objective}", f"data.path={tmp_path / 'saved'}", "data.eval_fraction=0.25")
+    train, _, stats = load_splits(cfg.data, tok, 64, 0, cfg.objective)
+    assert stats["detected"] == "preference" and stats["rows"]["train"] == (3 if objective == "dpo" else 6)
+    assert "image" not in train.column_names
+
+
 def test_a_bad_pair_names_file_row_and_field(tmp_path, tok):
     path = write_jsonl(tmp_path / "pairs.jsonl", [LAYOUTS["text"], {"prompt": "order: ba\n", "chosen": "ab"}])
     cfg = compose_cfg("objective=dpo", f"data.path={path}", "data.eval_fraction=0")

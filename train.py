@@ -19,7 +19,7 @@ if __name__ == "__main__":
         interrupts.install(interrupts.starting_line)  # from here a Ctrl-C never lands inside an import
         from qlora_recipes.cli import train
 
-        train.run(sys.argv[1:], prog="train.py")
+        train.run(sys.argv[1:], prog="train.py", own_process=True)
     except KeyboardInterrupt as err:  # Ctrl-C (or SIGTERM) before the command's own handling is in place
         import signal
         import sys

@@ -6,8 +6,9 @@
 Builds models of about 1 M, 50 M, 150 M, 300 M and 600 M parameters locally (random weights, bf16
 safetensors; Llama, and Qwen2 as the second family: q/k/v biases, tied embeddings, a 152k
 vocabulary), then runs each through several stacks (quantization x optimizer x checkpointing x
-upcast_frozen x batch/seq, some with an eval phase), and DPO on two of them (OBJECTIVE_STACKS: pairs
-made from the text rows, chosen and rejected in one forward, the reference forward beside). Every case is a fresh `python train.py`
+upcast_frozen x batch/seq, some with an eval phase), and DPO, KTO and GRPO on two of them
+(OBJECTIVE_STACKS: pairs made from the text rows, chosen and rejected in one forward, the reference
+forward beside; KTO's KL batch; GRPO's sampling of its completions from prompt rows). Every case is a fresh `python train.py`
 process of two optimizer steps (so the optimizer state is live); its `metrics.json` gives the
 measured peak (peak.py: the process RSS sampled from the run's start, loading included) and the
 planned peak of the same quantity (the plan's cpu device). (The child's ru_maxrss is no check: a
@@ -55,7 +56,18 @@ STACKS = [
 # Objectives other than SFT, each on models of two sizes with the first stack (nf4-paged8bit): DPO
 # puts a pair's two answers through one forward and the reference's forward beside the policy's, on
 # preference pairs made from the model's text rows (`preference_pairs`).
-OBJECTIVE_STACKS = [("nf4-dpo", ["objective=dpo"], ("llama-50m", "llama-300m"))]
+# KTO the same pairs as unpaired rows with its KL batch; GRPO samples 4 completions of 32 tokens per
+# prompt (`prompt_rows`: the text rows' first words, scored by char_match against an answer).
+OBJECTIVE_STACKS = [
+    ("nf4-dpo", ["objective=dpo"], ("llama-50m", "llama-300m"), "pairs"),
+    ("nf4-kto", ["objective=kto"], ("llama-50m", "llama-300m"), "pairs"),
+    (
+        "nf4-grpo",
+        ["objective=grpo", "objective.max_completion_length=32", "objective.rewards=[char_match]"],
+        ("llama-50m", "llama-300m"),
+        "prompts",
+    ),
+]
 SMALL = {"default": (4, 256), "long": (1, 1024)}  # micro batch, seq_len
 LARGE = {"default": (2, 128), "long": (1, 512)}
 
@@ -74,19 +86,42 @@ def cases() -> list[dict]:
             ov = [o for o in overrides if not o.startswith("+shape=")]
             ov += [f"trainer.micro_batch_size={b}", f"trainer.seq_len={s}"]
             out.append({"name": f"{model}/{stack}", "model": model, "stack": stack, "overrides": ov})
-    for stack, overrides, models in OBJECTIVE_STACKS:
+    for stack, overrides, models, data in OBJECTIVE_STACKS:
         for model in models:
             b, s = shapes_for(model)["default"]
             ov = [*overrides, f"trainer.micro_batch_size={b}", f"trainer.seq_len={s}"]
-            out.append({"name": f"{model}/{stack}", "model": model, "stack": stack, "overrides": ov, "data": "pairs"})
+            if data == "prompts":  # grpo: the prompt's bound (its sequences: + 32), groups that fill a micro-batch
+                ov[-1] = f"trainer.seq_len={s - 32}"
+                ov.insert(-2, f"objective.num_generations={b}")
+            out.append({"name": f"{model}/{stack}", "model": model, "stack": stack, "overrides": ov, "data": data})
     return out
 
 
 def data_overrides(case: dict, model_dir: Path) -> list[str]:
-    """A case's data when it is not the model's text rows: preference pairs for DPO."""
-    if case.get("data") != "pairs":
-        return []
-    return [f"data.path={model_dir / 'pairs.jsonl'}", "data.format=preference"]
+    """A case's data when it is not the model's text rows: preference pairs (DPO, KTO), prompt rows (GRPO)."""
+    if case.get("data") == "pairs":
+        return [f"data.path={model_dir / 'pairs.jsonl'}", "data.format=preference"]
+    if case.get("data") == "prompts":
+        return [f"data.path={prompt_rows(model_dir, _prompt_bound(case))}", "data.format=prompt"]
+    return []
+
+
+def _prompt_bound(case: dict) -> int:
+    return int(next(o for o in case["overrides"] if o.startswith("trainer.seq_len=")).split("=")[1])
+
+
+def prompt_rows(model_dir: Path, bound: int) -> Path:
+    """prompts-BOUND.jsonl beside the model's text rows: each row's first words a prompt that fills the
+    case's bound (the word-level tokenizer: a token a word, and BOS), as the text rows fill seq_len -
+    a longer prompt would be dropped, not truncated - and its next word the answer."""
+    out = model_dir / f"prompts-{bound}.jsonl"
+    if not out.is_file():
+        n = bound - 2
+        with open(out, "w") as f:
+            for line in (model_dir / "data.jsonl").read_text().splitlines():
+                words = json.loads(line)["text"].split()
+                f.write(json.dumps({"prompt": " ".join(words[:n]), "answer": words[n]}) + "\n")
+    return out
 
 
 def preference_pairs(model_dir: Path) -> Path:
@@ -189,6 +224,7 @@ def run_case(case: dict, model_dir: Path, work: Path, timeout: float) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)  # a case measured again (same --work-dir) starts in an empty dir
     if case.get("data") == "pairs":
         preference_pairs(model_dir)
+
     argv = [sys.executable, "train.py", *job_overrides(model_dir, run_dir), *data_overrides(case, model_dir)]
     argv += case["overrides"]
     log = run_dir.with_suffix(".log")

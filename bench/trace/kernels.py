@@ -26,7 +26,8 @@ here from its source, in the ops it runs, so the tracer sees the tensors the GPU
 - Boolean-mask indexing (TRL's fused head scores `hidden_states[labels != -100]` on Triton devices):
   nonzero's output size is data, which a fake tensor has none of. The trace's labels are all valid
   (every position with a next token: the planner's own bound), so a boolean index selects every
-  element: nonzero's int64 (N, ndim) indices and the gathered rows, as on the GPU.
+  element: nonzero's int64 (N, ndim) indices and the gathered rows, as on the GPU. GRPO labels its
+  completions alone, and registers their count for the mask's shape (`KNOWN_TRUE`).
 - transformers' mask decisions read the batch (padding, packed sequences); on fake tensors it
   assumes the worst and builds an explicit mask. At micro-batch 1 the step passes no attention mask
   (step.py) and `known_sequences` answers the packed-sequence check from the batch the tracer made.
@@ -46,6 +47,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
+# Boolean masks whose true elements are fewer than all of them, by shape: the count (objectives.py:
+# grpo's fused head scores the completions alone)
+KNOWN_TRUE: dict[tuple[int, ...], int] = {}
+# While set: the answer to a boolean tensor read as a Python bool (data a fake tensor has none of);
+# objectives.py sets False while it samples (prompts padded, no right padding)
+BOOL_READS: list[bool] = []
 GEMM_4BIT_CUSTOM_MAX_M = 1536
 DEQUANTIZE = (
     "bitsandbytes.dequantize_4bit",
@@ -159,9 +166,12 @@ class GpuKernels(TorchDispatchMode):
         if func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
             self._count("bool index")
             return self._bool_index(args[0], args[1])
+        if func is aten._local_scalar_dense.default and BOOL_READS and args[0].dtype == torch.bool:
+            self._count("bool read")
+            return BOOL_READS[-1]
         if func is aten.nonzero.default:
             self._count("nonzero")
-            return torch.empty((args[0].numel(), args[0].dim()), dtype=torch.long, device=args[0].device)
+            return torch.empty((_true_count(args[0]), args[0].dim()), dtype=torch.long, device=args[0].device)
         return func(*args, **kwargs)
 
     def _tagged(self, func, args, kwargs):
@@ -208,11 +218,17 @@ class GpuKernels(TorchDispatchMode):
         out_idx = []
         for i in indices:
             if i is not None and i.dtype == torch.bool:
-                nz = torch.empty((i.numel(), i.dim()), dtype=torch.long, device=i.device)
+                nz = torch.empty((_true_count(i), i.dim()), dtype=torch.long, device=i.device)
                 out_idx += list(nz.unbind(1))
             else:
                 out_idx.append(i)
         return aten.index.Tensor(x, out_idx)
+
+
+def _true_count(mask: torch.Tensor) -> int:
+    """The true elements of a boolean mask: all of them (the trace's labels are all valid) but where
+    the step registered fewer for its shape (KNOWN_TRUE)."""
+    return KNOWN_TRUE.get(tuple(mask.shape), mask.numel())
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:

@@ -27,11 +27,15 @@ from typing import Any
 
 from bench import REPO
 
-PHASES = ("forward", "loss", "reference", "backward", "optimizer")
+PHASES = ("prefill", "decode", "kl", "forward", "loss", "reference", "backward", "optimizer")
 # the plan's phase names for the trace's (loss: the fused head forward and backward; backward: the
-# decoder layers' backward with their recompute; reference: DPO's no_grad reference forward; forward
-# has no row of its own in a plan)
+# decoder layers' backward with their recompute; reference: DPO's and KTO's no_grad reference forward;
+# kl: KTO's no_grad forward of its KL batch; prefill and decode: GRPO's generation, the plan's
+# sampling phase the larger of the two; forward has no row of its own in a plan)
 PLAN_PHASE = {
+    "prefill": "train: sampling",
+    "decode": "train: sampling",
+    "kl": "train: KL forward",
     "loss": "train: loss",
     "reference": "train: reference forward",
     "backward": "train: layer backward",
@@ -235,6 +239,8 @@ def compare(result: dict, plan: dict, device: str = "cuda:0") -> dict:
             continue
         static = sum(comps.get(k, {}).get(device, 0) for k in STATIC) + comps.get("offload_staging", {}).get(device, 0)
         transient = _plan_transient(comps, device, plan_name)
+        if plan_name in phases and phases[plan_name]["traced_gib"] >= round(got["total"] / GiB, 3):
+            continue  # grpo: the larger of the prefill and the decoding steps
         phases[plan_name] = {
             "traced_gib": round(got["total"] / GiB, 3),
             "planned_gib": round((static + transient) / GiB, 3),
@@ -263,4 +269,8 @@ def _plan_transient(comps: dict, device: str, phase: str) -> int:
         return row("activations") + row("layer_working") + row("dequant_scratch")
     if phase == "train: reference forward":
         return row("activations") + row("reference_forward")
+    if phase == "train: KL forward":
+        return row("kl_forward")
+    if phase == "train: sampling":
+        return row("sampling")
     return row("optimizer_scratch")

@@ -17,13 +17,8 @@ with the optimizer state live, as every step of a run but the first; its peaks a
 Phases, as the plan names them: forward (the backbone), loss (the fused head's forward and
 backward), backward (the decoder layers' backward), optimizer (clipping and the step).
 
-An objective with preference pairs (DPO: config/objectives.py `sequences` 2) traces TRL's
-DPOTrainer._compute_loss: one forward over the concatenated batch, chosen then rejected (2 x
-micro_batch_size rows), its per-sequence log-probs from the fused head; then, while the policy's
-activations wait for the backward, the reference's forward through the same fused head under
-no_grad with the adapter off (`model.disable_adapter()`, TRL's `use_adapter(model, None)`; phase
-reference) unless its log-probs are precomputed; the sigmoid loss of the two; backward. TRL also
-turns checkpointing off around the reference forward: under no_grad nothing is saved either way.
+An objective's own parts (DPO's pairs and reference forward, KTO's KL batch, GRPO's sampling phase
+and completion-only head) are objectives.py's, each as TRL runs it.
 
 At micro-batch 1 a real batch has no padding and transformers skips the attention mask (SDPA's
 is_causal); it cannot tell that from a fake tensor (it treats fake tensors as tracing and always
@@ -40,6 +35,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+from bench.trace import objectives
+
 STEPS = 2
 
 
@@ -53,7 +50,7 @@ def _batch(cfg: Any, device: str, vocab: int):
 
     from qlora_recipes.config.schema import padding_free_on
 
-    b, s = int(cfg.trainer.micro_batch_size) * _pairing(cfg).sequences, int(cfg.trainer.seq_len)
+    b, s = objectives.train_rows_and_len(cfg)
     padding_free = padding_free_on(cfg.data)
     collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=padding_free)
     lengths = [s] * b if padding_free or b == 1 else [s] * (b - 1) + [s - 1]
@@ -73,38 +70,9 @@ def _batch(cfg: Any, device: str, vocab: int):
             return v
         return (mode.from_tensor(v) if mode is not None else v).to(device)
 
-    return {k: move(v) for k, v in batch.items()}
-
-
-def _pairing(cfg: Any):
-    """The objective's row (config/objectives.py): sequences per example, whether a reference scores them."""
-    from qlora_recipes.config.objectives import objective
-
-    return objective(cfg.objective.name)
-
-
-def _reference_on(cfg: Any) -> bool:
-    """A reference forward every micro-batch: the objective has one and its log-probs are not precomputed."""
-    return _pairing(cfg).reference and not getattr(cfg.objective, "precompute_ref_log_probs", False)
-
-
-def _preference_loss(cfg: Any, model, batch: dict, logps, tracker):
-    """DPO's sigmoid loss of the policy's per-sequence log-probs (chosen rows first) against the
-    reference's: scored with the adapter off under no_grad, as DPOTrainer does, or taken as
-    precomputed (a batch column in a run: zeros here, no forward)."""
-    import torch
-    import torch.nn.functional as F
-
-    if _reference_on(cfg):
-        tracker.phase = "reference"
-        with torch.no_grad(), model.disable_adapter(), tracker.second_forward():
-            ref = model(**batch, fused_lm_head=True).log_probs.sum(dim=1)
-        tracker.phase = "loss"  # the policy's head backward comes first, as in SFT
-    else:
-        ref = torch.zeros_like(logps.detach())
-    chosen, rejected = (logps - ref).chunk(2, dim=0)
-    beta = float(getattr(cfg.objective, "beta", 0.1))
-    return -F.logsigmoid(beta * (chosen - rejected)).mean()
+    moved = {k: move(v) for k, v in batch.items()}
+    objectives.score_completions_only(cfg, moved)
+    return moved
 
 
 def _sft_args(cfg: Any):
@@ -167,7 +135,7 @@ def _autocast(cfg: Any, device: str):
 
 
 def _offload_ctx(cfg: Any, model):
-    if not cfg.trainer.activation_offloading:
+    if not cfg.trainer.activation_offloading or cfg.objective.name == "grpo":  # GRPOTrainer has no such path
         return contextlib.nullcontext
     from trl.models.activation_offloading import get_act_offloading_ctx_manager
 
@@ -226,10 +194,10 @@ def run_step(cfg: Any, model, device: str, tracker, kernel_mode=None) -> dict:
     batch = _batch(cfg, device, model.config.vocab_size)
     optimizer, args = _optimizer(cfg, model)
     offload = _offload_ctx(cfg, model)
-    n_labels = int(batch["labels"].numel())  # every label valid (the tracer's batch)
+    # every label valid (the tracer's batch), grpo's completions alone
+    n_labels = int(batch["labels"].shape[0]) * (objectives.completion_len(cfg) or int(batch["labels"].shape[1]))
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     accumulate = 2 if int(cfg.trainer.grad_accum) > 1 else 1
-    pairs = _pairing(cfg).sequences > 1  # DPO: chosen and rejected in one forward
     times = []
     held_bytes: list[int] = []
     tracker_on = False
@@ -247,18 +215,17 @@ def run_step(cfg: Any, model, device: str, tracker, kernel_mode=None) -> dict:
         tracker.phase = "forward"
         with offload():
             with _autocast(cfg, device):
+                kl = objectives.kl_forward(cfg, model, batch, tracker)  # kto: before anything is kept
                 out = model(**batch, fused_lm_head=True)
-                if pairs:
-                    loss = _preference_loss(cfg, model, batch, out.log_probs.sum(dim=1), tracker)
-                else:
-                    loss = (-out.log_probs).sum() / max(1, n_labels)
-            del out
+                loss = objectives.loss(cfg, model, batch, out, n_labels, tracker, kl)
+            del out, kl
             loss.backward()
         del loss
         held = tracker.release_transients() if tracker_on else 0
         held_bytes.append(held)
 
     def one_step(micro_batches: int) -> None:
+        objectives.sample(cfg, model, device, tracker, model.config.vocab_size)  # grpo: the step's completions
         for _ in range(micro_batches):
             micro_batch()
         tracker.phase = "optimizer"

@@ -43,9 +43,19 @@ LONG = [
 ]
 TILED_SEQS = (32768, 65536)
 # Objectives on the 8B base beyond their recipes (recipe llama3.1-8b-24gb-dpo traces DPO with the
-# adapter-off reference forward): DPO with the reference's log-probs precomputed, no reference forward
+# adapter-off reference forward, llama3.1-8b-24gb-grpo GRPO's sampling with beta 0): DPO with the
+# reference's log-probs precomputed, no reference forward; KTO, its KL batch and reference forwards;
+# GRPO with a reference forward (beta > 0)
 OBJECTIVE_CASES = {
     "objective=dpo, precomputed reference": ["objective=dpo", "objective.precompute_ref_log_probs=true"],
+    "objective=kto": ["objective=kto"],
+    "objective=grpo, beta 0.04 (a reference forward)": [
+        "objective=grpo",
+        "objective.beta=0.04",
+        "objective.num_generations=8",
+        "objective.max_completion_length=1024",
+        "trainer.seq_len=512",
+    ],
 }
 
 

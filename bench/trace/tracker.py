@@ -36,6 +36,8 @@ TRANSIENT = (
     "dequant_scratch",
     "optimizer_scratch",
     "reference_forward",
+    "kl_forward",
+    "sampling",
     "other",
 )
 HELD = "held_by_tracker"
@@ -45,7 +47,10 @@ PHASE_COMPONENT = {
     "loss": "lm_head_loss",
     "backward": "layer_working",
     "optimizer": "optimizer_scratch",
-    "reference": "reference_forward",  # DPO: the reference's no_grad forward, adapter off
+    "reference": "reference_forward",  # DPO, KTO: the reference's no_grad forward, adapter off
+    "kl": "kl_forward",  # KTO: the policy's no_grad forward of its KL batch
+    "prefill": "sampling",  # GRPO: the step's generation, its prompts' forward
+    "decode": "sampling",  # and its decoding steps
 }
 
 
@@ -170,6 +175,19 @@ class PlanTracker(MemTracker):
             self.reset_mod_stats()
             self.memory_tracking.update(saved)
 
+    @contextlib.contextmanager
+    def modules_untracked(self):
+        """Forwards without module stats (generation's prefill and one per decoding step, no backward):
+        MemTracker keeps one set per iteration; bytes are counted throughout."""
+        active = self._depth > 0
+        if active:
+            self._mod_tracker.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            if active:
+                self._mod_tracker.__enter__()
+
     def release_transients(self) -> int:
         """After a micro-batch's backward nothing of its transients is left in a run; what is still
         alive here is held by MemTracker's own module hooks (register_multi_grad_hook keeps the
@@ -211,7 +229,7 @@ class PlanTracker(MemTracker):
                 "inputs",
             ):
                 op = getattr(winfo, "op", None) or ("?", "?")
-                rows.append((winfo.component, op[0], op[1], winfo.mem_consumed))
+                rows.append((getattr(winfo, "component", "?"), op[0], op[1], winfo.mem_consumed))
         return sorted(rows, key=lambda r: -r[3])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> None:
 
         interrupts.install(lambda signame: f"qlora {name}: {interrupts.starting_line(signame)}")
         module = importlib.import_module(f"{__name__}.{SUBCOMMANDS[name][0]}")
-        module.run(rest, prog=f"qlora {name}")
+        own = {"own_process": True} if name == "train" else {}  # the one command this process runs
+        module.run(rest, prog=f"qlora {name}", **own)
     except KeyboardInterrupt as err:
         import signal
 

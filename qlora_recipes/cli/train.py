@@ -51,6 +51,7 @@ class _Launch:
 
     started = 0.0
     deferred_hydra_files = False
+    own_process = False  # this process runs this one command and exits (train.py, `qlora train`)
 
 
 def main(cfg: DictConfig) -> float | None:
@@ -89,6 +90,10 @@ def _checked_train(composed: DictConfig, run_dir: Path, hydra_cfg, multirun: boo
             f"dist={cfg.dist.strategy} runs one process per rank and this is a single process: start it with "
             "`qlora launch RECIPE` or `torchrun --nproc_per_node N train.py ...`, or use dist=none"
         )
+    if _Launch.own_process and not multirun:  # before TRL is imported: it imports every tracker installed
+        from ..integrations import trackers
+
+        trackers.leave_unused_unimported(cfg.logger)
     from ..run.lifecycle import Preempted
     from ..run.training import train
 
@@ -201,7 +206,8 @@ def _hydra_main() -> None:
 
 
 @quiet_when_the_reader_goes()  # `train.py --help | head`, `--cfg job | head`
-def run(argv: list[str], prog: str = "qlora train") -> None:
+def run(argv: list[str], prog: str = "qlora train", own_process: bool = False) -> None:
+    """The train command; `own_process`: this process runs it and exits (its entry points say so)."""
     if any(a in ("-h", "--help") for a in argv):
         from .helptext import hydra_help
 
@@ -215,6 +221,7 @@ def run(argv: list[str], prog: str = "qlora train") -> None:
         )
         sys.exit(2)
     _Launch.started = time.time()
+    _Launch.own_process = own_process
     set_command(prog)
     multirun = any(a in ("-m", "--multirun") for a in argv)
     own_subdir = any(a.lstrip("+").startswith("hydra.output_subdir=") for a in argv)

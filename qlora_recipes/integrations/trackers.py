@@ -37,6 +37,9 @@ PACKAGES = {
     "mlflow": (("mlflow", "sqlalchemy", "alembic"), "mlflow-skinny sqlalchemy alembic"),
     "trackio": (("trackio",), "trackio"),
 }
+# The trackers TRL 1.16 imports when installed, used or not (trl.extras.profiling, trl's base trainer):
+# about 1.5 s of every run's start with all three
+IMPORTED_BY_TRL = ("wandb", "mlflow", "trackio")
 EXTRA = "pip install 'qlora-recipes[trackers]' (or pip install -r requirements-extras.txt in a checkout)"
 WANDB_MODES = ("online", "offline", "disabled")
 # Overrides that do not change what is trained: left out of the run's name (and the reproduce command's group)
@@ -50,6 +53,19 @@ IDS_FILE = (
 def enabled(logger: LoggerConfig) -> list[str]:
     """The backends switched on, in BACKENDS order."""
     return [name for name in BACKENDS if getattr(logger, name).enabled]
+
+
+def leave_unused_unimported(logger: LoggerConfig) -> list[str]:
+    """For a process that runs this one run and exits: the installed trackers it does not report to
+    are marked absent (`sys.modules[name] = None`, Python's own "no such module"), so TRL's imports skip
+    them and transformers' availability checks say no, for the rest of the process. Returns them."""
+    import sys
+
+    used = set(enabled(logger))
+    skipped = [m for m in IMPORTED_BY_TRL if m not in used and m not in sys.modules and importlib.util.find_spec(m)]
+    for module in skipped:
+        sys.modules[module] = None
+    return skipped
 
 
 def report_to(logger: LoggerConfig) -> list[str]:

@@ -90,8 +90,10 @@ class _Head:
 
 def _head(st: StackSpec, b: int, on_cpu: bool) -> _Head:
     c, r, _ = act_dtypes(st, on_cpu)
-    # grpo: the fused head over the completions alone (TRL's logits_to_keep), not the prompts
-    n_pos = b * (getattr(st, "completion_len", 0) or st.seq_len - 1)
+    # grpo: the fused head over the completions alone (TRL's labels), not the prompts - where Triton
+    # runs it compact; on the CPU TRL scores every position (fixed tile shapes) and masks after
+    completion = getattr(st, "completion_len", 0) if not on_cpu else 0
+    n_pos = b * (completion or st.seq_len - 1)
     fig = st.fig
     return _Head(
         n_pos, min(n_pos, TOKEN_TILE), min(fig.vocab_size, VOCAB_TILE), c, r, fig.hidden_size,
@@ -178,20 +180,24 @@ def reference_head_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
 def sampling_bytes(st: StackSpec, layers: int, with_head: bool, on_cpu: bool = False) -> int:
     """grpo's generation on one device computing `layers` decoder layers (and the LM head when
     `with_head`): TRL 1.16 samples a generation batch (micro-batch x grad_accum completions) with
-    transformers generate under no_grad, the adapter on: the KV cache of every layer for each sequence's
-    seq_len positions (its prompt padded to the longest, then max_completion_length new tokens), the
-    larger of the prefill (one layer's no_grad forward over the batch) and one layer's keys grown by
-    torch.cat, and the last position's logits with their fp32 copy (sampling at the temperature)."""
+    transformers generate under no_grad, the adapter on, outside autocast (the projections come out in
+    the residual dtype, the KV cache too). The larger of two moments: the prefill, when every layer's
+    KV cache holds the prompts (padded to the longest, trainer.seq_len positions) and one layer's
+    forward runs over them; and the last decoding step, when it holds every position (prompt plus
+    max_completion_length) and one layer's keys are grown by torch.cat (old and new alive at once).
+    The last position's logits with their fp32 copy (sampling at the temperature) beside either."""
     batch = st.sample_rows
     if not batch or not (layers or with_head):
         return 0
     fig = st.fig
     _, r, _ = act_dtypes(st, on_cpu)
-    kv = 2 * fig.num_kv_heads * fig.head_dim * r * batch * st.seq_len  # keys and values, one layer
+    position = 2 * fig.num_kv_heads * fig.head_dim * r * batch  # keys and values of one position, one layer
+    prompt = st.seq_len - st.completion_len
     total = 0
     if layers:
-        prefill = eval_layer_bytes(st, batch, on_cpu, autocast=False)
-        total = layers * kv + max(prefill, kv // 2)
+        prefill = layers * position * prompt + eval_layer_bytes(st, batch, on_cpu, s=prompt, autocast=False)
+        decode = layers * position * st.seq_len + position * st.seq_len // 2
+        total = max(prefill, decode)
     if with_head:
         total += batch * fig.vocab_size * (r + 4)
     return total

@@ -129,7 +129,9 @@ def plan_and_print(composed: DictConfig) -> None:
     if _HARDWARE["longest"]:
         longest = planner.longest_seq_len(cfg, gpus=gpus, host_ram=host_ram)
         fit = f"trainer.seq_len={longest}" if longest else "none (not even 64 tokens fit)"
-        print(f"longest sequence that fits {planned_for}: {fit} (micro-batch {cfg.trainer.micro_batch_size})")
+        grpo = cfg.objective.name == "grpo" and longest  # its seq_len bounds the prompt
+        sampled = f"; prompts, each completion up to {cfg.objective.max_completion_length} tokens more" if grpo else ""
+        print(f"longest sequence that fits {planned_for}: {fit} (micro-batch {cfg.trainer.micro_batch_size}{sampled})")
 
 
 @quiet_when_the_reader_goes()

@@ -110,6 +110,9 @@ REGISTRY: dict[str, How] = {
     "qlora plan recipe=llama3.1-8b-24gb objective=kto": How(expect=r"KL forward"),
     "python train.py objective=grpo": How(suffix=SMOKE, expect=r"(?m)^\s*reward\s+\S+ -> "),
     "qlora plan recipe=llama3.1-8b-24gb objective=grpo": How(expect=r"(?m)^(FITS|DOES NOT FIT): peak"),
+    "qlora plan recipe=llama3.1-8b-24gb-grpo --longest-seq": How(
+        expect=r"trainer\.seq_len=\d+ \(micro-batch 2; prompts, each completion up to 1024 tokens more\)"
+    ),
     "python train.py objective=grpo 'objective.rewards=[exact_match,my_rewards:short_answers]'": How(
         suffix=SMOKE, files=("my_rewards.py",), expect=r"(?m)^\s*reward\s+\S+ -> "
     ),

@@ -49,11 +49,11 @@ def _as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _python(code: str, cwd) -> str:
-    """What a child Python running `code` prints (its stderr too, after it, for the failure message).
-    It imports this checkout's package, wherever `cwd` is."""
+def _run_python(code: str, cwd) -> subprocess.CompletedProcess:
+    """A child Python running `code`, Ctrl-C as in a terminal; it imports this checkout's package,
+    wherever `cwd` is."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", code],
         cwd=cwd,
         env=env,
@@ -62,6 +62,11 @@ def _python(code: str, cwd) -> str:
         timeout=60,
         preexec_fn=_as_in_a_terminal,
     )
+
+
+def _python(code: str, cwd) -> str:
+    """What a child Python running `code` prints (its stderr too, after it, for the failure message)."""
+    done = _run_python(code, cwd)
     return done.stdout.strip() + ("\n" + done.stderr if done.stderr else "")
 
 
@@ -137,17 +142,8 @@ def test_a_stop_signal_before_anything_is_held_ends_the_process_at_once_with_its
         "import long_import\n"
         "print('not stopped')"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        preexec_fn=_as_in_a_terminal,
-    )
+    done = _run_python(script, tmp_path)
     name = sig.split(".")[1]
     said = "SIGINT (Ctrl-C)" if name == "SIGINT" else name
     assert (done.returncode, done.stderr) == (code, f"mine: stopped by {said} while starting; nothing was written\n")

@@ -126,7 +126,6 @@ def test_wandb_online_without_a_login_leaves_the_run_dir_untouched(no_wandb_logi
 
 SKIPPED_IN_A_CHILD = """
 import sys
-sys.path.insert(0, "tests")
 from conftest import compose_cfg
 from qlora_recipes.integrations import trackers
 skipped = trackers.leave_unused_unimported(compose_cfg(*sys.argv[1:]).logger)
@@ -148,7 +147,13 @@ def test_a_run_in_its_own_process_leaves_the_trackers_it_does_not_use_unimported
     them imports none. Checked where all three are installed (CI installs requirements-extras.txt)."""
     if not all(importlib.util.find_spec(m) for m in trackers.IMPORTED_BY_TRL):
         pytest.skip("needs wandb, mlflow and trackio installed (requirements-extras.txt)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}  # conftest's compose
     out = subprocess.run(
-        [sys.executable, "-c", SKIPPED_IN_A_CHILD, *overrides], cwd=REPO, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", SKIPPED_IN_A_CHILD, *overrides],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.stdout.strip().splitlines()[-1] == said, out.stderr[-2000:]

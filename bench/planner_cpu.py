@@ -102,7 +102,7 @@ def data_overrides(case: dict, model_dir: Path) -> list[str]:
     if case.get("data") == "pairs":
         return [f"data.path={model_dir / 'pairs.jsonl'}", "data.format=preference"]
     if case.get("data") == "prompts":
-        return [f"data.path={prompt_rows(model_dir, _prompt_bound(case))}", "data.format=prompt"]
+        return [f"data.path={prompts_file(model_dir, _prompt_bound(case))}", "data.format=prompt"]
     return []
 
 
@@ -110,11 +110,15 @@ def _prompt_bound(case: dict) -> int:
     return int(next(o for o in case["overrides"] if o.startswith("trainer.seq_len=")).split("=")[1])
 
 
+def prompts_file(model_dir: Path, bound: int) -> Path:
+    return model_dir / f"prompts-{bound}.jsonl"
+
+
 def prompt_rows(model_dir: Path, bound: int) -> Path:
     """prompts-BOUND.jsonl beside the model's text rows: each row's first words a prompt that fills the
     case's bound (the word-level tokenizer: a token a word, and BOS), as the text rows fill seq_len -
     a longer prompt would be dropped, not truncated - and its next word the answer."""
-    out = model_dir / f"prompts-{bound}.jsonl"
+    out = prompts_file(model_dir, bound)
     if not out.is_file():
         n = bound - 2
         with open(out, "w") as f:
@@ -224,6 +228,8 @@ def run_case(case: dict, model_dir: Path, work: Path, timeout: float) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)  # a case measured again (same --work-dir) starts in an empty dir
     if case.get("data") == "pairs":
         preference_pairs(model_dir)
+    if case.get("data") == "prompts":
+        prompt_rows(model_dir, _prompt_bound(case))
 
     argv = [sys.executable, "train.py", *job_overrides(model_dir, run_dir), *data_overrides(case, model_dir)]
     argv += case["overrides"]

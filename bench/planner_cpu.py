@@ -89,10 +89,9 @@ def cases() -> list[dict]:
     for stack, overrides, models, data in OBJECTIVE_STACKS:
         for model in models:
             b, s = shapes_for(model)["default"]
-            ov = [*overrides, f"trainer.micro_batch_size={b}", f"trainer.seq_len={s}"]
-            if data == "prompts":  # grpo: the prompt's bound (its sequences: + 32), groups that fill a micro-batch
-                ov[-1] = f"trainer.seq_len={s - 32}"
-                ov.insert(-2, f"objective.num_generations={b}")
+            grpo = data == "prompts"  # the prompt's bound (its sequences: + 32), groups that fill a micro-batch
+            groups = [f"objective.num_generations={b}"] if grpo else []
+            ov = [*overrides, *groups, f"trainer.micro_batch_size={b}", f"trainer.seq_len={s - 32 if grpo else s}"]
             out.append({"name": f"{model}/{stack}", "model": model, "stack": stack, "overrides": ov, "data": data})
     return out
 
@@ -230,7 +229,6 @@ def run_case(case: dict, model_dir: Path, work: Path, timeout: float) -> dict:
         preference_pairs(model_dir)
     if case.get("data") == "prompts":
         prompt_rows(model_dir, _prompt_bound(case))
-
     argv = [sys.executable, "train.py", *job_overrides(model_dir, run_dir), *data_overrides(case, model_dir)]
     argv += case["overrides"]
     log = run_dir.with_suffix(".log")

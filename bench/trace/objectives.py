@@ -21,12 +21,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-
-def objective(cfg: Any):
-    """The objective's row (config/objectives.py): sequences per example, whether a reference scores them."""
-    from qlora_recipes.config.objectives import objective as row
-
-    return row(cfg.objective.name)
+from qlora_recipes.config.objectives import objective
 
 
 def completion_len(cfg: Any) -> int:
@@ -37,7 +32,7 @@ def completion_len(cfg: Any) -> int:
 def train_rows_and_len(cfg: Any) -> tuple[int, int]:
     """(rows, tokens) of one training forward: the micro-batch's examples times the objective's
     sequences, at trainer.seq_len (grpo: the prompt's bound plus its completion)."""
-    rows = int(cfg.trainer.micro_batch_size) * objective(cfg).sequences
+    rows = int(cfg.trainer.micro_batch_size) * objective(cfg.objective.name).sequences
     return rows, int(cfg.trainer.seq_len) + completion_len(cfg)
 
 
@@ -46,7 +41,7 @@ def reference_on(cfg: Any) -> bool:
     log-probs are not precomputed."""
     if cfg.objective.name == "grpo":
         return float(cfg.objective.beta or 0) > 0
-    return objective(cfg).reference and not getattr(cfg.objective, "precompute_ref_log_probs", False)
+    return objective(cfg.objective.name).reference and not getattr(cfg.objective, "precompute_ref_log_probs", False)
 
 
 def score_completions_only(cfg: Any, batch: dict) -> None:
@@ -81,7 +76,7 @@ def kl_forward(cfg: Any, model, batch: dict, tracker):
     tokens as the batch), before anything of the micro-batch is kept; its per-sequence log-probs."""
     import torch
 
-    if not objective(cfg).kl_batch:
+    if not objective(cfg.objective.name).kl_batch:
         return None
     tracker.phase = "kl"
     with torch.no_grad(), tracker.second_forward():

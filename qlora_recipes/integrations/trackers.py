@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,8 +60,6 @@ def leave_unused_unimported(logger: LoggerConfig) -> list[str]:
     """For a process that runs this one run and exits: the installed trackers it does not report to
     are marked absent (`sys.modules[name] = None`, Python's own "no such module"), so TRL's imports skip
     them and transformers' availability checks say no, for the rest of the process. Returns them."""
-    import sys
-
     used = set(enabled(logger))
     skipped = [m for m in IMPORTED_BY_TRL if m not in used and m not in sys.modules and importlib.util.find_spec(m)]
     for module in skipped:

@@ -60,3 +60,11 @@ def test_committed_plans_are_todays_plans(results, tmp_path):
         again = dict(e)
         planner_cpu.replan(again, tmp_path / e["model"])
         assert again["planned_gib"] == pytest.approx(e["planned_gib"], abs=0.002), e["name"]
+
+
+def test_each_objective_is_measured_on_two_models(results):
+    """DPO, KTO and GRPO each run on the 50M and the 300M model, measured within 10 % of their plan."""
+    for name in ("dpo", "kto", "grpo"):
+        measured = [e for e in results["cases"] if e["name"].endswith(f"/nf4-{name}")]
+        assert {e["model"] for e in measured} == {"llama-50m", "llama-300m"}, name
+        assert all(e["within"] for e in measured), name

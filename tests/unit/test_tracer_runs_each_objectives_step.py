@@ -74,3 +74,19 @@ def test_the_grpo_step_samples_its_completions_then_trains_on_them():
     cmp = compare(r, plan_for(GRPO, [24 * GiB]), "cuda:0")
     sampling = cmp["phases"]["train: sampling"]
     assert 0.8 < sampling["traced_gib"] / sampling["planned_gib"] < 1.25, cmp
+
+
+def test_the_committed_traces_hold_each_objective_on_the_8b_base_within_ten_percent():
+    """bench/results/planner-traced.json (`python -m bench trace --suite`): DPO, KTO and GRPO each
+    traced on Llama-3.1-8B within 10 % of the plan, GRPO's sampling phase among its phases."""
+    import json
+
+    from conftest import REPO
+
+    cases = json.loads((REPO / "bench/results/planner-traced.json").read_text())["cases"]
+    for name in ("dpo", "kto", "grpo"):
+        traced = [c for c in cases if "8b" in c["case"] and f"objective={name}" in " ".join(c["overrides"])]
+        traced += [c for c in cases if c["case"] == f"recipe llama3.1-8b-24gb-{name}"]
+        assert traced and all(c["within"] and 0.9 <= c["ratio"] <= 1.1 for c in traced), name
+    grpo = next(c for c in cases if c["case"] == "recipe llama3.1-8b-24gb-grpo")
+    assert grpo["traced_peak_phase"] == "train: sampling" and "train: sampling" in grpo["phases"]

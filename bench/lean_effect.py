@@ -2,7 +2,9 @@
 option, compared step by step. `upcast_frozen`: the frozen parts upcast to fp32
 (prepare_model_for_kbit_training, today's default) or kept in bf16 (precision.upcast_frozen=false);
 `tiled_mlp`: the MLP whole or over tiles of 64 tokens (trainer.tiled_mlp; small tiles, so both
-models' micro-batches are tiled).
+models' micro-batches are tiled); `lean_rmsnorm`: the RMSNorms as transformers runs them or keeping
+their 16-bit input (trainer.lean_rmsnorm); `adapter_dtype`: fp32 or bf16 adapters, in bf16 compute
+(peft.adapter_dtype).
 
     python -m bench.lean_effect                      # the tiny default + a ~100 M-parameter random Llama, CPU
     python -m bench.lean_effect --option tiled_mlp   # the same two models, MLP untiled vs tiled
@@ -67,6 +69,9 @@ def _cases(work: Path, steps: int) -> list[tuple[str, list[str]]]:
 OPTIONS = {
     "upcast_frozen": ("precision.upcast_frozen", "true", "false", [], "frozen parts fp32 vs bf16"),
     "tiled_mlp": ("trainer.tiled_mlp", "false", "true", ["trainer.tiled_mlp_tile=64"], "MLP untiled vs tiled"),
+    "lean_rmsnorm": ("trainer.lean_rmsnorm", "false", "true", [], "RMSNorm saving an fp32 copy vs its 16-bit input"),
+    # compared in bf16 compute, where the QLoRA paper and TRL train bf16 adapters
+    "adapter_dtype": ("peft.adapter_dtype", "float32", "bfloat16", ["precision=bf16"], "adapters fp32 vs bf16"),
 }
 
 

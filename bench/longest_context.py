@@ -41,6 +41,7 @@ LEAN_OPTIONS = (
     "trainer.activation_offloading=true",
     "trainer.activation_offload_stash=1",
     "trainer.tiled_mlp=true",
+    "trainer.lean_rmsnorm=true",
     "offload.embeddings=true",
 )
 UNSLOTH_8B = "https://unsloth.ai/docs/basics/unsloth-benchmarks"
@@ -63,15 +64,20 @@ SOURCE_NOTE = {
     UNSLOTH_70B: "unsloth blog, Llama 3.3: 'Llama 3.3 (70B) max. context length' (80GB A100, 4-bit QLoRA on all "
     "linear layers, rank 32, batch 1, sequences padded to length)",
 }
-# Per case, what the length asks for beyond the lean options: RoPE scaling where unsloth's figure is
-# past Llama-3.1's 131,072 positions (yarn x4: 524,288), and pageable host copies where pinned ones,
-# each rounded up to a power of two, would outgrow the declared host RAM first.
+# Per case, what the length asks for beyond the lean options: RoPE scaling where unsloth's figure or
+# ours is past Llama-3.1's 131,072 positions (yarn x4: 524,288), and pageable host copies where pinned ones,
+# each rounded up to a power of two, would outgrow the declared host RAM first. The 70B on 48 GB: its
+# 4-bit weights leave about 4 GiB to train in, so MLP tiles of 1,024 tokens (the auto tile, hidden_size
+# = 8,192 tokens, would leave a 12k sequence in two tiles) and the adapters in bf16 as the QLoRA paper
+# and TRL train them (1.5 GiB of fp32 weights and gradients less; small updates round away).
 ROPE_X4 = "model.rope_scaling={rope_type:yarn,factor:4}"
 PAGEABLE = "trainer.activation_offload_pinned=false"
 CASE_OPTIONS = {
+    ("llama3.1-8b", 24): (ROPE_X4,),  # its plan outgrows Llama-3.1's 131,072 positions
     ("llama3.1-8b", 40): (ROPE_X4,),
     ("llama3.1-8b", 48): (ROPE_X4,),
     ("llama3.1-8b", 80): (ROPE_X4, PAGEABLE),
+    ("llama3.1-70b", 48): ("trainer.tiled_mlp_tile=1024", "peft.adapter_dtype=bfloat16"),
     ("llama3.1-70b", 80): (PAGEABLE,),
 }
 PRINTED = re.compile(r"longest sequence that fits .*: (?:trainer\.seq_len=(\d+)|none)")
@@ -322,7 +328,8 @@ def compact(doc: dict) -> str:
         "Ours: the `qlora plan ... --longest-seq` command of each case in "
         "[bench/results/longest-context.md](bench/results/longest-context.md) (unsloth's settings: 4-bit, LoRA r=32 "
         f"on all 7 linears, no LoRA dropout, batch 1; plus `{' '.join(doc['lean_options'])}`; past 131,072 tokens "
-        f"`{ROPE_X4}`, and on 80 GB `{PAGEABLE}`); * the model's positions. "
+        f"`{ROPE_X4}`, on 80 GB `{PAGEABLE}`, and on 70B at 48 GB "
+        f"`{' '.join(CASE_OPTIONS[('llama3.1-70b', 48)])}`); * the model's positions. "
         f"Unsloth: [docs]({UNSLOTH_8B}) (8B), [Llama 3.3 blog]({UNSLOTH_70B}) (70B, Llama-3.3 shape)."
     )
     return "\n".join(lines)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
+from ..model.families import traits
 from ..units import PRECISION_DTYPE, dtype_name
 from .fields import keys, range_ok, values
 from .objectives import BUILTIN_REWARDS, OBJECTIVES
@@ -311,7 +312,7 @@ def _check_combinations(cfg: TrainConfig) -> None:
             f"optim.scheduler={scheduler} steps on the eval loss: set trainer.eval_steps=N (N >= 1) and keep an "
             "eval split (data.eval_fraction > 0 or data.eval_path)"
         )
-    _check_tiled_mlp(cfg)
+    _check_lean_modules(cfg)
     if t.eval_steps > 0 and not has_eval:
         # the trainer would skip every evaluation without a word (hf_configs.sft_config turns it off)
         raise UserError(
@@ -321,18 +322,49 @@ def _check_combinations(cfg: TrainConfig) -> None:
         )
 
 
-def _check_tiled_mlp(cfg: TrainConfig) -> None:
-    """trainer.tiled_mlp is tested in one process, without Liger's own MLP kernels."""
-    t = cfg.trainer
-    if not t.tiled_mlp:
+def _check_adapter_dtype(cfg: TrainConfig) -> None:
+    """peft.adapter_dtype=bfloat16: with the 8-bit bitsandbytes optimizers (whose state does not follow the
+    parameters' dtype), LoRA or rsLoRA (DoRA's magnitude needs fp32: TRL keeps it so), in one process."""
+    if cfg.peft.adapter_dtype != "bfloat16":
         return
+    fix = "or keep peft.adapter_dtype=float32"
+    if cfg.optim.name not in ("paged_adamw_8bit", "adamw_bnb_8bit", "adamw_8bit"):
+        raise UserError(
+            f"peft.adapter_dtype=bfloat16 with optim.name={cfg.optim.name}: planned and tested with the 8-bit "
+            f"optimizers only; use optim=paged8bit or optim=adamw8bit, {fix}"
+        )
+    if cfg.peft.method == "dora":
+        raise UserError(
+            f"peft.adapter_dtype=bfloat16 with peft.method=dora: LoRA and rsLoRA only (DoRA's magnitude trains in "
+            f"fp32); {fix}"
+        )
     if cfg.dist.strategy != "none":
         raise UserError(
-            f"trainer.tiled_mlp=true is tested in one process, not with dist={cfg.dist.strategy}: drop "
-            "trainer.tiled_mlp or train with dist=none"
+            f"peft.adapter_dtype=bfloat16 is tested in one process, not with dist={cfg.dist.strategy}: train with "
+            f"dist=none, {fix}"
         )
-    if t.liger:
+
+
+def _check_lean_modules(cfg: TrainConfig) -> None:
+    """trainer.tiled_mlp and trainer.lean_rmsnorm are tested in one process, without Liger's own kernels
+    (which replace the MLP and the norms); lean_rmsnorm knows Llama's norm form only."""
+    t = cfg.trainer
+    for name, on, what in (("tiled_mlp", t.tiled_mlp, "the MLP"), ("lean_rmsnorm", t.lean_rmsnorm, "the RMSNorms")):
+        if not on:
+            continue
+        if cfg.dist.strategy != "none":
+            raise UserError(
+                f"trainer.{name}=true is tested in one process, not with dist={cfg.dist.strategy}: drop "
+                f"trainer.{name} or train with dist=none"
+            )
+        if t.liger:
+            raise UserError(
+                f"trainer.{name}=true with trainer.liger=true: Liger replaces {what} with its own kernel, untested "
+                f"with trainer.{name}; drop one of the two"
+            )
+    _check_adapter_dtype(cfg)
+    if t.lean_rmsnorm and not traits(cfg.model.architecture).llama_rmsnorm:
         raise UserError(
-            "trainer.tiled_mlp=true with trainer.liger=true: Liger replaces the MLP with its own kernel, untested "
-            "with tiles; drop one of the two"
+            f"trainer.lean_rmsnorm=true: {cfg.model.architecture}'s RMSNorm is not Llama's form (Llama, Mistral, "
+            "Qwen2 have it); drop trainer.lean_rmsnorm"
         )

@@ -171,6 +171,12 @@ class PeftConfig:
     dropout: float = option(0.05, "the LoRA dropout probability", range="[0, 1)")
     target_modules: Any = option("all-linear", '"all-linear", a list of module names or a regular expression')
     modules_to_save: list[str] | None = option(None, "modules trained in full and saved with the adapter")
+    adapter_dtype: str = option(
+        "float32",
+        "the trained tensors' dtype: float32 master weights, or bfloat16 as the QLoRA paper and TRL train a "
+        "4-bit base's adapters (half their weight and gradient memory; updates below bf16's resolution are lost)",
+        choices=("float32", "bfloat16"),
+    )
 
 
 @dataclass
@@ -294,6 +300,21 @@ class TrainerConfig:
         resume_safe=True,
     )
     tiled_mlp_tile: int = option(0, "tokens per tiled_mlp tile; 0: hidden_size tokens", range=">= 0", resume_safe=True)
+    # what RMSNorm keeps for backward, not what is trained (the same gradients, model/lean_rmsnorm.py)
+    lean_rmsnorm: bool = option(
+        False,
+        "RMSNorms keep their 16-bit input and recompute the fp32 pass in backward instead of keeping an fp32 "
+        "copy (Llama, Mistral, Qwen2): less activation memory, a little more compute",
+        resume_safe=True,
+    )
+    # how torch's CUDA allocator maps memory, not what is trained
+    expandable_segments: bool = option(
+        True,
+        "CUDA: torch's caching allocator grows expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) "
+        "instead of caching fixed-size blocks, so memory freed by one step's shapes serves the next step's; a "
+        "PYTORCH_CUDA_ALLOC_CONF set in the environment is kept as it is",
+        resume_safe=True,
+    )
     liger: bool = option(False, "Liger kernels through TRL/transformers' use_liger_kernel (Triton: CUDA only)")
     logging_steps: int = option(10, "steps between logged losses", positive=True, resume_safe=True)
     eval_steps: int = option(0, "0: evaluate at the end only", range=">= 0", resume_safe=True)

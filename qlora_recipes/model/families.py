@@ -27,6 +27,9 @@ class FamilyTraits:
     tie_embeddings: bool = False  # its config class's tie_word_embeddings default (config.json may omit it)
     qkv_bias: bool = False  # q/k/v projections always carry a bias (Qwen2)
     config_biases: bool = False  # config.json's attention_bias / mlp_bias apply (else no biases)
+    llama_rmsnorm: bool = (
+        True  # weight * normed.to(dtype), as LlamaRMSNorm (model/lean_rmsnorm.py); Gemma 2: (1 + weight)
+    )
     known: bool = True  # in the table: Llama-shaped, inventoried from its figures without torch
 
 
@@ -39,6 +42,7 @@ FAMILIES: dict[str, FamilyTraits] = {
         attn_logit_softcap=True,
         final_logit_softcap=True,
         sandwich_norms=True,
+        llama_rmsnorm=False,
         embed_scale=True,
         tie_embeddings=True,
         config_biases=True,

@@ -12,6 +12,7 @@ from ..errors import UserError
 from ..units import torch_dtype
 from .families import traits
 from .hf_configs import bnb_config, lora_config
+from .lean_rmsnorm import lean_rmsnorms
 from .tiled_mlp import tile_mlps
 
 log = logging.getLogger(__name__)
@@ -259,12 +260,17 @@ def make_trainable(cfg: TrainConfig, model):
     except ValueError as err:  # e.g. target modules not found in the base
         raise UserError(f"peft: {str(err).splitlines()[0]} (check peft.target_modules)") from None
     _adapters_off_meta(cfg.offload, model)
-    _trainable_in_fp32(model)
+    _trainable_in(model, torch_dtype(cfg.peft.adapter_dtype))
     if cfg.init_from:  # a stage: the adapter starts as the earlier run's (run/stages.py checked the shape)
         load_init_adapter(model, Path(cfg.init_from) / "adapter")
     _disk_layers_as_host_layers(model)
     if t.tiled_mlp:
         _tile_mlps(cfg, model)
+    if t.lean_rmsnorm and not lean_rmsnorms(model):
+        raise UserError(
+            f"trainer.lean_rmsnorm=true: {cfg.model.architecture} has no Llama-form RMSNorm (Llama, Mistral, Qwen2 "
+            "have); drop trainer.lean_rmsnorm"
+        )
     return model
 
 
@@ -368,10 +374,11 @@ def _adapters_off_meta(offload: OffloadConfig, model) -> None:
         )
 
 
-def _trainable_in_fp32(model) -> None:
-    """peft upcasts the adapters to fp32, not the `peft.modules_to_save` copies: without k-bit prep's
-    upcast (quant=none, precision.upcast_frozen=false) those would train in bf16/fp16. Every
-    trainable tensor is fp32, as the planner counts it; a no-op after prep."""
+def _trainable_in(model, dtype: torch.dtype) -> None:
+    """Every trainable tensor in peft.adapter_dtype, as the planner counts it. peft upcasts the
+    adapters to fp32, not the `peft.modules_to_save` copies: without k-bit prep's upcast (quant=none,
+    precision.upcast_frozen=false) those would train in bf16/fp16. bfloat16 is what TRL's trainers
+    make of a quantized model's adapters themselves (the lifecycle keeps the dtype set here)."""
     for param in model.parameters():
-        if param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
-            param.data = param.data.float()
+        if param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)

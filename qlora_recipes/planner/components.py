@@ -341,6 +341,7 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
     Eq. 1: a 16-bit GPT layer keeps s*b*h*(34 + 5*a*s/h) bytes. The same accounting, term by term,
     for a Llama-family QLoRA layer as autograd runs it (c compute, r residual bytes, see act_dtypes):
       RMSNorms: fp32 input + rsqrt                          (4h + 4) per norm (2; Gemma 2: 4)
+        lean (trainer.lean_rmsnorm): the rsqrts and the second norm's r-byte input   r*h + 8
       attention, SDPA: Q, K, V as cast for the kernel (K/V repeated to all heads when a padding
         mask stops SDPA's native GQA), the output, the fp32 log-sum-exp
                                                             c*(2*a*d + 2*kv*d) + 4a
@@ -365,8 +366,7 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
     c, r, mask = act_dtypes(st, on_cpu)
     h, a, d = fig.hidden_size, fig.num_heads, fig.head_dim
     qd, kvd = a * d, fig.num_kv_heads * d
-    norms = 4 if fig.traits.sandwich_norms else 2
-    per_token = norms * (4 * h + 4)
+    per_token = norms_saved_per_token(st, r)
     if eager(st):
         per_token += 3 * c * qd
     else:
@@ -376,13 +376,23 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
     per_token += 2 * c * (bb.dora_out - bb.mlp_dora_out)
     # the MLP's; tiled (trainer.tiled_mlp), only its input: its tiles are recomputed in backward
     total = b * s * (per_token + (h * r if mlp_tiled(st, b) else mlp_saved_per_token(st, bb, on_cpu)))
-    if c < 4:
+    if c < st.adapter_bytes:  # autocast's c-byte copies of fp32 adapters (bf16 ones are used as they are)
         total += c * sum(math.prod(t) for t in bb.lora_tensors)
     if bb.dora_out and st.lora_dropout > 0:
         # DoRA with dropout recomputes the base output as F.linear(dropout(x), dequantized W):
         # that matmul keeps the c-byte input and the whole dequantized weight of each linear
         total += b * s * c * (bb.dora_in - bb.mlp_dora_in) + c * bb.dora_weight
     return total + eager_scores_bytes(st, b, on_cpu)
+
+
+def norms_saved_per_token(st: StackSpec, r: int) -> int:
+    """What a layer's RMSNorms keep per token: each its fp32 input and rsqrt (4h + 4); with
+    trainer.lean_rmsnorm (model/lean_rmsnorm.py) the rsqrt and its r-byte input, which for the first
+    norm is the layer's input, kept anyway: 4 + (r*h + 4)."""
+    h = st.fig.hidden_size
+    if st.lean_norms:
+        return 4 + r * h + 4
+    return (4 if st.fig.traits.sandwich_norms else 2) * (4 * h + 4)
 
 
 def mlp_tiled(st: StackSpec, b: int) -> bool:
@@ -422,11 +432,14 @@ def backward_working_bytes(st: StackSpec, b: int, on_cpu: bool = False, bb: Bloc
     if mlp_tiled(st, b) and bb is not None:
         # the larger of the MLP's backward (one tile) and the rest of the layer's, which the MLP's
         # tokens x 2f gradients no longer cover: fp32 RMSNorm-backward temporaries and the q and
-        # attention-output gradients (bench trace, 8B at 32k and 64k tokens: the peak is there)
+        # attention-output gradients (bench trace, 8B at 32k and 64k tokens: the peak is there). The
+        # lean norm's backward (trainer.lean_rmsnorm) holds 6h bytes a token less there than autograd's
+        # (bench trace, 8B at 32k tokens: 12h less in all, 6h of them the fp32 copies it does not save)
         c, h, f = act_dtypes(st, on_cpu)[0], fig.hidden_size, fig.intermediate_size
         tile = mlp_tokens(st, b)
         mlp = tile * (r * (2 * f + h) + mlp_saved_per_token(st, bb, on_cpu))
-        rest = b * s * (4 * 2 * h + c * 2 * fig.num_heads * fig.head_dim)
+        norm_temps = 2 * h if st.lean_norms else 4 * 2 * h
+        rest = b * s * (norm_temps + c * 2 * fig.num_heads * fig.head_dim)
         w = b * s * r * 2 * h + max(mlp, rest)
     if eager(st):
         rows, n = attention_rows(st, b)

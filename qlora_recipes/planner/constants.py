@@ -31,7 +31,10 @@ CPU_PROCESS_AFTER_START_BYTES = CPU_PROCESS_BASELINE_BYTES - int(0.51 * GiB)
 CPU_NATIVE_BF16_KERNELS_BYTES = int(0.06 * GiB)
 # torch's CUDA caching allocator: long-lived tensors waste little (512-byte rounding, 2 MiB / 20 MiB
 # segments); the per-step tensors of varying size fragment segments. Rules of thumb: 1 % of static
-# bytes, 15 % of the dynamic (per-step) bytes. GPUs only: a CPU run caches nothing (peaks.py).
+# bytes, 15 % of the dynamic (per-step) bytes. GPUs only: a CPU run caches nothing (peaks.py). Planned
+# alike with trainer.expandable_segments (the default) and without: its segments fragment less, by
+# an amount no GPU has measured for us yet; the GPU suite records max_memory_reserved beside
+# max_memory_allocated for every run, the figures that will set a fraction of its own.
 ALLOCATOR_STATIC_FRACTION = 0.01
 ALLOCATOR_DYNAMIC_FRACTION = 0.15
 # The ladder aims for at least this much headroom on every device; a plan with less gets one.

@@ -150,12 +150,13 @@ def _head_input(k: _Head, b: int, s: int) -> tuple[int, int]:
 
 
 def train_loss_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
-    """The loss of one training micro-batch: the final norm's saved fp32 input and rsqrt, the
-    head's saved input and per-position vectors, and the larger of its forward (backbone output
-    still held) and its backward (fp32 gradient of the head's input, tiles)."""
+    """The loss of one training micro-batch: the final norm's saved fp32 input (trainer.lean_rmsnorm:
+    its 16-bit input) and rsqrt, the head's saved input and per-position vectors, and the larger of
+    its forward (backbone output still held) and its backward (fp32 gradient of the head's input,
+    tiles)."""
     k = _head(st, b, on_cpu)
     s = st.seq_len
-    norm = b * s * (4 * k.h + 4)
+    norm = b * s * ((st.frozen_bytes if st.lean_norms else 4) * k.h + 4)  # lean: the norm's 16-bit input
     out, copy = _head_input(k, b, s)
     saved = (copy or out) + 16 * k.n_pos
     forward = out + copy + VECTOR_BYTES * k.n_pos + _tile_bytes(k, backward=False)

@@ -106,13 +106,13 @@ def _grid(plan: dict) -> list[str]:
     width = max(12, *(len(d) + 2 for d in devs))
     head = f"{'GiB':<26}" + "".join(f"{d:>{width}}" for d in devs)
     lines = [head, "-" * len(head)]
+    bf16_adapters = plan.get("stack", {}).get("adapter_dtype") == "bfloat16"
     for key in COMPONENTS:
         row = plan["components"].get(key)
         if not row:
             continue
-        lines.append(
-            f"{_LABELS[key]:<26}" + "".join(f"{_g(row.get(d, 0)) if row.get(d) else '-':>{width}}" for d in devs)
-        )
+        label = _LABELS[key].replace("(fp32)", "(bf16)") if bf16_adapters else _LABELS[key]
+        lines.append(f"{label:<26}" + "".join(f"{_g(row.get(d, 0)) if row.get(d) else '-':>{width}}" for d in devs))
     lines.append("-" * len(head))
     by = {d["device"]: d for d in plan["devices"]}
     lines.append(f"{'peak':<26}" + "".join(f"{_g(by[d]['peak']):>{width}}" for d in devs))

@@ -165,8 +165,8 @@ def _tally_blocks(st: StackSpec, hw: _dev.Hardware, bbs: list, dmap: dict, exec_
         if bb.lora_numel:
             # dpo's init_adapter reference: TRL's frozen copy of the adapter beside it (no gradient, no state)
             copies = 2 if st.reference == "init_adapter" else 1
-            comp["lora_weights"][trainable_on] += 4 * bb.lora_numel * copies
-            comp["gradients"][trainable_on] += 4 * bb.lora_numel
+            comp["lora_weights"][trainable_on] += st.adapter_bytes * bb.lora_numel * copies
+            comp["gradients"][trainable_on] += st.adapter_bytes * bb.lora_numel
             t.trainable_shapes[trainable_on] += bb.lora_tensors
         if blk.is_layer:
             t.layers_on[compute].append(bb)
@@ -494,5 +494,6 @@ def _stack_section(st: StackSpec, hw: _dev.Hardware) -> dict:
         **({"eager_scores_bytes": eager_scores_bytes(st, st.micro_batch)} if eager(st) else {}),
         "device_map": st.device_map,
         "world_size": st.world_size,
+        **({"adapter_dtype": "bfloat16"} if st.adapter_bytes == 2 else {}),
         "hardware": {"gpus": list(hw.gpus), "host_ram": hw.host_ram, "declared": hw.declared},
     }

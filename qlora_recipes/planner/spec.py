@@ -61,6 +61,8 @@ class StackSpec:
     offload_stash: int = TRL_OFFLOAD_FWD_STASH  # trainer.activation_offload_stash: offloaded tensors left on the GPU
     offload_pinned: bool = True  # trainer.activation_offload_pinned: host blocks rounded to a power of two
     mlp_tile: int = 0  # trainer.tiled_mlp: tokens per MLP tile (schema.mlp_tile); 0: untiled
+    adapter_bytes: int = 4  # peft.adapter_dtype: bytes per element of the trained tensors and their gradients
+    lean_norms: bool = False  # trainer.lean_rmsnorm: RMSNorms keep their 16-bit input, not an fp32 copy
     attn: str = "sdpa"
     packing: bool = False  # data.packing: micro-batches filled from the data, no pads
     padding_free: bool = False  # schema.padding_free_on: one flat row of b*s tokens, position_ids apart
@@ -160,6 +162,8 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         offload_pinned=bool(trainer.activation_offload_pinned),
         embeddings_on_host=bool(cfg.offload.embeddings),
         mlp_tile=mlp_tile(trainer, fig.hidden_size),
+        lean_norms=bool(trainer.lean_rmsnorm),
+        adapter_bytes=dtype_bytes(cfg.peft.adapter_dtype),
         attn=str(model.attn_implementation),
         packing=bool(data.packing),
         padding_free=padding_free_on(data),

@@ -87,16 +87,16 @@ class Guarded:
     """The guards, over whichever TRL trainer follows it in the class's bases (every method calls super())."""
 
     def __init__(self, *args, **kwargs):
-        model = kwargs.get("model")  # its fp32 values, on the host: an earlier stage's adapter (init_from) exactly
-        kept = {n: p.detach().to("cpu", copy=True) for n, p in _fp32_trainable(model)} if model is not None else {}
+        model = kwargs.get("model")  # its trained values, on the host: an earlier stage's adapter (init_from) exactly
+        kept = {n: p.detach().to("cpu", copy=True) for n, p in _trainable(model)} if model is not None else {}
         super().__init__(*args, **kwargs)
-        # TRL casts a quantized model's trainable adapter weights to bf16. We keep fp32 master
-        # weights (what peft creates and what the planner counts): a bf16 master copy loses small
-        # updates, and a resumed run, which reloads fp32 from the checkpoint, would diverge. The
-        # values come back as they were, not rounded through bf16.
+        # TRL casts a quantized model's trainable adapter weights to bf16. We keep them in
+        # peft.adapter_dtype (fp32 by default, what the planner counts): a bf16 master copy loses small
+        # updates, and a resumed run, which reloads the checkpoint's dtype, would diverge. The values
+        # come back as they were, not rounded through bf16.
         for name, param in self.model.named_parameters():
-            if param.requires_grad and param.dtype != torch.float32:
-                param.data = kept[name].to(param.device) if name in kept else param.data.float()
+            if name in kept and param.dtype != kept[name].dtype:
+                param.data = kept[name].to(param.device)
         self.data_fingerprint: dict | None = None  # recorded in each checkpoint (train_with_oom_ladder)
         self.base_fingerprint: dict | None = None  # likewise: the base weights
         self._resumed_from: str | None = None
@@ -307,8 +307,8 @@ class Guarded:
             fsync_dir(sub)
 
 
-def _fp32_trainable(model):
-    return ((n, p) for n, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float32)
+def _trainable(model):
+    return ((n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point())
 
 
 class GuardedTrainer(Guarded, SFTTrainer):

@@ -105,6 +105,26 @@ def planned_peak_gib(plan: dict, gpu: bool | None = None) -> float | None:
     return round(cpu[0] / GiB, 3) if cpu else plan.get("peak_gib")
 
 
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch's name, and its newer one
+
+
+def configure_cuda_allocator(expandable: bool) -> str | None:
+    """trainer.expandable_segments on a CUDA run, before its first allocation: the caching allocator
+    maps segments that grow and shrink (torch.cuda.memory._set_allocator_settings, the runtime form
+    of PYTORCH_CUDA_ALLOC_CONF, which vLLM also toggles at run time) instead of caching fixed blocks
+    that one step's sizes split and the next step's cannot reuse. A user's own setting in the
+    environment wins. Returns what the allocator runs with, for the run's log; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    own = next((f"{v}={os.environ[v]}" for v in ALLOC_CONF_VARS if os.environ.get(v)), None)
+    if own:
+        return f"CUDA allocator: {own} (from the environment; trainer.expandable_segments left it as set)"
+    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{expandable}")
+    return f"CUDA allocator: expandable_segments:{expandable} (trainer.expandable_segments)"
+
+
 class PeakTracker:
     """The peak of one run. `start()` at the run's start, `peak_gib()` any time, `stop()` at its end.
 

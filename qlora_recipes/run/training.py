@@ -39,7 +39,7 @@ from ..units import fmt_bytes
 from . import dist, lifecycle, metrics, rewards, stages, trainer_args
 from .checkpoints import disk_full, find_checkpoint, free_bytes
 from .lock import RunDirLock
-from .memory import PeakTracker, pin_malloc_thresholds, planned_peak_gib, rss_bytes
+from .memory import PeakTracker, configure_cuda_allocator, pin_malloc_thresholds, planned_peak_gib, rss_bytes
 from .resume import AlreadyComplete, resume_checkpoint
 from .reuse import clear_previous_run, held_run, refuse_silent_reuse
 from .validate import validate
@@ -69,6 +69,8 @@ def train(cfg: TrainConfig, run_dir: Path, choices: dict | None = None, on_write
     The run's memory peak is its own (peak.py): tracked from here, so loading counts, to the end,
     so an earlier run in the same process (a Hydra multirun) does not leak into it."""
     gpu = loading.on_gpu()
+    if gpu and (allocator := configure_cuda_allocator(cfg.trainer.expandable_segments)) and _main_rank():
+        log.info("%s", allocator)
     if not gpu:
         pin_malloc_thresholds()  # CPU: RSS follows the live tensors, as the plan counts them (peak.py)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed, imported by the trainer, warns when it guesses

@@ -107,6 +107,16 @@ def test_embeddings_in_host_ram_train_on_a_gpu(smoke_run, monkeypatch):
     assert placed["table"] == "cpu" and m["steps"] == 3 and all(math.isfinite(x) for x in m["train_losses"])
 
 
+@pytest.mark.gpu
+@requires_gpu("the CUDA caching allocator")
+def test_a_gpu_run_allocates_from_expandable_segments(smoke_run):
+    """trainer.expandable_segments (the default): every segment the run's allocator mapped grows."""
+    m, _ = smoke_run()
+    assert m["steps"] == 3
+    segments = torch.cuda.memory._snapshot()["segments"]
+    assert segments and all(s.get("is_expandable") for s in segments)
+
+
 # ----------------------------------------------------------------------------------------------
 # trainer.tiled_mlp
 # ----------------------------------------------------------------------------------------------
@@ -132,3 +142,43 @@ def test_tiled_mlp_trains_through_its_tiles_in_forward_and_backward(monkeypatch,
     layers = 2  # the tiny model's; checkpointing recomputes each forward once in backward
     assert calls["backward"] == 3 * layers and calls["forward"] == 2 * calls["backward"]
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------------------------
+# trainer.lean_rmsnorm
+# ----------------------------------------------------------------------------------------------
+def test_lean_rmsnorms_train_through_their_own_backward(monkeypatch, smoke_run):
+    """The smoke run with every RMSNorm lean: each checkpointed layer's two norms and the final one run
+    the lean Function's backward, and the run trains and saves its adapter."""
+    from qlora_recipes.model.lean_rmsnorm import LeanRMSNormFunction
+
+    calls = {"backward": 0}
+    backward = LeanRMSNormFunction.backward
+
+    def counted(*args):
+        calls["backward"] += 1
+        return backward(*args)
+
+    monkeypatch.setattr(LeanRMSNormFunction, "backward", staticmethod(counted))
+    m, run = smoke_run("trainer.lean_rmsnorm=true")
+    assert m["steps"] == 3 and all(math.isfinite(x) for x in m["train_losses"]), m["train_losses"]
+    assert calls["backward"] == 3 * (2 * 2 + 1)  # 3 steps x (2 layers x 2 norms + the final norm)
+    assert (run / "adapter" / "adapter_model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------------------------
+# peft.adapter_dtype
+# ----------------------------------------------------------------------------------------------
+def test_bf16_adapters_train_and_are_saved_in_bf16(monkeypatch, smoke_run):
+    """peft.adapter_dtype=bfloat16: every trained tensor is bf16 at each training forward (the lifecycle
+    keeps what TRL's cast made, where it restores fp32 by default) and the saved adapter is bf16."""
+    from safetensors import safe_open
+
+    seen = _spy_on_training_dtypes(monkeypatch)
+    m, run = smoke_run("precision=bf16", "peft.adapter_dtype=bfloat16")
+    assert m["steps"] == 3 and all(math.isfinite(x) for x in m["train_losses"]), m["train_losses"]
+    assert seen["lora"] == seen["trainable"] == {torch.bfloat16}
+    with safe_open(run / "adapter" / "adapter_model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    plan = (run / "plan.json").read_text()
+    assert '"adapter_dtype": "bfloat16"' in plan

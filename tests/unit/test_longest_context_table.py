@@ -25,6 +25,12 @@ def test_the_table_has_a_case_per_card_of_unsloths_table_with_its_source():
         assert c["planned_gib"] <= c["budget_gib"]
 
 
+def test_every_case_is_at_least_unsloths_length_and_traced_within_ten_percent_of_its_plan():
+    for c in RECORDED["cases"]:
+        assert c["longest_seq"] >= c["unsloth_seq"], c["command"]
+        assert 0.9 <= c["traced_over_planned_train"] <= 1.1, c["command"]
+
+
 def test_an_extra_override_reaches_every_command_after_the_lean_and_the_cases_own_options():
     for case in cases(("trainer.example=true",)):
         own = CASE_OPTIONS.get((case["model"], case["card_gb"]), ())
@@ -35,7 +41,7 @@ def test_an_extra_override_reaches_every_command_after_the_lean_and_the_cases_ow
 def test_the_cases_past_the_models_positions_scale_rope_and_say_so():
     for c in RECORDED["cases"]:
         scaled = ROPE_X4 in CASE_OPTIONS.get((c["model"], c["card_gb"]), ())
-        assert scaled == (c["unsloth_seq"] > 131_072), c["command"]
+        assert scaled == (max(c["unsloth_seq"], c["longest_seq"]) > 131_072), c["command"]
         assert not c["capped_by_positions"], c  # a length the model's positions cut is not a memory figure
 
 

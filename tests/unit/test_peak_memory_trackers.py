@@ -63,3 +63,27 @@ print((memory.rss_bytes() - before) / 2**20)
             pytest.skip("glibc only")
         kept[mode] = float(out.strip().splitlines()[-1])
     assert kept["pin"] < 8 < 24 < kept["default"], kept  # MiB still resident after the frees
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU case")
+def test_the_cuda_allocator_is_left_alone_without_cuda(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert memory.configure_cuda_allocator(True) is None
+
+
+def test_expandable_segments_are_set_unless_the_environment_sets_the_allocator(monkeypatch):
+    """The choice of the run's own settings, with CUDA's presence and torch's setter stood in for."""
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", set_to.append)
+    for var in memory.ALLOC_CONF_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert memory.configure_cuda_allocator(True) == (
+        "CUDA allocator: expandable_segments:True (trainer.expandable_segments)"
+    )
+    assert memory.configure_cuda_allocator(False).endswith("expandable_segments:False (trainer.expandable_segments)")
+    assert set_to == ["expandable_segments:True", "expandable_segments:False"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    line = memory.configure_cuda_allocator(True)
+    assert "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128" in line and "from the environment" in line
+    assert len(set_to) == 2  # the user's setting is kept

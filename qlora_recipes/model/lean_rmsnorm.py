@@ -57,16 +57,10 @@ def lean_rmsnorm(norm: torch.nn.Module) -> None:
     norm._lean_rmsnorm = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():  # evaluation, generation: nothing saved either way
-            return LeanRMSNormFunction.forward(_NoCtx(), hidden_states, self.weight, self.variance_epsilon)
+        # without grad (evaluation, generation) nothing is kept either way: the same bits
         return LeanRMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
 
     norm.forward = types.MethodType(forward, norm)
-
-
-class _NoCtx:
-    def save_for_backward(self, *tensors) -> None:
-        pass
 
 
 def lean_rmsnorms(model: torch.nn.Module) -> int:

@@ -1,7 +1,7 @@
 """The command line as a user meets it, real processes that train: Ctrl-C while loading and while
-training, a multirun with its summary. The plain smoke command: test_the_smoke_command_as_a_user_runs_it.py."""
+training. A multirun and its summary: test_readme.py (the documented 4-job sweep); the plain smoke command:
+test_the_smoke_command_as_a_user_runs_it.py."""
 
-import csv
 import json
 import os
 import shlex
@@ -62,22 +62,3 @@ def test_ctrl_c_while_training_saves_and_prints_a_resume_command_that_pastes(tmp
     argv = shlex.split(line.split("resume with: ", 1)[1])
     assert argv[:2] == ["python", "train.py"] and f"hydra.run.dir={run_dir}" in argv and "resume=auto" in argv
     assert (run_dir / "checkpoints").is_dir()
-
-
-def test_multirun_launches_one_job_per_combination_and_summarises(tmp_path):
-    sweep = tmp_path / "sweep"
-    proc = run(
-        "-m", *SMOKE, "trainer.max_steps=2", "peft.r=4,8", "optim=paged8bit,adamw8bit", f"hydra.sweep.dir={sweep}"
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    jobs = sorted(p.parent for p in sweep.glob("*/metrics.json"))
-    assert len(jobs) == 4
-    with open(sweep / "summary.csv") as f:
-        rows = list(csv.DictReader(f))
-    assert len(rows) == 4 and {r["status"] for r in rows} == {"ok"}
-    assert {r["overrides"] for r in rows} == {
-        f"trainer=smoke data.metric=null trainer.max_steps=2 peft.r={r} optim={o}"
-        for r in (4, 8)
-        for o in ("paged8bit", "adamw8bit")
-    }
-    assert (sweep / "summary.md").read_text().count("\n") == 6

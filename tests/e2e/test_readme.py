@@ -19,7 +19,7 @@ Every command runs in CI (`make test`), sweeps included, but one: the 9-job `+sw
 jobs, each in its own process: 3 min here) is `slow` (`make test-all`), as what it runs is run in
 CI by cheaper commands: a preset's jobs each in a fresh process (`+sweep=optuna` here), the 9
 launches of rank_lr (e2e/test_sweeps_run_their_jobs.py), a sweep's summary (the 4-job sweep).
-`+sweep=optuna` runs 3 of its 20 trials (`hydra.sweeper.n_trials`, the study's length: the same
+`+sweep=optuna` runs 2 of its 20 trials (`hydra.sweeper.n_trials`, the study's length: the same
 search, objective, sampler and study file).
 """
 
@@ -145,14 +145,14 @@ REGISTRY: dict[str, How] = {
     # docs/sweeps-and-clusters.md
     SWEEP_9: How(suffix=SWEEP_JOB, creates=("runs/multirun/DATE/TIME/summary.md",), jobs=9, timeout=1800, slow=True),
     "python train.py -m +sweep=optuna": How(
-        suffix=(*SWEEP_JOB, "hydra.sweeper.n_trials=3"),  # 3 of the study's 20 trials: its length, not its kind
+        suffix=(*SWEEP_JOB, "hydra.sweeper.n_trials=2"),  # 2 of the study's 20 trials: its length, not its kind
         creates=(
             "runs/DATE/TIME/optuna.db",
             "runs/DATE/TIME/optimization_results.yaml",
             "runs/DATE/TIME/summary.csv",
             "runs/DATE/TIME/summary.png",
         ),
-        jobs=3,
+        jobs=2,
         timeout=1800,
     ),
     "python train.py -m peft.r=4,8 hydra/launcher=local hydra/sweeper=sequential": How(suffix=SWEEP_JOB, jobs=2),
@@ -433,6 +433,22 @@ def test_the_default_run_trains_the_pinned_curve_and_writes_everything(sandbox, 
     assert (run_dir / "adapter" / "tokenizer.json").is_file()
     assert (run_dir / "config.yaml").is_file() and (run_dir / "plan.json").is_file()
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+
+
+def test_the_four_job_sweep_trains_and_summarises_each_combination(sandbox):
+    """docs' `python train.py -m peft.r=4,8 optim=paged8bit,adamw8bit`: one job per combination, each a row
+    of summary.csv (status ok, its overrides) and of summary.md."""
+    import csv
+
+    out = sandbox.outcome(SWEEP_4)
+    assert out.proc.returncode == 0, out.proc.stderr[-3000:]
+    sweep = sandbox.root / out.run_dir
+    with open(sweep / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and {r["status"] for r in rows} == {"ok"}, rows
+    combos = {tuple(o for o in r["overrides"].split() if o.startswith(("peft.r=", "optim="))) for r in rows}
+    assert combos == {(f"peft.r={r}", f"optim={o}") for r in (4, 8) for o in ("paged8bit", "adamw8bit")}
+    assert (sweep / "summary.md").read_text().count("\n") == 6  # title, blank, header, rule... one row a job
 
 
 def test_merge_figures_are_the_default_runs_merge(sandbox):

@@ -313,6 +313,7 @@ def _check_combinations(cfg: TrainConfig) -> None:
             "eval split (data.eval_fraction > 0 or data.eval_path)"
         )
     _check_lean_modules(cfg)
+    _check_adapter_dtype(cfg)
     if t.eval_steps > 0 and not has_eval:
         # the trainer would skip every evaluation without a word (hf_configs.sft_config turns it off)
         raise UserError(
@@ -362,7 +363,6 @@ def _check_lean_modules(cfg: TrainConfig) -> None:
                 f"trainer.{name}=true with trainer.liger=true: Liger replaces {what} with its own kernel, untested "
                 f"with trainer.{name}; drop one of the two"
             )
-    _check_adapter_dtype(cfg)
     if t.lean_rmsnorm and not traits(cfg.model.architecture).llama_rmsnorm:
         raise UserError(
             f"trainer.lean_rmsnorm=true: {cfg.model.architecture}'s RMSNorm is not Llama's form (Llama, Mistral, "

@@ -27,9 +27,8 @@ class FamilyTraits:
     tie_embeddings: bool = False  # its config class's tie_word_embeddings default (config.json may omit it)
     qkv_bias: bool = False  # q/k/v projections always carry a bias (Qwen2)
     config_biases: bool = False  # config.json's attention_bias / mlp_bias apply (else no biases)
-    llama_rmsnorm: bool = (
-        True  # weight * normed.to(dtype), as LlamaRMSNorm (model/lean_rmsnorm.py); Gemma 2: (1 + weight)
-    )
+    # its RMSNorm is weight * normed.to(dtype), as LlamaRMSNorm (model/lean_rmsnorm.py); Gemma 2's: (1 + weight)
+    llama_rmsnorm: bool = True
     known: bool = True  # in the table: Llama-shaped, inventoried from its figures without torch
 
 

@@ -9,7 +9,8 @@ The forward here runs those ops, so y is the same bits; backward is the analytic
 in fp32, as autograd's composite backward computes it (up to fp32 rounding). The norm's input is
 usually alive anyway (a decoder layer's input, or the residual sum the MLP's norm reads), so what
 the norm adds to a layer's saved bytes per token drops from 4h + 4 to 4 for the first norm (its
-input is the layer's) and to 2h + 4 for the second (the 16-bit residual sum it reads). Unsloth's Triton RMSNorm keeps the same two tensors.
+input is the layer's) and to 2h + 4 for the second (the 16-bit residual sum it reads). Unsloth's
+Triton RMSNorm keeps the same two tensors.
 Gemma 2's norm is (1 + weight) and computes in fp32 to the end: not this form, not patched.
 """
 

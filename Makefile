@@ -41,11 +41,18 @@ setup: $(VENV)/.installed ## create .venv and install the pinned requirements (C
 train: $(VENV)/.installed ## set up, then run the embedded default (tiny model, NF4 + LoRA + paged 8-bit AdamW); ARGS= adds overrides
 	$(PY) train.py $(ARGS)
 
+# Test files spread over TEST_JOBS processes (pytest-xdist), each file whole in one process so a
+# module's shared trained run is made once. Each process runs torch on one thread (tests/conftest.py):
+# the tiny models gain nothing from a second one, so 2 processes on 2 cores take about half the time
+# of one. TEST_JOBS=0 runs everything in this process.
+TEST_JOBS ?= 2
+XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
+
 test: $(VENV)/.installed ## set up, then run the fast CPU test suite
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest $(XDIST) $(ARGS)
 
 test-all: $(VENV)/.installed ## the fast suite plus the slow tests
-	$(PY) -m pytest -m 'not gpu' $(ARGS)
+	$(PY) -m pytest -m 'not gpu' $(XDIST) $(ARGS)
 
 lint: $(VENV)/.installed ## ruff lint and format check
 	$(VENV)/bin/ruff check .

@@ -15,6 +15,11 @@ from hydra.core.global_hydra import GlobalHydra
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread per process, children included: the tiny models gain nothing from a second thread
+# (the default run takes the same wall time, with 40 % less CPU, and trains the same bits), and two
+# test processes then share the 2 cores instead of spinning on each other's.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from qlora_recipes.config.loader import register_schemas, to_typed  # noqa: E402
 

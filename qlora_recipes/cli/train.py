@@ -4,8 +4,8 @@ Hydra composes conf/train.yaml with the command-line overrides (`quant=nf4 peft.
 `recipe=NAME`, `-m` sweeps); `qlora_recipes.run.training.train` does the work. In a sweep one bad job
 does not end the others: a stack the planner rejects is recorded as skipped, an error as error.
 
-A single run writes nothing before its input is checked: the config checks run before torch is
-imported, the data and the model dir before config.yaml and plan.json, and Hydra's own `.hydra/`
+A single run writes nothing before its input is checked: the config checks and the data files'
+presence run before torch is imported, the data and the model dir before config.yaml and plan.json, and Hydra's own `.hydra/`
 files are written with them (`hydra.output_subdir=null`, then `_save_hydra_files`). Bad input, or
 Ctrl-C before anything is written, removes the (empty) run dir Hydra created for this run again.
 """
@@ -80,10 +80,12 @@ def main(cfg: DictConfig) -> float | None:
 def _checked_train(composed: DictConfig, run_dir: Path, hydra_cfg, multirun: bool) -> float | None:
     from omegaconf.errors import OmegaConfBaseException
 
+    from ..data.readers import check_data_sources
     from ..run.validate import check_config
 
     cfg = to_typed(composed)  # below here the typed config only
     check_config(cfg)  # the config alone, before torch and the rest are imported (about a second)
+    check_data_sources(cfg.data)  # a data file missing: also one line before those imports
     if cfg.dist.strategy in ("fsdp", "zero2", "zero3") and "LOCAL_RANK" not in os.environ:
         # transformers refuses later, after loading: "Using fsdp only works in distributed training"
         raise UserError(

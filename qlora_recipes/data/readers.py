@@ -19,9 +19,12 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
+
+if TYPE_CHECKING:
+    from ..config.schema import DataConfig
 
 FILE_TYPES = (".jsonl", ".json", ".csv", ".parquet")
 EVAL_SPLIT_NAMES = ("validation", "valid", "val", "eval", "test", "dev")
@@ -414,6 +417,13 @@ def check_local_source(spec: Any, field: str) -> None:
             f"{field}: {spec} does not exist (relative paths resolve from {Path.cwd()}); "
             "check the path or pass a hub dataset name"
         )
+
+
+def check_data_sources(data: DataConfig) -> None:
+    """check_local_source for data.path and, where set, data.eval_path."""
+    check_local_source(data.path, "data.path")
+    if data.eval_path is not None:
+        check_local_source(data.eval_path, "data.eval_path")
 
 
 def read_source(spec: Any, split: str, field: str) -> tuple[Rows, str]:

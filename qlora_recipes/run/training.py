@@ -27,7 +27,7 @@ from ..config.loader import to_yaml as config_yaml
 from ..config.objectives import OBJECTIVES
 from ..config.schema import TrainConfig
 from ..console import next_commands, print_stack, print_summary, shown_path
-from ..data.readers import check_local_source
+from ..data.readers import check_data_sources
 from ..errors import UserError
 from ..integrations import cluster, hub, trackers
 from ..interrupts import sigint_deferred
@@ -170,9 +170,7 @@ def _check_and_plan(cfg: TrainConfig, run_dir: Path, choices: dict | None, gpu: 
     validate(cfg, gpu_available=gpu)
     refuse_silent_reuse(cfg, run_dir)  # a run already there: resume=auto continues it, overwrite=true replaces it
     # the causes a user can fix by hand first: a data file missing, then the model out of reach
-    check_local_source(cfg.data.path, "data.path")
-    if cfg.data.eval_path is not None:
-        check_local_source(cfg.data.eval_path, "data.eval_path")
+    check_data_sources(cfg.data)
     check_hub_model(cfg.model)
     validate_model(cfg)
     resume_from = resume_checkpoint(cfg, run_dir)  # checks the saved config first

@@ -739,6 +739,16 @@ def test_config_checks_run_before_torch_is_imported():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def test_a_missing_data_file_is_refused_before_torch_is_imported(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-X", "importtime", "train.py", "data.path=no-such.jsonl", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    imported = {ln.rsplit("|", 1)[-1].strip() for ln in proc.stderr.splitlines() if ln.startswith("import time:")}
+    said = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("import time:")]
+    assert proc.returncode == 2 and len(said) == 1 and "data.path: no-such.jsonl does not exist" in said[0], said
+    assert "torch" not in imported and not run_dir.exists()
+
+
 @pytest.mark.parametrize("delay", [0.4, pytest.param(1.2, marks=pytest.mark.slow)])
 def test_ctrl_c_while_starting_is_one_line_and_exit_130(delay, tmp_path):
     run_dir = tmp_path / "run"

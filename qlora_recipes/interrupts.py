@@ -38,6 +38,7 @@ _waiting = threading.Event()  # a delivery is scheduled: one watcher at a time
 _received: list[str] = []  # the names of the stop signals our handler got
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _at_once: list[Callable[[str], str]] = []  # while nothing is held: the entry point's line for a signal
+_before_exit_at_once: list[Callable[[], object]] = []  # undo what the command made so far (an empty run dir)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -88,6 +89,12 @@ def install(starting_line: Callable[[str], str] | None = None) -> None:
     sys.unraisablehook = _unraisable
 
 
+def before_exit_at_once(undo: Callable[[], object]) -> None:
+    """`undo()` runs first if a stop signal ends the process before it holds anything: e.g. the
+    empty run dir Hydra made for this run is removed again, as "nothing was written" says."""
+    _before_exit_at_once.append(undo)
+
+
 def holding() -> None:
     """From here the command holds something a stop signal must let go of (a lock, files being
     written): signals raise where our code handles them, no longer end the process at once."""
@@ -95,6 +102,9 @@ def holding() -> None:
 
 
 def _exit_at_once(name: str) -> None:
+    for undo in _before_exit_at_once:
+        with contextlib.suppress(BaseException):
+            undo()
     with contextlib.suppress(BaseException):  # the main thread may have been inside a write to stdout
         sys.stdout.flush()
     os.write(2, f"{_at_once[0](name)}\n".encode())

@@ -63,6 +63,8 @@ def main(cfg: DictConfig) -> float | None:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     fresh = _created_by_this_run(run_dir)
+    if fresh and not multirun:  # a stop signal while starting leaves no empty run dir behind
+        interrupts.before_exit_at_once(lambda: _discard(run_dir, fresh))
     if multirun and _Launch.deferred_hydra_files:
         _save_hydra_files(run_dir, cfg)  # a sweep summary reads every job's overrides, failed ones too
     try:
@@ -92,7 +94,7 @@ def _checked_train(composed: DictConfig, run_dir: Path, hydra_cfg, multirun: boo
             f"dist={cfg.dist.strategy} runs one process per rank and this is a single process: start it with "
             "`qlora launch RECIPE` or `torchrun --nproc_per_node N train.py ...`, or use dist=none"
         )
-    if _Launch.own_process and not multirun:  # before TRL is imported: it imports every tracker installed
+    if in_a_process_of_its_own(hydra_cfg, multirun):  # before TRL is imported: it imports every tracker installed
         from ..integrations import trackers
 
         trackers.leave_unused_unimported(cfg.logger)
@@ -107,6 +109,15 @@ def _checked_train(composed: DictConfig, run_dir: Path, hydra_cfg, multirun: boo
     except OmegaConfBaseException as err:
         raise UserError(one_line(err)) from None
     return result.get("eval_loss")  # the objective an Optuna sweep minimises
+
+
+def in_a_process_of_its_own(hydra_cfg, multirun: bool) -> bool:
+    """This process runs this one run and exits: train.py or `qlora train` without -m, or a sweep
+    job that a submitit launcher (hydra/launcher=local or slurm) started in a process of its own
+    (Hydra's basic launcher runs every job in one process)."""
+    if not multirun:
+        return _Launch.own_process
+    return "submitit" in str(hydra_cfg.launcher.get("_target_", ""))
 
 
 def _preempted_line(stop, hydra_cfg, run_dir: Path) -> str:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, SMOKE, compose_cfg
+from conftest import REPO, SMOKE, compose_cfg, compose_hydra_cfg
 from helpers_trackers import ENV, needs
 from helpers_trackers import train_process as _train
 
@@ -157,3 +157,18 @@ def test_a_run_in_its_own_process_leaves_the_trackers_it_does_not_use_unimported
         timeout=300,
     )
     assert out.stdout.strip().splitlines()[-1] == said, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "launcher, multirun, own",
+    [("basic", True, False), ("local", True, True), ("slurm", True, True), ("basic", False, True)],
+)
+def test_unused_trackers_stay_unimported_only_where_the_run_has_its_process_to_itself(launcher, multirun, own):
+    """A single run from train.py, or a sweep job a submitit launcher started alone; not Hydra's basic
+    launcher, whose jobs share one process (a later job may report to a tracker an earlier one skipped)."""
+    from qlora_recipes.cli import train as train_command
+
+    hydra_cfg = compose_hydra_cfg(f"hydra/launcher={launcher}").hydra
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train_command._Launch, "own_process", True)  # what train.py says of its process
+        assert train_command.in_a_process_of_its_own(hydra_cfg, multirun) is own

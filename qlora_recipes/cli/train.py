@@ -5,9 +5,10 @@ Hydra composes conf/train.yaml with the command-line overrides (`quant=nf4 peft.
 does not end the others: a stack the planner rejects is recorded as skipped, an error as error.
 
 A single run writes nothing before its input is checked: the config checks and the data files'
-presence run before torch is imported, the data and the model dir before config.yaml and plan.json, and Hydra's own `.hydra/`
-files are written with them (`hydra.output_subdir=null`, then `_save_hydra_files`). Bad input, or
-Ctrl-C before anything is written, removes the (empty) run dir Hydra created for this run again.
+presence run before torch is imported, the data and the model dir before config.yaml and plan.json,
+and Hydra's own `.hydra/` files are written with them (`hydra.output_subdir=null`, then
+`_save_hydra_files`). Bad input, or Ctrl-C before anything is written, removes the (empty) run dir
+Hydra created for this run again.
 """
 
 from __future__ import annotations

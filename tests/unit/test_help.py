@@ -110,9 +110,9 @@ def _noisy_when_the_reader_goes(names) -> dict:
 
 
 def test_output_piped_into_head_ends_quietly():
-    """Issue 14: `qlora plan --help | head -3` printed a BrokenPipeError traceback. Every command's
-    --help, and what a Hydra task prints (`qlora plan`), end with nothing on stderr and exit 0 (the
-    output went to a buffer, then nowhere) or 141 (as a tool that SIGPIPE ended)."""
+    """`qlora plan --help | head -3` once printed a BrokenPipeError traceback. Every command's --help,
+    and what a Hydra task prints (`qlora plan`), end with nothing on stderr and exit 0 (the output
+    went to a buffer, then nowhere) or 141 (as a tool that SIGPIPE ended)."""
     assert _noisy_when_the_reader_goes(list(PIPED)) == {}
 
 

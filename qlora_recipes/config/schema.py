@@ -161,6 +161,13 @@ class QuantConfig:
     )
     int8_threshold: float = option(6.0, "LLM.int8's outlier threshold", range=">= 0")
     skip_modules: list[str] = option(list, "modules left unquantized (llm_int8_skip_modules)")
+    # model/moe_experts.py: the fused 3-D expert weights, which bitsandbytes (nn.Linear only) would leave in 16 bits
+    experts: str = option(
+        "4bit",
+        "MoE expert weights under quant.method=nf4|fp4: 4bit stores them in that format, dequantized one layer "
+        "at a time; 16bit keeps them in the compute dtype (for comparison)",
+        choices=("4bit", "16bit"),
+    )
 
 
 @dataclass

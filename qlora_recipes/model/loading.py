@@ -13,6 +13,7 @@ from ..units import torch_dtype
 from .families import traits
 from .hf_configs import bnb_config, lora_config
 from .lean_rmsnorm import lean_rmsnorms
+from .moe_experts import lora_on_linears, quantize_experts, quantized_while_loading
 from .tiled_mlp import tile_mlps
 
 log = logging.getLogger(__name__)
@@ -199,8 +200,10 @@ def load_model(cfg: TrainConfig, run_dir: Path, max_memory: dict | None = None):
     if cfg.offload.folder:
         folder = Path(cfg.offload.folder)
         kwargs["offload_folder"] = str(folder if folder.is_absolute() else run_dir / folder)
+    experts_4bit = planned_map is None and cfg.dist.strategy not in ("fsdp", "zero3")  # else: as loaded, logged
     try:
-        model = AutoModelForCausalLM.from_pretrained(**source(cfg.model), **kwargs)
+        with quantized_while_loading(cfg.quant, experts_4bit):
+            model = AutoModelForCausalLM.from_pretrained(**source(cfg.model), **kwargs)
     except (OSError, ValueError, ImportError) as err:
         if _attention_error(err):
             raise _attention_failed(cfg.model, attn, err) from None
@@ -221,6 +224,7 @@ def load_model(cfg: TrainConfig, run_dir: Path, max_memory: dict | None = None):
             "offload: the LM head would stay offloaded (the whole model is on disk); raise offload.max_memory.cpu "
             "or offload.max_memory.gpu"
         )
+    quantize_experts(model, cfg.quant, experts_4bit)
     _keep_4bit_layout_trainable(model)
     return model
 
@@ -256,7 +260,7 @@ def make_trainable(cfg: TrainConfig, model):
     try:
         with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-            model = get_peft_model(model, lora_config(cfg.peft))
+            model = get_peft_model(model, lora_config(lora_on_linears(cfg.peft, model)))
     except ValueError as err:  # e.g. target modules not found in the base
         raise UserError(f"peft: {str(err).splitlines()[0]} (check peft.target_modules)") from None
     _adapters_off_meta(cfg.offload, model)

@@ -61,7 +61,7 @@ OBJECTIVES = {
         "grpo/",
         1,
         True,
-        ("beta", "num_generations", "max_completion_length", "temperature", "rewards"),
+        ("beta", "num_generations", "max_completion_length", "temperature", "rewards", "reward_timeout_s"),
         trainer_evaluates=False,  # TRL's evaluate would generate num_generations per eval prompt
     ),
 }

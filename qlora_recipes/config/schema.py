@@ -374,6 +374,12 @@ class ObjectiveConfig:
     rewards: list[str] | None = option(
         None, f"grpo: reward functions, summed: built-ins ({', '.join(BUILTIN_REWARDS)}) or your module:function"
     )
+    reward_timeout_s: float | None = option(
+        None,
+        "grpo: seconds one call of a reward may take; past it the run stops in one line naming the reward",
+        range="> 0|null",
+        resume_safe=True,
+    )
 
 
 @dataclass

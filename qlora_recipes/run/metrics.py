@@ -131,10 +131,21 @@ def objective_figures(objective: str, before: dict | None, after: dict | None) -
 def reward_figures(history: list[dict]) -> dict:
     """grpo: the mean reward (TRL's `reward`, the sum of objective.rewards averaged over the completions
     of a logging window: trainer.logging_steps steps) at the first and the last logged step, and each
-    one logged, in order."""
-    curve = [float(e["reward"]) for e in history if "reward" in e]
+    one logged, in order. A logged value that is no finite number (None, NaN, inf: a window no completion
+    of which a reward scored) is null in the curve and skipped for first and last, so metrics.json stays
+    JSON and the run is recorded whatever the rewards logged."""
+    curve = [_finite(e["reward"]) for e in history if "reward" in e]
+    scored = [r for r in curve if r is not None]
     return {
-        "reward_first": curve[0] if curve else None,
-        "reward_last": curve[-1] if curve else None,
+        "reward_first": scored[0] if scored else None,
+        "reward_last": scored[-1] if scored else None,
         "rewards": curve,
     }
+
+
+def _finite(value) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None

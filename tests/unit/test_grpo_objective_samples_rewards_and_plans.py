@@ -128,7 +128,7 @@ def test_a_users_reward_is_imported_by_name_and_its_columns_checked(tmp_path, mo
     )
     monkeypatch.syspath_prepend(str(code))
     funcs = rewards.reward_functions(_reward_cfg("my_rewards:short", "exact_match"), ("answer",))
-    assert funcs[0](completions=["ab", "abc"]) == [-2, -3] and funcs[1] is rewards.exact_match
+    assert funcs[0](prompts=["x", "y"], completions=["ab", "abc"]) == [-2, -3] and funcs[1].func is rewards.exact_match
     with pytest.raises(UserError, match=r"my_rewards:by_level reads the column 'level', which .* lack .*answer"):
         rewards.reward_functions(_reward_cfg("my_rewards:by_level"), ("answer",))
     with pytest.raises(UserError, match=r"my_rewards:missing: module 'my_rewards' .* has no function 'missing'"):
@@ -144,7 +144,7 @@ def test_trls_accuracy_reward_is_named_like_a_users_and_reads_the_solution_colum
         [{"role": "assistant", "content": "so it is \\boxed{\\frac{1}{3}}"}],
         [{"role": "assistant", "content": "\\boxed{2}"}],
     ]
-    assert accuracy(completions=said, solution=["1/3", "3"]) == [1.0, 0.0]
+    assert accuracy(prompts=["q", "q"], completions=said, solution=["1/3", "3"]) == [1.0, 0.0]
     with pytest.raises(UserError, match=r"trl.rewards:accuracy_reward reads the column 'solution'"):
         rewards.reward_functions(_reward_cfg("trl.rewards:accuracy_reward"), ("answer",))
     real_find_spec = importlib.util.find_spec

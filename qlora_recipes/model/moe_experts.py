@@ -14,6 +14,7 @@ in its backward for the input's gradient: no 16-bit expert weight outlives the m
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from contextlib import contextmanager
 
@@ -55,9 +56,11 @@ def _forward_kind(module: torch.nn.Module) -> str | None:
     their top-k expert ids in), "batched" for Llama 4's (tokens already laid out per expert), else None."""
     if all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "_apply_gate")):
         return "routed"
-    if {"gate_up_proj", "down_proj"} <= set(dict(module.named_parameters(recurse=False))) and hasattr(module, "act_fn"):
+    own = set(dict(module.named_parameters(recurse=False)))
+    takes = list(inspect.signature(type(module).forward).parameters)[1:]
+    if {"gate_up_proj", "down_proj"} <= own and hasattr(module, "act_fn") and takes == ["hidden_states"]:
         return "batched"
-    return None
+    return None  # a forward of its own (routing arguments, other names): run as it is, in 16 bits
 
 
 def quantize_weight(module: torch.nn.Module, name: str, quant: QuantConfig) -> None:

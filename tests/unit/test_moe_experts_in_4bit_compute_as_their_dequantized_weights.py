@@ -168,3 +168,27 @@ def test_default_lora_on_an_moe_model_targets_its_linears_not_its_experts():
     with torch.device("meta"):
         dense = AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(llama.name_or_path))
     assert moe_experts.lora_on_linears(peft, dense) is peft
+
+
+class _OwnRoutedExperts(torch.nn.Module):
+    """Fused experts with a routed forward of their own, not transformers' decorated kind: no forward here
+    knows how to run them on 4-bit weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_experts = 4
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 64, HIDDEN))
+        self.down_proj = torch.nn.Parameter(torch.randn(4, HIDDEN, 32))
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return hidden_states
+
+
+def test_experts_with_a_forward_of_their_own_stay_in_16_bits_and_are_counted(caplog):
+    module = _OwnRoutedExperts()
+    with caplog.at_level("WARNING", logger="qlora_recipes.model.moe_experts"):
+        counts = moe_experts.quantize_experts(module, compose_cfg().quant)
+    assert counts["kept_16bit"] == 1 and counts["layers"] == 0 and type(module) is _OwnRoutedExperts
+    assert all(p.dim() == 3 and p.is_floating_point() for p in module.parameters())
+    assert "1 expert layers stay in 16 bits" in caplog.text

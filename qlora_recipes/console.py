@@ -113,11 +113,14 @@ def summary_rows(out: dict) -> list[tuple[str, str]]:
     return rows
 
 
-def next_commands(command: str, run_dir: Path, overrides: list[str], steps: int | None) -> list[tuple[str, str]]:
-    """merge, generate and resume for this run dir, quoted for the shell (and the dir in the resume
-    line for Hydra too). `command` starts the trainer (`python train.py`, `qlora train`); the run is
-    finished, so resuming it means a larger total."""
-    from .invocation import resume_command
+def next_commands(
+    command: str, run_dir: Path, overrides: list[str], steps: int | None, checkpoint: bool = True
+) -> list[tuple[str, str]]:
+    """merge, generate and how to train on, for this run dir, quoted for the shell (and the dir for
+    Hydra too). `command` starts the trainer (`python train.py`, `qlora train`). The run is finished:
+    with a `checkpoint` kept, resuming it means a larger total; without one (trainer.save_steps=0) there
+    is nothing to resume, and a new run starts from its adapter (init_from)."""
+    from .invocation import init_from_command, resume_command
 
     where = shown_path(run_dir)
     if command.startswith("qlora"):
@@ -126,11 +129,12 @@ def next_commands(command: str, run_dir: Path, overrides: list[str], steps: int 
         merge, generate = "python scripts/merge.py", "python scripts/generate.py"
     more = f"trainer.max_steps={2 * steps}" if steps else "trainer.epochs=2"
     argument = shlex.quote(where if not where.startswith("-") else f"./{where}")  # not an option
-    return [
-        ("merge", f"{merge} {argument}"),
-        ("generate", f"{generate} {argument} 'YOUR PROMPT'"),
-        ("resume", resume_command(overrides, where, more, trainer_command=command)),
-    ]
+    go_on = (
+        ("resume", resume_command(overrides, where, more, trainer_command=command))
+        if checkpoint
+        else ("train on", init_from_command(overrides, where, trainer_command=command))
+    )
+    return [("merge", f"{merge} {argument}"), ("generate", f"{generate} {argument} 'YOUR PROMPT'"), go_on]
 
 
 def _aligned(rows: list[tuple[str, str]]) -> list[str]:
@@ -141,7 +145,13 @@ def _aligned(rows: list[tuple[str, str]]) -> list[str]:
 def print_summary(out: dict, run_dir: Path, commands: list[tuple[str, str]]) -> None:
     """The run's table, then what to run next (stdout; every figure in full is in metrics.json)."""
     lines = [f"done: {shlex.quote(shown_path(run_dir))}  (adapter/, metrics.json)", *_aligned(summary_rows(out))]
-    lines += ["next (resume trains on to twice the steps):", *_aligned(commands)]
+    resumes = any(name == "resume" for name, _ in commands)
+    how = (
+        "resume trains on to twice the steps"
+        if resumes
+        else "no checkpoint kept: train on starts a new run from this adapter"
+    )
+    lines += [f"next ({how}):", *_aligned(commands)]
     print("\n".join(lines), flush=True)
 
 

@@ -45,7 +45,20 @@ def resume_command(overrides: list[str], run_dir: str, *extra: str, trainer_comm
     hydra.run.dir, overwrite) and the keys `extra` sets, then resume=auto, the dir and `extra`."""
     import shlex
 
-    dropped = ("resume", "hydra.run.dir", "overwrite", *(e.split("=", 1)[0] for e in extra))
-    keep = [o for o in overrides if not o.lstrip("+~").startswith(dropped)]
-    words = [*keep, "resume=auto", hydra_override("hydra.run.dir", run_dir), *extra]
+    words = [*_without_run_dir(overrides, extra), "resume=auto", hydra_override("hydra.run.dir", run_dir), *extra]
     return " ".join([trainer_command or command(), *map(shlex.quote, words)])
+
+
+def init_from_command(overrides: list[str], run_dir: str, trainer_command: str | None = None) -> str:
+    """The command that trains on from the finished run in `run_dir` when it kept no checkpoint to
+    resume: a new run (in a new run dir) whose adapter starts as that run's (init_from)."""
+    import shlex
+
+    words = [*_without_run_dir(overrides, ("init_from",)), hydra_override("init_from", run_dir)]
+    return " ".join([trainer_command or command(), *map(shlex.quote, words)])
+
+
+def _without_run_dir(overrides: list[str], extra) -> list[str]:
+    """The overrides less those that pick or replace a run dir and the keys `extra` sets."""
+    dropped = ("resume", "hydra.run.dir", "overwrite", *(e.split("=", 1)[0] for e in extra))
+    return [o for o in overrides if not o.lstrip("+~").startswith(dropped)]

@@ -139,11 +139,12 @@ def _record_failed_job(run_dir: Path, err: UserError) -> None:
     """One bad job must not end a sweep; a stack the planner rejects is skipped before loading."""
     from ..planner import DoesNotFit
     from ..run.metrics import write_metrics
-    from ..run.reuse import HoldsARun
+    from ..run.reuse import HoldsARun, held_run
 
     status = "skipped" if isinstance(err, DoesNotFit) else "error"
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not isinstance(err, HoldsARun):  # a job dir holding an earlier run keeps that run's metrics.json
+    # a job dir holding an earlier run (refused, or a refused overwrite=true put back) keeps its metrics.json
+    if not isinstance(err, HoldsARun) and held_run(run_dir) is None:
         write_metrics(run_dir, {"status": status, "error": str(err)})
     log.error("%s: %s", status, err)
     return None

@@ -268,6 +268,22 @@ def check_rope_scaling(scaling) -> None:
     missing = [key for key in ROPE_NEEDS.get(kind, ()) if key not in scaling]
     if missing:
         raise UserError(f"model.rope_scaling with rope_type={kind} needs {' and '.join(missing)} too")
+    for key in scaling:  # every other rope parameter transformers reads is a number (yarn's truncate a boolean)
+        value, want = scaling[key], ROPE_VALUE_KINDS.get(str(key), "a number")
+        if str(key) in ("rope_type", "type", "factor") or _is_kind(value, want):
+            continue
+        raise UserError(f"model.rope_scaling.{key}={value} must be {want}; {fix}")
+
+
+ROPE_VALUE_KINDS = {"original_max_position_embeddings": "a whole number > 0", "truncate": "true or false"}
+
+
+def _is_kind(value, want: str) -> bool:
+    if want == "true or false":
+        return isinstance(value, bool)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:  # NaN is no number
+        return False
+    return want == "a number" or (isinstance(value, int) and value > 0)
 
 
 def check_target_modules(targets, to_save) -> None:

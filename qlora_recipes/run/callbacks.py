@@ -126,3 +126,17 @@ def plot_timeline(jsonl: Path, png: Path, planned: tuple[float, str] | None = No
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
+
+
+class RunDirKept(TrainerCallback):
+    """Tells the run dir's RunDirChanges (run/reuse.py) that training started and when the first
+    checkpoint is saved: from then on a failure keeps what the run wrote, and a run it replaced goes."""
+
+    def __init__(self, changes):
+        self.changes = changes
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.changes.started()
+
+    def on_save(self, args, state, control, **kwargs):
+        self.changes.keep()

@@ -3,14 +3,16 @@
 A run dir holds a run once a training wrote its adapter/, a checkpoint or a metrics.json there
 (finished, stopped by a signal, or crashed after a checkpoint). A new training there says which it
 wants: resume=auto (or resume.checkpoint) continues that run, overwrite=true replaces it; anything
-else is refused in one line (`refuse_silent_reuse`). `clear_previous_run` removes what the earlier
-run wrote, once every check of the replacing run has passed (run/training.py).
+else is refused in one line (`refuse_silent_reuse`). `RunDirChanges` sets the earlier run aside when
+the new one starts writing and drops it at the new run's first checkpoint; any failure before puts it
+back, byte for byte (run/training.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -18,6 +20,8 @@ from ..config.schema import TrainConfig
 from ..console import shown_path
 from ..errors import UserError
 from ..integrations.trackers import IDS_FILE
+from ..outputs.runfiles import MANIFEST
+from .lock import LOCK
 
 log = logging.getLogger(__name__)
 # What a training run (and a default merge) writes into its run dir beside config.yaml, plan.json, .hydra/
@@ -33,6 +37,9 @@ RUN_OUTPUTS = (
     "tb",
     IDS_FILE,
 )
+# What every run writes again at its start (a resume too): set aside, so a failed start restores them
+REWRITTEN = ("config.yaml", "plan.json", MANIFEST, ".hydra")
+ASIDE = ".replaced-run"  # in the run dir while a run replaces, or rewrites the files of, the run there
 
 
 class HoldsARun(UserError):
@@ -87,21 +94,97 @@ def refuse_silent_reuse(cfg: TrainConfig, run_dir: Path) -> None:
     )
 
 
-def clear_previous_run(cfg: TrainConfig, run_dir: Path) -> None:
-    """overwrite=true: remove what the run held in run_dir wrote (its adapter, checkpoints, metrics,
-    memory timeline, TensorBoard scalars, default merge output), so none of it mixes with the new run."""
-    if not cfg.overwrite or held_run(run_dir) is None:
-        return
-    removed = []
-    for name in RUN_OUTPUTS:
-        path = run_dir / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
-        else:
-            continue
-        removed.append(name)
-    for path in run_dir.glob("metrics.rank*.json"):
-        path.unlink()
-    log.warning("overwrite=true: replacing the run in %s (removed %s)", shown_path(run_dir), ", ".join(removed))
+class RunDirChanges:
+    """What this run writes into its run dir, undone when the run fails before it has anything to keep.
+
+    `begin()` (right before config.yaml and plan.json are written) moves aside, into ASIDE, the files
+    this run is about to replace: config.yaml, plan.json, manifest.json, .hydra/, and with
+    overwrite=true every output of the run it replaces. `keep()` (the new run's first checkpoint, or its
+    end) drops what was set aside. `undo()` (a failure before that) removes what this run added and puts
+    back what was set aside, byte for byte: a refused or crashed replacement costs the old run nothing,
+    and a fresh run dir refused while loading is left empty (the caller removes it)."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path):
+        self.run_dir, self.aside = run_dir, run_dir / ASIDE
+        self.replacing = bool(cfg.overwrite) and held_run(run_dir) is not None
+        self.before: set[str] | None = None  # the run dir's entries before this run wrote any
+        self.training = False
+
+    def begin(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.before = {p.name for p in self.run_dir.iterdir()}
+        names = [*REWRITTEN, *(RUN_OUTPUTS if self.replacing else ())]
+        names += [p.name for p in self.run_dir.glob("metrics.rank*.json")] if self.replacing else []
+        moving = [name for name in names if os.path.lexists(self.run_dir / name)]
+        if moving:
+            self.aside.mkdir()
+            for name in moving:
+                os.replace(self.run_dir / name, self.aside / name)
+        if self.replacing:
+            log.info(
+                "overwrite=true: replacing the run in %s; it is kept aside (%s) until the new run saves its first "
+                "checkpoint, and put back if the new run fails before",
+                shown_path(self.run_dir),
+                ", ".join(moving),
+            )
+
+    def started(self) -> None:
+        """The trainer has started: a run that replaces nothing keeps what it writes from here (its NaN
+        or OOM record says what happened), so only a replacement stays undoable, until keep()."""
+        self.training = True
+        if not self.replacing:
+            self.keep()
+
+    def keep(self) -> None:
+        """The new run has something of its own to keep: what it replaces goes."""
+        if self.aside.is_dir():
+            shutil.rmtree(self.aside)
+
+    def undo(self) -> None:
+        """The run failed: before training, everything it wrote goes; a replacement that saved no
+        checkpoint yet gives the run dir back to the run it was replacing."""
+        if self.before is None or (self.training and not self.aside.is_dir()):
+            return
+        for path in self.run_dir.iterdir():
+            if path.name not in self.before and path.name not in (LOCK, ASIDE):
+                _remove(path)
+        restored = put_back(self.run_dir)
+        if restored and self.training:  # a refusal before training says what was wrong; this is news
+            log.warning(
+                "overwrite=true: the new run failed before its first checkpoint; %s holds the run it was replacing "
+                "again",
+                shown_path(self.run_dir),
+            )
+
+
+def put_back(run_dir: Path) -> list[str]:
+    """What an unfinished replacement set aside, back in place (over what that run wrote since)."""
+    aside = run_dir / ASIDE
+    if not aside.is_dir():
+        return []
+    names = sorted(p.name for p in aside.iterdir())
+    for name in names:
+        if os.path.lexists(run_dir / name):
+            _remove(run_dir / name)
+        os.replace(aside / name, run_dir / name)
+    aside.rmdir()
+    return names
+
+
+def restore_interrupted_replacement(run_dir: Path) -> None:
+    """A replacement killed before its first checkpoint (kill -9, a node lost) left the run it
+    replaces aside: put it back before anything else looks at the run dir."""
+    if (run_dir / ASIDE).is_dir():
+        names = put_back(run_dir)
+        log.warning(
+            "%s: put back the run an interrupted overwrite=true was replacing (%s)",
+            shown_path(run_dir),
+            ", ".join(names),
+        )
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)

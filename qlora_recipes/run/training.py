@@ -41,7 +41,7 @@ from .checkpoints import disk_full, find_checkpoint, free_bytes
 from .lock import RunDirLock
 from .memory import PeakTracker, configure_cuda_allocator, pin_malloc_thresholds, planned_peak_gib, rss_bytes
 from .resume import AlreadyComplete, resume_checkpoint
-from .reuse import clear_previous_run, held_run, refuse_silent_reuse
+from .reuse import RunDirChanges, held_run, refuse_silent_reuse, restore_interrupted_replacement
 from .validate import validate
 
 log = logging.getLogger("train")
@@ -108,7 +108,29 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
     cfg, plan = planner.settle_for_data(cfg, plan, data_stats)  # planned for the batches the rows make
     # grpo: its rewards imported and checked against the rows' columns before anything is written or loaded
     reward_funcs = rewards.reward_functions(cfg, tuple(train_ds.column_names)) if cfg.objective.name == "grpo" else None
-    _write_run_files(cfg, run_dir, choices, plan, on_write, replace=True)  # every check has passed
+    changes = RunDirChanges(cfg, run_dir)  # a failure before the run has something to keep undoes its writes
+    _write_run_files(cfg, run_dir, choices, plan, on_write, changes)  # every check has passed
+    data_split, run = (train_ds, eval_ds, data_stats), (started, stage, reward_funcs, tracker)
+    try:
+        out = _load_train_and_record(cfg, run_dir, plan, resume_from, tokenizer, data_split, run, changes)
+    except BaseException:
+        with sigint_deferred():
+            changes.undo()
+        raise
+    if _main_rank():  # adapter/README.md: the model card; with hub.push=true, the adapter to the hub
+        hub.publish_adapter(cfg, run_dir)
+    if _main_rank():  # the figures a user reads and what to run next; metrics.json has them all
+        kept = find_checkpoint(run_dir / "checkpoints") is not None  # else a printed resume would be refused
+        print_summary(out, run_dir, next_commands(command(), run_dir, task_overrides(), out["steps"], kept))
+    return out
+
+
+def _load_train_and_record(cfg: TrainConfig, run_dir, plan, resume_from, tokenizer, data_split, run, changes) -> dict:
+    """Load, make trainable, train under the guards, save the adapter, evaluate, write metrics.json
+    and the manifest: the run's figures. `run`: (when it started, the init_from stage, the rewards,
+    the PeakTracker)."""
+    train_ds, eval_ds, data_stats = data_split
+    started, stage, reward_funcs, tracker = run
     model = loading.make_trainable(cfg, loading.load_model(cfg, run_dir, planner.loader_max_memory(plan)))
     trainable, total = model.get_nb_trainable_parameters()
     log.info("trainable params: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
@@ -122,12 +144,14 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
     finished = False
     try:
         splits = (train_ds, eval_ds)
+        watch = (tb, tracker, changes)
         fitted = _fit(
-            cfg, run_dir, model, tokenizer, splits, data_stats["format"], plan, resume_from, (tb, tracker), reward_funcs
+            cfg, run_dir, model, tokenizer, splits, data_stats["format"], plan, resume_from, watch, reward_funcs
         )
         try:
             with sigint_deferred():  # the trained adapter first, whole: a signal in the evaluation keeps it
                 _save_adapter(fitted.trainer, tokenizer, run_dir)
+                changes.keep()  # the new run has its adapter: the run it replaced goes
             final_eval = _final_eval(
                 fitted.trainer, eval_ds if OBJECTIVES[cfg.objective.name].trainer_evaluates else None
             )
@@ -150,17 +174,13 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
         with sigint_deferred():
             metrics.write_metrics(run_dir, out, name="metrics.json" if _main_rank() else f"metrics.rank{rank}.json")
             if _main_rank():  # what merge and generate check the run's files against when they read them back
-                write_manifest(run_dir, run_file_names(run_dir))
+                write_manifest(run_dir, run_file_names(run_dir), complete=("adapter",))
         finished = True
     finally:
         if tb is not None:
             tb.close()
         if tracking is not None:
             tracking.close(failed=not finished)
-    if _main_rank():  # adapter/README.md: the model card; with hub.push=true, the adapter to the hub
-        hub.publish_adapter(cfg, run_dir)
-    if _main_rank():  # the figures a user reads and what to run next; metrics.json has them all
-        print_summary(out, run_dir, next_commands(command(), run_dir, task_overrides(), out["steps"]))
     return out
 
 
@@ -168,6 +188,8 @@ def _check_and_plan(cfg: TrainConfig, run_dir: Path, choices: dict | None, gpu: 
     """Everything that can refuse a run from its config and model dir, before anything is loaded or
     written; a plan that does not fit is written (config.yaml, plan.json with its ladder), then refused."""
     validate(cfg, gpu_available=gpu)
+    if _main_rank():
+        restore_interrupted_replacement(run_dir)  # before anything reads the run dir
     refuse_silent_reuse(cfg, run_dir)  # a run already there: resume=auto continues it, overwrite=true replaces it
     # the causes a user can fix by hand first: a data file missing, then the model out of reach
     check_data_sources(cfg.data)
@@ -183,18 +205,24 @@ def _check_and_plan(cfg: TrainConfig, run_dir: Path, choices: dict | None, gpu: 
 
 
 def _write_run_files(
-    cfg: TrainConfig, run_dir: Path, choices: dict | None, plan: dict, on_write=None, replace: bool = False
+    cfg: TrainConfig,
+    run_dir: Path,
+    choices: dict | None,
+    plan: dict,
+    on_write=None,
+    changes: RunDirChanges | None = None,
 ) -> None:
     """config.yaml and plan.json (and the caller's files), all or none: Ctrl-C waits for the group.
-    `replace`: the run's checks have passed, so overwrite=true now removes the run it replaces."""
+    `changes`: the run's checks have passed; what these files replace (with overwrite=true, the whole
+    run there) is set aside until the run has something to keep."""
     if not _main_rank():
         return
     print(f"run dir: {shown_path(run_dir)}", flush=True)
     print_stack(cfg, choices)
     with sigint_deferred():
         run_dir.mkdir(parents=True, exist_ok=True)
-        if replace:
-            clear_previous_run(cfg, run_dir)
+        if changes is not None:
+            changes.begin()
         remove_manifest(run_dir)  # the run dir changes from here: what an earlier finish recorded goes
         (run_dir / "config.yaml").write_text(config_yaml(cfg))
         planner.write_plan(plan, run_dir)
@@ -212,13 +240,14 @@ def _fit(
     cfg: TrainConfig, run_dir, model, tokenizer, splits, data_format, plan, resume_from, watch, reward_funcs=None
 ) -> _Fitted:
     """Train under the guards; a preemption writes its metrics and raises lifecycle.Preempted.
-    `watch`: the TensorBoard writer (or None) and the run's PeakTracker, for the memory timeline."""
+    `watch`: the TensorBoard writer (or None) and the run's PeakTracker, for the memory timeline, and
+    the run dir's RunDirChanges (the trainer's start and first checkpoint decide what a failure undoes)."""
     from transformers.integrations import TensorBoardCallback
 
-    from .callbacks import EvalBeforeTraining, EvalProgress, MemoryLogger
+    from .callbacks import EvalBeforeTraining, EvalProgress, MemoryLogger, RunDirKept
 
     train_ds, eval_ds = splits
-    tb, tracker = watch
+    tb, tracker, changes = watch
     gpu = loading.on_gpu()
     planned = (planned_peak_gib(plan, gpu), tracker.quantity)  # memory.png's line to compare with
     preemption = lifecycle.PreemptionCallback()
@@ -238,7 +267,7 @@ def _fit(
             train_dataset=train_ds,
             eval_dataset=trainer_eval,
             processing_class=tokenizer,
-            callbacks=[memory_log, *tb_callbacks, EvalProgress(), preemption],
+            callbacks=[memory_log, *tb_callbacks, EvalProgress(), preemption, RunDirKept(changes)],
             **trainer_args.guard_kwargs(c),
             **extra,
         )

@@ -194,6 +194,51 @@ def test_an_edited_config_is_named_with_the_way_to_keep_the_edit(run, tmp_path):
     assert load_run_config(edited).seed == 1
 
 
+def _adapter_readers(tmp_path: Path):
+    """What reads a run's adapter back: merge, generate, a stage's init_from, and push (its run config)."""
+    from conftest import SMOKE, compose_cfg
+
+    from qlora_recipes.merge.pipeline import merge
+    from qlora_recipes.outputs.generation import load_for_generation
+    from qlora_recipes.outputs.rundir import load_run_config
+    from qlora_recipes.run.stages import check_init_from
+
+    return {
+        "merge": lambda d: merge(d, out=tmp_path / "out"),
+        "generate": load_for_generation,
+        "init_from": lambda d: check_init_from(compose_cfg(*SMOKE, "quant=fp4", f"init_from={d}")),
+        "push": load_run_config,
+    }
+
+
+def test_a_byte_flipped_in_an_adapter_file_of_any_size_is_caught_by_every_reader(run, tmp_path):
+    from qlora_recipes.outputs.runfiles import DEEP_LIMIT, run_file_names, write_manifest
+
+    damaged = _copy(run, tmp_path / "run")
+    big = damaged / "adapter" / "extra_weights.bin"  # an adapter file past the size merged shards are hashed to
+    big.write_bytes(bytes(DEEP_LIMIT + 2**20))
+    write_manifest(damaged, run_file_names(damaged), complete=("adapter",))
+    with open(big, "r+b") as f:
+        f.seek(DEEP_LIMIT // 2)
+        f.write(b"\x01")
+    for reader, read in _adapter_readers(tmp_path).items():
+        with pytest.raises(UserError, match=r"extra_weights\.bin: damaged or changed") as err:
+            read(damaged)
+        assert "\n" not in str(err.value), reader
+
+
+def test_a_file_added_to_a_finished_runs_adapter_is_named_by_every_reader(run, tmp_path):
+    damaged = _copy(run, tmp_path / "run")
+    (damaged / "adapter" / "adapter_model.bin").write_bytes(b"not what the run wrote")
+    for reader, read in _adapter_readers(tmp_path).items():
+        with pytest.raises(UserError, match=r"adapter_model\.bin: added after the run wrote it") as err:
+            read(damaged)
+        assert "\n" not in str(err.value), reader
+    (damaged / "adapter" / "adapter_model.bin").unlink()
+    (damaged / "adapter" / "README.md").write_text("a model card, written after the manifest")
+    assert _adapter_readers(tmp_path)["push"](damaged).quant.method == "fp4"
+
+
 def test_a_merged_dir_with_truncated_weights_or_a_garbled_report_is_named(merged, tmp_path):
     from qlora_recipes.outputs.generation import load_for_generation
 

@@ -4,6 +4,7 @@ whole run dir. One run, shared by the tests of this module."""
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 
@@ -40,7 +41,10 @@ def test_the_default_smoke_run_prints_no_warnings_and_ends_with_the_summary_and_
     assert "optim: paged_adamw_8bit runs unpaged on this CPU" in proc.stdout
     assert "done: runs/smoke  (adapter/, metrics.json)" in out
     assert re.search(r"^  merge +python scripts/merge.py runs/smoke$", proc.stdout, re.MULTILINE)
-    assert "trainer=smoke resume=auto hydra.run.dir=runs/smoke trainer.max_steps=6" in proc.stdout
+    # trainer=smoke keeps no checkpoint: no resume line that would be refused, but a new run from its adapter
+    assert "next (no checkpoint kept: train on starts a new run from this adapter):" in out
+    assert "  train on  python train.py trainer=smoke init_from=runs/smoke" in out
+    assert "resume=auto" not in proc.stdout
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["status"] == "ok" and f"{metrics['train_loss_first']:.4g} -> " in proc.stdout
 
@@ -66,3 +70,21 @@ def test_the_plan_counts_the_process_footprint_the_run_measures(smoke_command):
     baseline = source["start_rss"] + source["after_start"]
     assert plan["components"]["process_baseline"] == {"cpu": baseline}
     assert 0.9 <= metrics["plan_ratio"] <= 1.1, (metrics["peak_mem_gib"], metrics["planned_peak_gib"])
+
+
+def test_the_printed_train_on_line_runs_as_printed_and_starts_from_the_runs_adapter(smoke_command):
+    proc, run_dir = smoke_command
+    line = next(ln.strip() for ln in proc.stdout.splitlines() if ln.strip().startswith("train on "))
+    words = shlex.split(line.removeprefix("train on").strip())
+    assert words[:2] == ["python", "train.py"]
+    cwd = run_dir.parent.parent  # where the first run was started: the printed paths are relative to it
+    done = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *words[2:], "trainer.max_steps=1", "hydra.run.dir=runs/next"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((cwd / "runs" / "next" / "metrics.json").read_text())
+    assert metrics["init_from"]["path"] == str(run_dir.resolve())

@@ -117,6 +117,15 @@ OVERRIDES = [
     (["model.rope_scaling={rope_type:linear,factor:1}"], ["model.rope_scaling.factor=1", "> 1"]),
     (["model.rope_scaling={rope_type:yarn}"], ["model.rope_scaling needs a factor"]),
     (["model.rope_scaling={rope_type:llama3,factor:8}"], ["rope_type=llama3", "low_freq_factor and high_freq_factor"]),
+    (
+        ["model.rope_scaling={rope_type:yarn,factor:4,original_max_position_embeddings:abc}"],
+        ["model.rope_scaling.original_max_position_embeddings=abc", "a whole number > 0"],
+    ),
+    (
+        ["model.rope_scaling={rope_type:yarn,factor:4,beta_fast:fast}"],
+        ["model.rope_scaling.beta_fast=fast", "a number"],
+    ),
+    (["model.rope_scaling={rope_type:yarn,factor:4,truncate:3}"], ["model.rope_scaling.truncate=3", "true or false"]),
     (["trainer.seq_len_percentile=0"], ["trainer.seq_len_percentile=0", "(0, 100]"]),
     (["trainer.max_steps=-2"], ["trainer.max_steps=-2"]),
     (["trainer.max_steps=-1", "trainer.epochs=0"], ["trainer.max_steps", "trainer.epochs", "set one of them"]),

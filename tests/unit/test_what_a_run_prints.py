@@ -72,6 +72,20 @@ def test_the_next_commands_name_the_real_run_dir_shell_quoted(tmp_path, monkeypa
     assert qlora["merge"] == "qlora merge 'runs/my run'"
 
 
+def test_a_run_that_kept_no_checkpoint_prints_no_resume_line_but_a_new_run_from_its_adapter(tmp_path, monkeypatch):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "runs" / "rün; (1),a=b"
+    overrides = ["trainer=smoke", "overwrite=true", f"hydra.run.dir={run_dir}"]
+    commands = dict(console.next_commands("python train.py", run_dir, overrides, steps=3, checkpoint=False))
+    assert "resume" not in commands
+    words = shlex.split(commands["train on"])
+    assert words[:3] == ["python", "train.py", "trainer=smoke"]  # no overwrite, no run dir: a new run
+    override = OverridesParser.create().parse_override(words[3])
+    assert (override.key_or_group, override.value()) == ("init_from", "runs/rün; (1),a=b")
+
+
 ODD_DIRS = ["rün;(1),a=b", "it's here", "back\\slash'", "null", "-dash"]
 
 

@@ -163,12 +163,24 @@ def settle_eval_batch(cfg: TrainConfig, first_plan: dict) -> TrainConfig:
 def settle_for_data(cfg: TrainConfig, first_plan: dict, data_stats: dict, gpus: list[int] | None = None) -> tuple:
     """(cfg, plan) once the data is tokenized: trainer.seq_len=auto resolved to what the rows gave
     (data_stats["seq_len"]), and the plan made for the batches the rows really make - their longest
-    row when shorter than seq_len (planner/seqlen.py) - else as planned before the data."""
+    row when shorter than seq_len (planner/seqlen.py), an eval batch of the eval split's rows when it
+    holds fewer than trainer.eval_batch_size (planner/evalbatch.py) - else as planned before the data."""
     settled = with_seq_len(cfg, data_stats["seq_len"]) if is_auto(cfg) else cfg
     longest = data_length(settled, data_stats.get("max_tokens"))
-    if longest is None:
+    eval_rows = evalbatch.rows_for_data(settled, int((data_stats.get("rows") or {}).get("eval") or 0))
+    if longest is None and eval_rows is None:
         return settled, (first_plan if settled is cfg else plan(settled, gpus))
-    result = plan(with_seq_len(settled, longest), gpus)
-    result.setdefault("notes", []).append(data_note(longest, int(settled.trainer.seq_len)))
-    result["data_longest_row"] = longest
+    planned, notes = settled, []
+    if longest is not None:
+        planned = with_seq_len(planned, longest)
+        notes.append(data_note(longest, int(settled.trainer.seq_len)))
+    if eval_rows is not None:
+        planned = evalbatch.with_eval_batch(planned, eval_rows)
+        notes.append(evalbatch.data_note(eval_rows, int(settled.trainer.eval_batch_size)))
+    result = plan(planned, gpus)
+    result.setdefault("notes", []).extend(notes)
+    if longest is not None:
+        result["data_longest_row"] = longest
+    if eval_rows is not None:
+        result["data_eval_rows"] = eval_rows
     return settled, result

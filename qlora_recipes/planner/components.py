@@ -203,15 +203,23 @@ def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
                 if st.peft == "dora":
                     bb.lora_tensors.append((dim,))
         if mts and any(blk.name == m or blk.name.endswith("." + m) for m in mts):
-            for _, numel in blk.params:
-                bb.lora_tensors.append((numel,))
-            for lin in blk.linears:
-                bb.lora_tensors.append((lin.out_features, lin.in_features))
-                if lin.bias:
-                    bb.lora_tensors.append((lin.out_features,))
+            bb.lora_tensors += saved_copy_shapes(blk, blocks)
         bb.lora_numel = sum(math.prod(s) for s in bb.lora_tensors)
         out.append((blk, bb))
     return out
+
+
+def saved_copy_shapes(blk: Block, blocks: tuple[Block, ...]) -> list[tuple[int, ...]]:
+    """The trainable tensors of peft.modules_to_save's copy of a block: peft's ModulesToSaveWrapper
+    deep-copies the module, tied or not. A tied lm_head holds no weight of its own here, but its copy
+    is the whole V x h table it shares with the input embeddings, trained apart from them."""
+    if blk.tied_to:
+        table = [(num, dim) for b in blocks for name, num, dim in b.embeddings if blk.tied_to in (b.name, name)]
+        return table[:1]
+    shapes: list[tuple[int, ...]] = [(numel,) for _, numel in blk.params]
+    for lin in blk.linears:
+        shapes += [(lin.out_features, lin.in_features)] + ([(lin.out_features,)] if lin.bias else [])
+    return shapes
 
 
 def unquantized_bytes(st: StackSpec, bb: BlockBytes) -> tuple[int, int, int, int]:

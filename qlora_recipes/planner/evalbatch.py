@@ -31,6 +31,20 @@ def with_eval_batch(cfg: TrainConfig, rows: int) -> TrainConfig:
     return out
 
 
+def rows_for_data(cfg: TrainConfig, eval_rows: int) -> int | None:
+    """The eval batch a run's evaluation really makes when its eval split holds fewer rows than
+    trainer.eval_batch_size (the trainer never batches more rows than there are); None otherwise."""
+    asked = cfg.trainer.eval_batch_size
+    return eval_rows if not is_auto(cfg) and 0 < eval_rows < int(asked) else None
+
+
+def data_note(rows: int, asked: int) -> str:
+    return (
+        f"evaluation planned for the eval split's {rows} rows, fewer than trainer.eval_batch_size={asked}: "
+        "its batches hold no more"
+    )
+
+
 def _eval_within_training(plan: dict) -> bool:
     return all(device_peak(d, with_eval=True) <= device_peak(d, with_eval=False) for d in plan["devices"])
 

@@ -12,4 +12,5 @@ class ResumableOptunaSweeper(OptunaSweeper):
         from qlora_recipes.integrations import study
 
         study.resume(self.sweeper)
+        study.claim(self.sweeper, arguments)  # one study, one stack: another stack is refused
         return self.sweeper.sweep(arguments)

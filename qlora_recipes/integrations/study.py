@@ -6,7 +6,10 @@ study, so running the same command again opens the same study. `resume` prepares
 sweeper for that: the trials already finished (complete, pruned, or failed as told by the sweeper)
 count towards `n_trials` and are not run again; a trial left running by the interruption is marked
 failed with the system attribute `interrupted` and not counted, so it is tried anew; new jobs are
-numbered after every trial so far (job dir N is trial N, none overwritten).
+numbered after every trial so far (job dir N is trial N, none overwritten). A study records the stack
+it searches (`claim`: the sweep's command-line overrides and its search space); the same study name
+under another stack is refused in one line, so no trial of one stack is counted, or reported as the
+best, for another.
 
 optuna 2.10 (the newest hydra-optuna-sweeper 1.3 allows) stamps its schema version through a
 connection it never commits; under SQLAlchemy 2 (no implicit autocommit) the stamp is rolled back
@@ -19,8 +22,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from ..errors import UserError
+
 log = logging.getLogger(__name__)
 DB_NAME = "optuna.db"
+STACK_ATTR = "qlora_stack"  # study user attribute: the overrides and search space it searches
 INTERRUPTED = "interrupted"  # trial system attribute: left running by an interrupted sweep
 
 
@@ -86,3 +92,44 @@ def resume(sweeper) -> None:
             sweeper.sampler.reseed_rng()
     sweeper.n_trials = max(sweeper.n_trials - done, 0)
     sweeper.job_idx = total  # job dir N is trial N
+
+
+def searched_stack(sweeper, arguments: list[str]) -> dict:
+    """What a study searches: the sweep's command-line overrides (the stack) and its search space."""
+    params = sweeper.params or {}
+    return {"overrides": sorted(map(str, arguments)), "search": {str(k): str(v) for k, v in sorted(params.items())}}
+
+
+def claim(sweeper, arguments: list[str]) -> None:
+    """The persistent study records the stack it searches on its first sweep; a later sweep under
+    the same study name must search the same stack (one line naming both, and the way out)."""
+    import optuna
+
+    if not sweeper.study_name or isinstance(sweeper.storage, str):
+        return  # in memory: a fresh study each sweep (resume() has not opened a storage)
+    try:  # load first: optuna logs "Using an existing study" when create_study finds one
+        study = optuna.load_study(study_name=sweeper.study_name, storage=sweeper.storage)
+    except KeyError:  # optuna 2.10: no study of that name yet
+        study = optuna.create_study(
+            study_name=sweeper.study_name, storage=sweeper.storage, directions=sweeper._get_directions()
+        )
+    mine = searched_stack(sweeper, arguments)
+    recorded = study.user_attrs.get(STACK_ATTR)
+    if recorded is None:  # a new study, or one from before studies recorded their stack
+        study.set_user_attr(STACK_ATTR, mine)
+        return
+    if recorded != mine:
+        raise UserError(
+            f"optuna study {sweeper.study_name!r} ({sweeper.storage.url}) searched another stack than this sweep "
+            f"({_differences(recorded, mine)}); its trials do not answer this one: give this sweep its own study "
+            "with hydra.sweeper.study_name=NAME, or run the study's own overrides again to resume it"
+        )
+
+
+def _differences(recorded: dict, mine: dict) -> str:
+    """What this sweep changes against the study's stack: overrides it adds (+) or drops (-), the search."""
+    was, now = set(recorded.get("overrides", [])), set(mine["overrides"])
+    changes = [f"+{o}" for o in sorted(now - was)] + [f"-{o}" for o in sorted(was - now)]
+    if recorded.get("search") != mine["search"]:
+        changes.append(f"search space {mine['search']} instead of {recorded.get('search')}")
+    return ", ".join(changes)

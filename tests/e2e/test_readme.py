@@ -451,6 +451,24 @@ def test_the_four_job_sweep_trains_and_summarises_each_combination(sandbox):
     assert (sweep / "summary.md").read_text().count("\n") == 6  # title, blank, header, rule... one row a job
 
 
+def test_an_optuna_study_refuses_another_stack_in_one_line(sandbox):
+    """docs/sweeps-and-clusters.md: the documented study, run again under another stack, runs no trial of
+    it and reports none of its trials as this stack's best."""
+    out = sandbox.outcome("python train.py -m +sweep=optuna")
+    assert out.proc.returncode == 0, out.proc.stderr[-3000:]
+    sweep = sandbox.root / out.run_dir
+    jobs = sorted(p.name for p in sweep.iterdir())
+    line = " ".join(["python train.py -m +sweep=optuna", *SWEEP_JOB, "hydra.sweeper.n_trials=2", "peft=dora"])
+    env = {**{k: v for k, v in os.environ.items() if k not in MAKE_VARIABLES}, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(["bash", "-c", f"{ACTIVATE}; {line}"], cwd=sandbox.root, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    errors = _stderr_lines(proc)
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert "optuna study 'qlora'" in errors[0] and "+peft=dora" in errors[0], errors[0]
+    assert "hydra.sweeper.study_name=NAME" in errors[0]
+    assert sorted(p.name for p in sweep.iterdir()) == jobs  # no trial ran
+
+
 def test_merge_figures_are_the_default_runs_merge(sandbox):
     """docs/running-and-outputs.md's merge figures, for the precision the default run picked here
     ('saved in bf16 (...): max 4.2e-2 on logits up to 15'; fp32: 'below 1e-4'): the walk's own merge report."""

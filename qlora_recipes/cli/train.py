@@ -68,6 +68,10 @@ def main(cfg: DictConfig) -> float | None:
         interrupts.before_exit_at_once(lambda: _discard(run_dir, fresh))
     if multirun and _Launch.deferred_hydra_files:
         _save_hydra_files(run_dir, cfg)  # a sweep summary reads every job's overrides, failed ones too
+    if multirun:
+        from ..integrations.sweep import clear_job_status
+
+        clear_job_status(run_dir)
     try:
         return _checked_train(cfg, run_dir, hydra_cfg, multirun)
     except UserError as err:
@@ -144,7 +148,11 @@ def _record_failed_job(run_dir: Path, err: UserError) -> None:
     status = "skipped" if isinstance(err, DoesNotFit) else "error"
     run_dir.mkdir(parents=True, exist_ok=True)
     # a job dir holding an earlier run (refused, or a refused overwrite=true put back) keeps its metrics.json
-    if not isinstance(err, HoldsARun) and held_run(run_dir) is None:
+    if isinstance(err, HoldsARun):
+        from ..integrations.sweep import record_refused
+
+        record_refused(run_dir, str(err))  # the summary says so, not the earlier run's status
+    elif held_run(run_dir) is None:
         write_metrics(run_dir, {"status": status, "error": str(err)})
     log.error("%s: %s", status, err)
     return None

@@ -9,7 +9,9 @@ its plan predicts: metrics.json `peak_mem_gib` and `planned_peak_gib`, memory.py
 presets run each job in a fresh process, so no job inherits another's memory) and against
 tokens/s, with the Pareto front marked - the jobs no other job beats on lower loss, lower peak
 memory and higher tokens/s at once. Jobs the planner skipped or that failed are listed with their
-reason and planned peak, never dropped.
+reason and planned peak, never dropped. A job refused because its dir already holds a run (the same
+sweep dir again) keeps that run's metrics.json; its refusal is recorded in `.hydra/job_status.json`,
+which the summary and the console report instead of the old run's status.
 """
 
 import csv
@@ -44,6 +46,28 @@ COLUMNS = (
 )
 
 
+JOB_STATUS = ".hydra/job_status.json"  # this sweep's word on a job whose dir kept an earlier run
+
+
+def record_refused(job_dir: Path, error: str) -> None:
+    """A job refused without touching its dir's earlier run: said beside Hydra's files of this job."""
+    path = Path(job_dir) / JOB_STATUS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"status": "refused", "error": error}) + "\n")
+
+
+def clear_job_status(job_dir: Path) -> None:
+    """A job starts again: what an earlier sweep said of it no longer holds."""
+    (Path(job_dir) / JOB_STATUS).unlink(missing_ok=True)
+
+
+def _job_status(job_dir: Path) -> dict:
+    try:
+        return json.loads((job_dir / JOB_STATUS).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def _planned_peak(job_dir: Path) -> tuple[float | None, str | None]:
     """The planned peak and the quantity it predicts (memory.py: what a run measures on that device).
     plan.json is written before training starts, so skipped and failed jobs have one too."""
@@ -72,6 +96,8 @@ def collect(sweep_dir: Path) -> list[dict]:
         }
         row.update({k: metrics.get(k) for k in COLUMNS if k not in row})
         row["error"] = metrics.get("error") or metrics.get("reason")
+        if said := _job_status(job_dir):  # refused this time: the figures are the earlier run's
+            row["status"], row["error"] = said.get("status", "refused"), said.get("error")
         if row["planned_peak_gib"] is None:  # a job that did not run: its plan's figure
             row["planned_peak_gib"], row["peak_quantity"] = _planned_peak(job_dir)
         rows.append(row)
@@ -239,5 +265,8 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = write_summary(sweep_dir)
+        for row in rows:
+            if row["status"] == "refused":  # said in the job's own log only, which a user rarely opens
+                log.warning("job %s (%s) refused: %s", row["job"], row["label"], row["error"])
         front = [r["label"] for r in rows if r["pareto"]]
         log.info("sweep summary: %d jobs, Pareto front %s -> %s", len(rows), front, sweep_dir / "summary.md")

@@ -160,3 +160,19 @@ def test_local_launcher_runs_each_job_in_a_fresh_process(tmp_path):
     assert len(job_ids) == 2 and str(os.getpid()) not in job_ids  # two processes, neither this one
     with open(sweep / "summary.csv") as f:
         assert len(list(csv.DictReader(f))) == 2
+
+
+def test_a_finished_sweep_run_again_into_its_dir_says_each_job_was_refused(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", IN_PROCESS, *SMOKE, "trainer.max_steps=1", "peft.r=4,8", f"hydra.sweep.dir={sweep}"]
+    first = run(*args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    kept = {n: (sweep / n / "metrics.json").read_bytes() for n in ("0", "1")}
+    again = run(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    console = again.stdout + again.stderr
+    assert console.count("refused: run dir") == 2 and "already holds a finished run" in console
+    with open(sweep / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["status"] for r in rows] == ["refused", "refused"] and "overwrite=true" in rows[0]["error"]
+    assert {n: (sweep / n / "metrics.json").read_bytes() for n in ("0", "1")} == kept  # the earlier runs stay

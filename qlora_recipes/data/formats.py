@@ -52,6 +52,11 @@ KIND_FORMATS = {
     "prompt": ("prompt",),  # grpo: prompts alone, completions sampled in training
     "sft": tuple(f for f in FORMAT_FIELDS if f not in ("preference", "unpaired", "prompt")),
 }
+# The objective that trains each kind of row that is not plain SFT data, for the hints that name it.
+TRAINED_BY = {
+    "preference": "objective=dpo (or objective=kto, which reads each pair as two labelled rows)",
+    "unpaired": "objective=kto",
+}
 FORMATS = tuple(FORMAT_FIELDS)
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT speakers (`from`, case-insensitive) and the role each is trained as.
@@ -444,15 +449,15 @@ def check_objective_data(fmt: str, kind: str, objective: str, source: str) -> No
             f"objective={objective} trains on unpaired rows ({FORMAT_FIELDS['unpaired']}) or preference pairs but "
             f"{source} holds {fmt} rows; give it such rows (docs/objectives.md) or train with objective=sft"
         )
-    if kind == "prompt" or fmt == "prompt":
-        what = (
-            f"objective={objective} trains on prompt rows ({FORMAT_FIELDS['prompt']}) but {source} holds {fmt} rows"
-            if kind == "prompt"
-            else f"{source} holds prompt rows without an answer (no 'completion' field), which objective={objective} "
-            "does not train on"
-        )
+    if kind == "prompt":
         raise UserError(
-            f"{what}; train prompt rows with objective=grpo, rows with a 'completion' with the others (docs/objectives.md)"
+            f"objective={objective} trains on prompt rows ({FORMAT_FIELDS['prompt']}) but {source} holds {fmt} rows; "
+            f"train those with {TRAINED_BY.get(fmt, 'objective=sft')}, or give it prompt rows (docs/objectives.md)"
+        )
+    if fmt == "prompt":
+        raise UserError(
+            f"{source} holds prompt rows without an answer (no 'completion' field), which objective={objective} "
+            "does not train on; train prompt rows with objective=grpo, or give each row its answer (docs/objectives.md)"
         )
     if fmt == "unpaired":
         raise UserError(

@@ -26,6 +26,7 @@ from ..config.schema import DataConfig, ObjectiveConfig
 from ..errors import UserError
 from .chat import resolve_template, use_chat_template
 from .formats import check_format_name, check_objective_data, convert, detect, trains_as, unpair
+from .pairs import check_identical
 from .readers import BATCH_ROWS, read_source
 from .tokens import SCRATCH, quiet_datasets, token_figures, tokenization_for, tokenize_split
 
@@ -35,11 +36,16 @@ TOO_LONG = ("truncate", "drop")
 
 
 def load_splits(
-    data: DataConfig, tokenizer: Any, seq_len: Any, seed: int, objective: ObjectiveConfig | None = None
+    data: DataConfig,
+    tokenizer: Any,
+    seq_len: Any,
+    seed: int,
+    objective: ObjectiveConfig | None = None,
+    positions: int | None = None,
 ) -> tuple[Dataset, Dataset | None, dict]:
     """Load `data.path` (and `data.eval_path`), validate every row and return `(train, eval_or_None, stats)`.
     `seq_len`: tokens, or (trainer.seq_len=auto, with a tokenizer) a function of the train rows' token
-    lengths and their source that returns it (stats["seq_len"]).
+    lengths and their source that returns it (stats["seq_len"]); `positions`: the model's (_longer_hint).
 
     The datasets have the columns TRL's trainer reads: `prompt`+`completion` (alpaca and prompt_completion;
     strings, or message lists for a conversational prompt_completion), `messages` (messages and ShareGPT),
@@ -55,30 +61,23 @@ def load_splits(
     `dropped_by_truncation` (of those, examples TRL 1.16 removes for having no trained token in the
     first seq_len; 0 under packing), `dropped_too_long` (removed here under `too_long=drop`), `max_tokens`
     ({train, eval}, before dropping), `chat_template` (which one, for chat data), `metric` and
-    `prompt_format` (how generation wraps a plain prompt the way this data's prompts look). The token
-    figures are None when `tokenizer` is None.
+    `prompt_format` (how generation wraps a plain prompt the way this data's prompts look),
+    `identical_pairs` ({train, eval}: preference pairs whose chosen is their rejected, pairs.py; None for
+    other rows). The token figures are None when `tokenizer` is None.
     """
     quiet_datasets()  # before the first read: datasets' bars would drown ours and the trainer's
     configured = check_format_name(data.format)
-    split = data.split or "train"
-    eval_path = data.eval_path
     eval_fraction = _eval_fraction(data.eval_fraction)
     too_long = _too_long(data.too_long)
     if not callable(seq_len) and (not isinstance(seq_len, int) or seq_len < 1):
         raise UserError(f"trainer.seq_len: {seq_len!r} must be a positive number of tokens")
 
-    detected, train, conversational, source = _load(data.path, split, "data.path", configured)
+    detected, train, conversational, source = _load(data.path, data.split or "train", "data.path", configured)
     fmt = trains_as(detected)
     name = objective.name if objective is not None else "sft"
     check_objective_data(fmt, OBJECTIVES[name].data, name, source)  # pairs for dpo, SFT rows for sft
-    eval_ds = None
-    eval_source = None
-    if eval_path not in (None, ""):
-        eval_ds, eval_source = _eval_file(eval_path, split, configured, fmt, conversational)
-        if eval_fraction:
-            log.info("data.eval_path is set, so data.eval_fraction=%s is not used", eval_fraction)
-    elif eval_fraction > 0:
-        train, eval_ds, eval_source = _hold_out(train, eval_fraction, source, seed, data.eval_max_rows)
+    train, eval_ds, eval_source = _eval_split(data, train, (configured, fmt, conversational), source, seed)
+    identical = _identical(fmt, train, eval_ds, source, eval_source)
     train, eval_ds, fmt = _as_read(train, eval_ds, fmt, OBJECTIVES[name].data, seed)
 
     chat = fmt == "messages" or conversational
@@ -100,6 +99,7 @@ def load_splits(
         "chat_template": None,
         "metric": _metric_name(data.metric, eval_ds is not None),
         "prompt_format": None,
+        "identical_pairs": identical,
     }
     option = data.chat_template
     if tokenizer is not None:
@@ -108,12 +108,55 @@ def load_splits(
         elif resolve_template(option)[0] is not None:
             log.info("data.chat_template is set but %s holds %s rows, not chat: it is not used", source, detected)
         splits = {"train": train} if eval_ds is None else {"train": train, "eval": eval_ds}
-        kept = _add_token_stats(stats, splits, conversational, tokenizer, data)
+        limits = (positions, _completion_room(objective)) if positions else None
+        kept = _add_token_stats(stats, splits, conversational, tokenizer, data, limits)
         train, eval_ds = kept["train"], kept.get("eval")
         stats["rows"] = {"train": len(train), "eval": len(eval_ds) if eval_ds is not None else 0}
     stats["prompt_format"] = prompt_format(train, fmt, conversational)
-    log.info(_summary_line(stats, eval_fraction if eval_path in (None, "") else None))
+    log.info(_summary_line(stats, eval_fraction if data.eval_path in (None, "") else None))
     return train, eval_ds, stats
+
+
+def _identical(fmt: str, train: Dataset, eval_ds: Dataset | None, source: str, eval_source: str | None):
+    """Preference pairs whose chosen is their rejected, per split (pairs.py); None for other rows."""
+    if fmt != "preference":
+        return None
+    return check_identical({"train": train, "eval": eval_ds}, {"train": source, "eval": eval_source})
+
+
+def _eval_split(data: DataConfig, train: Dataset, kind: tuple, source: str, seed: int) -> tuple:
+    """(train, eval or None, eval source): `data.eval_path`'s rows (`kind`: the configured format, the
+    format and whether it is chat, which they must share), else a held-out `data.eval_fraction`."""
+    eval_fraction = _eval_fraction(data.eval_fraction)
+    if data.eval_path not in (None, ""):
+        eval_ds, eval_source = _eval_file(data.eval_path, data.split or "train", *kind)
+        if eval_fraction:
+            log.info("data.eval_path is set, so data.eval_fraction=%s is not used", eval_fraction)
+        return train, eval_ds, eval_source
+    if eval_fraction > 0:
+        return _hold_out(train, eval_fraction, source, seed, data.eval_max_rows)
+    return train, None, None
+
+
+def _completion_room(objective: ObjectiveConfig | None) -> int:
+    """Positions objective=grpo keeps for a sampled completion after its prompt (0 for the others)."""
+    if objective is None or objective.name != "grpo":
+        return 0
+    return int(objective.max_completion_length or 0)
+
+
+def _longer_hint(stats: dict[str, Any], limits: tuple[int, int] | None) -> str:
+    """How to keep rows longer than seq_len: raise trainer.seq_len while the model has positions for it;
+    once seq_len (plus grpo's sampled completion) fills them, give the model more with model.rope_scaling.
+    `limits`: (the model's positions, the completion's share of them), None when unknown."""
+    seq_len = stats["seq_len"]
+    if limits is None or seq_len + limits[1] < limits[0]:
+        return "raise trainer.seq_len"
+    taken = f"trainer.seq_len={seq_len}" + (f" + objective.max_completion_length={limits[1]}" if limits[1] else "")
+    return (
+        f"set model.rope_scaling={{rope_type:linear,factor:F}} for F times the model's positions ({taken} "
+        f"already fill its {limits[0]:,})"
+    )
 
 
 def _as_read(train: Dataset, eval_ds: Dataset | None, fmt: str, kind: str, seed: int) -> tuple:
@@ -228,6 +271,9 @@ def _summary_line(stats: dict[str, Any], held_out: float | None) -> str:
     else:
         evals = f"{rows['eval']} eval from {stats['eval_source']}"
     line = f"data: {stats['source']}: {shape}; {rows['train']} train rows, {evals}; metric: {stats['metric']}"
+    if any((stats["identical_pairs"] or {}).values()):
+        same = stats["identical_pairs"]
+        line += f"; {same['train']} train / {same.get('eval', 0)} eval pairs with chosen = rejected (kept)"
     if stats["over_seq_len"] is not None:
         over = stats["over_seq_len"]
         if over["train"] or over["eval"]:
@@ -297,11 +343,17 @@ def common_affixes(prompts: Iterable[str] | Iterable[list[str]]) -> tuple[str, s
 
 
 def _add_token_stats(
-    stats: dict[str, Any], splits: dict[str, Dataset], conversational: bool, tokenizer: Any, data: DataConfig
+    stats: dict[str, Any],
+    splits: dict[str, Dataset],
+    conversational: bool,
+    tokenizer: Any,
+    data: DataConfig,
+    limits: tuple[int, int] | None = None,
 ) -> dict[str, Dataset]:
     """Tokenize each split for TRL, fill the token figures of `stats`, drop the rows over seq_len under
     `too_long=drop`, and say in the log what TRL will truncate and drop; a UserError when a split would keep
-    no trained token at all. Returns the splits as training gets them."""
+    no trained token at all. `limits`: see _longer_hint. Returns the splits as
+    training gets them."""
     fmt, seq_len, too_long = stats["format"], stats["seq_len"], stats["too_long"]
     packing = bool(data.packing)
     how = tokenization_for(tokenizer, fmt, conversational, data, stats["source"])
@@ -333,7 +385,7 @@ def _add_token_stats(
         stats["truncated"] = {k: 0 for k in keys}
         stats["dropped_by_truncation"] = {k: 0 for k in keys}
         for k, c in counts.items():
-            kept[k] = _drop_long(stats, k, tokenized[k], c)
+            kept[k] = _drop_long(stats, k, tokenized[k], c, _longer_hint(stats, limits))
         return kept
     stats["dropped_too_long"] = {k: 0 for k in keys}
     stats["dropped_by_truncation"] = {k: (0 if packing or k not in counts else counts[k]["dropped"]) for k in keys}
@@ -341,7 +393,7 @@ def _add_token_stats(
         k: (counts[k]["over"] - stats["dropped_by_truncation"][k] if k in counts else 0) for k in keys
     }
     for k, c in counts.items():
-        _report_truncation(stats, k, c, packing)
+        _report_truncation(stats, k, c, packing, _longer_hint(stats, limits))
     return kept
 
 
@@ -349,7 +401,7 @@ def _where(stats: dict[str, Any], k: str) -> str:
     return stats["source"] if k == "train" else stats["eval_source"]
 
 
-def _drop_long(stats: dict[str, Any], k: str, ds: Dataset, c: dict[str, Any]) -> Dataset:
+def _drop_long(stats: dict[str, Any], k: str, ds: Dataset, c: dict[str, Any], longer: str) -> Dataset:
     """`ds` without its examples longer than seq_len tokens (data.too_long=drop)."""
     seq_len, n = stats["seq_len"], len(ds)
     if not c["over"]:
@@ -358,25 +410,26 @@ def _drop_long(stats: dict[str, Any], k: str, ds: Dataset, c: dict[str, Any]) ->
     if c["over"] == n:
         raise UserError(
             f"trainer.seq_len: all {n} {k} examples of {_where(stats, k)} are longer than {seq_len} tokens "
-            f"(shortest {int(c['lengths'].min())}) and data.too_long=drop drops them all; raise trainer.seq_len"
+            f"(shortest {int(c['lengths'].min())}) and data.too_long=drop drops them all; {longer}"
             + (" (prompts are never truncated)" if stats["format"] == "prompt" else " or use data.too_long=truncate")
         )
     log.warning(
         "%d of %d %s examples are longer than trainer.seq_len=%d tokens (longest %d) and are dropped "
-        "(data.too_long=%s); raise trainer.seq_len to keep them",
+        "(data.too_long=%s); %s to keep them",
         c["over"],
         n,
         k,
         seq_len,
         c["max_tokens"],
         "drop" if stats["format"] != "prompt" else "drop: prompts are never truncated",
+        longer,
     )
     import numpy as np
 
     return ds.select(np.flatnonzero(c["lengths"] <= seq_len))
 
 
-def _report_truncation(stats: dict[str, Any], k: str, c: dict[str, Any], packing: bool) -> None:
+def _report_truncation(stats: dict[str, Any], k: str, c: dict[str, Any], packing: bool, longer: str) -> None:
     """Log how many `k` examples TRL truncates (and drops); a UserError when it would drop them all."""
     fmt, seq_len, n = stats["format"], stats["seq_len"], stats["rows"][k]
     trained = "assistant" if fmt == "messages" else "completion"
@@ -385,7 +438,7 @@ def _report_truncation(stats: dict[str, Any], k: str, c: dict[str, Any], packing
         raise UserError(
             f"trainer.seq_len: at {seq_len} tokens no {k} example keeps a {trained} token after truncation "
             f"({_where(stats, k)}, longest {c['max_tokens']} tokens), "
-            "so there is nothing to train on; raise trainer.seq_len"
+            f"so there is nothing to train on; {longer}"
         )
     if not c["over"]:
         log.info("all %d %s examples fit trainer.seq_len=%d tokens (longest %d)", n, k, seq_len, c["max_tokens"])
@@ -397,7 +450,7 @@ def _report_truncation(stats: dict[str, Any], k: str, c: dict[str, Any], packing
     )
     if dropped:
         msg += f"; {dropped} of them have no {trained} token left within {seq_len} tokens and TRL drops them"
-    log.warning(msg + "; raise trainer.seq_len to keep them whole, or data.too_long=drop to leave them out")
+    log.warning(msg + f"; {longer} to keep them whole, or data.too_long=drop to leave them out")
 
 
 def _count(ds: Dataset, seq_len: int) -> dict[str, Any]:

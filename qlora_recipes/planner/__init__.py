@@ -35,6 +35,8 @@ from .seqlen import (
     data_note,
     is_auto,
     plan_note,
+    positions,
+    refuse_completions_past_positions,
     refuse_past_positions,
     resolve_auto,
     upper_bound_note,
@@ -56,6 +58,7 @@ __all__ = [
     "measured_start",
     "model_figures",
     "plan",
+    "positions",
     "refuse_unless_fits",
     "render_table",
     "seq_len_for_data",
@@ -87,6 +90,7 @@ def plan(
     Returns the plan.json dict.
     """
     refuse_past_positions(cfg)
+    refuse_completions_past_positions(cfg)
     if is_auto(cfg):  # no data read here: the upper bound, and a note saying so
         cap, why = auto_cap(cfg, _planner(gpus, host_ram, world_size), lambda: longest_seq_len(cfg, gpus, host_ram))
         result = plan(with_seq_len(cfg, cap), gpus, host_ram, world_size, ladder)

@@ -11,7 +11,7 @@ import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .seqlen import positions
+from .seqlen import completion_room, positions
 
 if TYPE_CHECKING:
     from ..config.schema import TrainConfig
@@ -28,7 +28,7 @@ def longest_seq_len(
         trial.trainer.seq_len = seq_len
         return bool(plan_fn(trial, gpus=gpus, host_ram=host_ram, ladder=False)["fits"])
 
-    top = positions(cfg.model) // granularity
+    top = (positions(cfg.model) - completion_room(cfg)) // granularity  # grpo: its completion's room kept
     if top < 1 or not fits(granularity):
         return None
     good, bad = 1, top + 1  # fits(good * granularity) holds; bad is the first multiple known not to

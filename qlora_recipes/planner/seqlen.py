@@ -59,6 +59,33 @@ def refuse_past_positions(cfg: TrainConfig) -> None:
         )
 
 
+def completion_room(cfg: TrainConfig) -> int:
+    """Positions objective=grpo keeps for a sampled completion after its prompt (0 for the others)."""
+    return int(cfg.objective.max_completion_length or 0) if cfg.objective.name == "grpo" else 0
+
+
+def refuse_completions_past_positions(cfg: TrainConfig) -> None:
+    """objective=grpo trains on a prompt of up to trainer.seq_len tokens and its sampled completion:
+    both need the model's positions, as seq_len alone does."""
+    most, completion = positions(cfg.model), completion_room(cfg)
+    if is_auto(cfg) or not most or not completion or int(cfg.trainer.seq_len) + completion <= most:
+        return
+    seq_len = int(cfg.trainer.seq_len)
+    raise UserError(
+        f"trainer.seq_len={seq_len} + objective.max_completion_length={completion} = {seq_len + completion} is "
+        f"past {cfg.model.name_or_path}'s {most:,} positions (a prompt and its sampled completion): use "
+        f"trainer.seq_len={max(most - completion, 1)} or less, lower objective.max_completion_length, or "
+        f"{rope_hint(cfg.model)}"
+    )
+
+
+def rope_hint(model: ModelConfig) -> str:
+    """How to get more positions than the model has."""
+    if model.rope_scaling:
+        return "raise model.rope_scaling.factor"
+    return "set model.rope_scaling={rope_type:linear,factor:F} for F times more"
+
+
 def with_seq_len(cfg: TrainConfig, seq_len: int) -> TrainConfig:
     out = copy.deepcopy(cfg)
     out.trainer.seq_len = seq_len
@@ -68,10 +95,11 @@ def with_seq_len(cfg: TrainConfig, seq_len: int) -> TrainConfig:
 def auto_cap(cfg: TrainConfig, plan_fn: Callable[..., dict], longest_fit: Callable[[], int | None]) -> tuple[int, str]:
     """(the most auto may resolve to, why): the model's positions, or the longest length that fits
     when the plan at the positions does not. Not even ROUND tokens fitting: ROUND, which its plan refuses."""
-    most = positions(cfg.model)
+    most = positions(cfg.model) - completion_room(cfg)  # grpo: a prompt leaves room for its completion
     if plan_fn(with_seq_len(cfg, most))["fits"]:
         scaled = f" x model.rope_scaling.factor={cfg.model.rope_scaling['factor']}" if cfg.model.rope_scaling else ""
-        return most, f"the model's positions (max_position_embeddings{scaled}={most:,})"
+        less = f" less objective.max_completion_length={completion_room(cfg)}" if completion_room(cfg) else ""
+        return most, f"the model's positions (max_position_embeddings{scaled}={positions(cfg.model):,}){less}"
     fit = longest_fit() or ROUND
     worst = worst_device(plan_fn(with_seq_len(cfg, fit))["devices"])
     return fit, f"the longest sequence that fits {worst['device']}'s {worst['budget'] / GiB:.1f} GiB"

@@ -104,7 +104,8 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
     set_seed(cfg.seed)
     tokenizer = loading.load_tokenizer(cfg.model)
     seq_len = planner.seq_len_for_data(cfg, plan)  # trainer.seq_len=auto: from the train rows' tokens
-    train_ds, eval_ds, data_stats = data.load_splits(cfg.data, tokenizer, seq_len, cfg.seed, cfg.objective)
+    positions = planner.positions(cfg.model)  # rows past seq_len are told what gives them room
+    train_ds, eval_ds, data_stats = data.load_splits(cfg.data, tokenizer, seq_len, cfg.seed, cfg.objective, positions)
     cfg, plan = planner.settle_for_data(cfg, plan, data_stats)  # planned for the batches the rows make
     # grpo: its rewards imported and checked against the rows' columns before anything is written or loaded
     reward_funcs = rewards.reward_functions(cfg, tuple(train_ds.column_names)) if cfg.objective.name == "grpo" else None

@@ -112,6 +112,10 @@ OVERRIDES = [
         ["trainer.seq_len=300", "256 positions", "max_position_embeddings", "model.rope_scaling"],
     ),
     (["trainer.seq_len=600", "model.rope_scaling={rope_type:linear,factor:2}"], ["512 positions", "factor"]),
+    (
+        ["objective=grpo", "trainer.seq_len=200", "objective.max_completion_length=200"],
+        ["trainer.seq_len=200 + objective.max_completion_length=200 = 400", "256 positions", "trainer.seq_len=56"],
+    ),
     # model
     (["model.rope_scaling={rope_type:ntk,factor:2}"], ["model.rope_scaling.rope_type=ntk", "linear, dynamic"]),
     (["model.rope_scaling={rope_type:linear,factor:1}"], ["model.rope_scaling.factor=1", "> 1"]),
@@ -469,6 +473,30 @@ DATA = {
         '{"prompt": "order: ba", "completion": "ab", "label": true}\n',
         [],
         ["r.jsonl", "unpaired rows", "objective=sft", "objective=kto"],
+    ),
+    "preference pairs whose answers are all the same": (
+        "p.jsonl",
+        "".join(json.dumps({"prompt": f"order: {w}\n", "chosen": w, "rejected": w}) + "\n" for w in ["ab", "cb"]),
+        ["objective=dpo", "data.eval_fraction=0"],
+        ["p.jsonl", "all 2 pairs", "same chosen and rejected answer", "log 2"],
+    ),
+    "preference pairs under objective=grpo": (
+        "p.jsonl",
+        '{"prompt": "order: ba", "chosen": "ab", "rejected": "ba"}\n',
+        ["objective=grpo", "data.eval_fraction=0"],
+        ["p.jsonl", "objective=grpo", "preference rows", "objective=dpo", "objective=kto"],
+    ),
+    "unpaired rows under objective=grpo": (
+        "r.jsonl",
+        '{"prompt": "order: ba", "completion": "ab", "label": true}\n',
+        ["objective=grpo", "data.eval_fraction=0"],
+        ["r.jsonl", "objective=grpo", "unpaired rows", "train those with objective=kto"],
+    ),
+    "grpo prompts longer than a seq_len that fills the model's positions": (
+        "g.jsonl",
+        "".join(json.dumps({"prompt": "order: " + "ab" * 130, "answer": "a"}) + "\n" for _ in range(2)),
+        ["objective=grpo", "data.eval_fraction=0", "trainer.seq_len=248"],
+        ["longer than 248 tokens", "model.rope_scaling=", "objective.max_completion_length=8 already fill its 256"],
     ),
     "eval split leaves nothing to train on": (
         "t.jsonl",

@@ -4,6 +4,7 @@
     qlora plan [--gpus ...] [overrides]   memory plan of a stack, nothing loaded
     qlora launch RECIPE [overrides]       a recipe on the hardware it is sized for
     qlora merge RUN | qlora generate RUN PROMPT | qlora summarize SWEEP_DIR | qlora bench SUITE
+    qlora eval RUN --tasks T | qlora export RUN --to gguf|vllm
 
 `python train.py`, `python scripts/<name>.py` and `python -m qlora_recipes <name>` reach the same
 functions. Every subcommand takes `--help`.
@@ -24,6 +25,8 @@ SUBCOMMANDS = {
     "merge": ("merge", "merge a run's adapter into its base, with a merge-quality check"),
     "push": ("push", "push a run's adapter or a merged model, with its model card, to the Hugging Face Hub"),
     "generate": ("generate", "generate from a run (4-bit base + adapter) or a merged model"),
+    "eval": ("eval", "a run against its base on lm-eval tasks (base vs tuned vs merged) into eval.json"),
+    "export": ("export", "a run for other runtimes: GGUF + Ollama Modelfile (llama.cpp's converter), vLLM"),
     "summarize": ("summarize", "summary.csv/.md/.png of a sweep dir, Pareto front marked"),
     "bench": ("bench", "the benchmark harness of a source checkout (bench/): cpu, gpu, smoke, report"),
 }

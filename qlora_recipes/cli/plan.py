@@ -113,6 +113,8 @@ def plan_and_print(composed: DictConfig) -> None:
         gpus, host_ram, planned_for = hardware_to_plan(cfg)
         chosen = devices.precision_line(cfg, gpus)  # precision=auto as it picks on the hardware planned for
         plan = planner.plan(cfg, gpus=gpus, host_ram=host_ram)  # one rank's share under FSDP / ZeRO-3
+        vllm = planner.report.vllm_note(cfg.peft.modules_to_save)  # said now, not when serving
+        plan["notes"] += [vllm] if vllm else []
     except UserError as err:  # here, not in cli.run: Hydra would add its own "Error executing job" line
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

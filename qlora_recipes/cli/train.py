@@ -88,11 +88,15 @@ def _checked_train(composed: DictConfig, run_dir: Path, hydra_cfg, multirun: boo
     from omegaconf.errors import OmegaConfBaseException
 
     from ..data.readers import check_data_sources
+    from ..planner.report import vllm_note
     from ..run.validate import check_config
 
     cfg = to_typed(composed)  # below here the typed config only
     check_config(cfg)  # the config alone, before torch and the rest are imported (about a second)
     check_data_sources(cfg.data)  # a data file missing: also one line before those imports
+    vllm = vllm_note(cfg.peft.modules_to_save)  # what vLLM will not serve, said before training
+    if vllm:
+        log.warning(vllm)
     if cfg.dist.strategy in ("fsdp", "zero2", "zero3") and "LOCAL_RANK" not in os.environ:
         # transformers refuses later, after loading: "Using fsdp only works in distributed training"
         raise UserError(

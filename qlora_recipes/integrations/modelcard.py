@@ -276,6 +276,7 @@ def _body(cfg: TrainConfig, kind, name, base_id, base_text, data_text, metrics, 
         "",
         *_results(metrics),
         "",
+        *_lm_eval_section(run_dir),
         *(_merge_section(merge) if merge else []),
         "## Reproduce",
         "",
@@ -287,6 +288,29 @@ def _body(cfg: TrainConfig, kind, name, base_id, base_text, data_text, metrics, 
         *_usage(kind, name, base_id),
     ]
     return "\n".join(sections)
+
+
+def _lm_eval_section(run_dir: Path) -> list[str]:
+    """`qlora eval`'s table (RUN_DIR/eval.json), base vs tuned (vs merged); nothing before an eval."""
+    from ..outputs.evaluation import EVAL_FILE, table_rows
+    from ..outputs.runfiles import read_json
+
+    path = Path(run_dir) / EVAL_FILE
+    if not path.is_file():
+        return []
+    report = read_json(path, "run qlora eval again")
+    header, rows = table_rows(report)
+    return [
+        "## lm-eval: base vs fine-tuned",
+        "",
+        f"lm-evaluation-harness {report.get('lm_eval', '')}, in-process on the 4-bit base with the adapter off "
+        "(base), on (tuned) and merged; written by `qlora eval`.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+    ]
 
 
 def _merge_section(merge: dict) -> list[str]:

@@ -172,6 +172,17 @@ def _allocated(plan: dict) -> str:
     return f" (allocated {allocated:.2f} GiB by torch; RSS adds the process baseline)"
 
 
+def vllm_note(modules_to_save) -> str | None:
+    """What vLLM's LoRA loader refuses (full module copies beside the LoRA factors), said where it is planned."""
+    if not modules_to_save:
+        return None
+    return (
+        f"peft.modules_to_save={list(modules_to_save)} saves full copies beside the LoRA factors, and vLLM's "
+        "--enable-lora cannot load such an adapter: leave peft.modules_to_save unset to serve the adapter with vLLM, "
+        "or merge the run (qlora merge RUN) and serve the merged model"
+    )
+
+
 class DoesNotFit(UserError):
     """The plan says the stack does not fit its devices (a sweep records the job as skipped)."""
 

@@ -135,6 +135,15 @@ REGISTRY: dict[str, How] = {
     ),
     "cat prompts.txt | python scripts/generate.py RUN": How(needs=DEFAULT_RUN, files=("prompts.txt",), walk="abcq"),
     "python scripts/generate.py RUN --raw 'text as is'": How(needs=DEFAULT_RUN),
+    # docs/after-training.md (and the README's first commands): eval, export, on the full default run
+    "qlora eval RUN --tasks order_next --include-path assets/lm-eval": How(
+        needs=DEFAULT_RUN, expect=r"(?m)^order_next\s+perplexity\s", creates=("RUN/eval.json",)
+    ),
+    "qlora export --fetch-converter": How(),
+    "qlora export RUN --to gguf": How(
+        kind="refuse", needs=DEFAULT_RUN, expect=r"refused \S+: its tokenizer, WordLevel"
+    ),
+    "qlora export RUN --to vllm": How(needs=DEFAULT_RUN, expect=r"(?m)^vllm serve \S+ --enable-lora --lora-modules "),
     # docs/recipes.md (and docs/memory-and-planner.md): make targets for recipes; this machine has no GPU
     "make help": How(expect=r"llama2-70b-a100"),
     "make llama2-70b-a100": How(kind="refuse", expect=r"needs 1 x 79 GiB GPU.*make plan-llama2-70b-a100"),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..config.schema import ModelConfig, TrainConfig
 from ..errors import UserError
+from .checkpoint import hub_unreachable
 
 log = logging.getLogger("train")
 
@@ -183,7 +184,7 @@ def check_hub_model(model: ModelConfig) -> None:
             f"model.name_or_path={repo} is a hub id, HF_HUB_OFFLINE is set and it is not in the cache "
             f"({constants.HF_HUB_CACHE}); {LOCAL_DIR_HINT.format(repo=repo)}"
         )
-    problem = _hub_unreachable(constants.ENDPOINT)
+    problem = hub_unreachable(constants.ENDPOINT)
     if problem is None:
         return
     if cached:
@@ -203,16 +204,3 @@ LOCAL_DIR_HINT = (
     "point model.name_or_path at a local model dir in the HF layout (model.name_or_path=/path/to/dir; "
     "where there is a network: hf download {repo} --local-dir /path/to/dir)"
 )
-
-
-def _hub_unreachable(endpoint: str, timeout_s: float = 5.0) -> str | None:
-    """Why the hub cannot be reached (one HEAD request, no retries), or None when it answers at all."""
-    import httpx2
-    from huggingface_hub import get_session
-
-    try:
-        get_session().head(endpoint, timeout=timeout_s)
-    except (httpx2.TransportError, OSError) as err:
-        text = " ".join(str(err).split()) or type(err).__name__
-        return text if len(text) <= 160 else text[:157] + "..."
-    return None

@@ -10,6 +10,7 @@ import torch
 from ..config.schema import DistConfig, ModelConfig, OffloadConfig, TrainConfig, mlp_tile
 from ..errors import UserError
 from ..units import torch_dtype
+from .checkpoint import bitsandbytes_saved
 from .families import traits
 from .hf_configs import bnb_config, lora_config
 from .lean_rmsnorm import lean_rmsnorms
@@ -181,6 +182,10 @@ def load_model(cfg: TrainConfig, run_dir: Path, max_memory: dict | None = None):
     attn = attention_for(cfg.model)
     planned_map, budgets = _planned_placement(cfg, max_memory)
     quantization = bnb_config(cfg.quant, cfg.offload, cfg.model)
+    if quantization is not None and bitsandbytes_saved(cfg.model.name_or_path, cfg.model.revision):
+        # stored quantized: transformers loads it as saved (the planner refused a quant group saying
+        # otherwise) and would only warn that a config passed beside it is ignored
+        quantization = None
     if quantization is not None and planned_map is not None:
         # transformers leaves every module the map puts on "cpu" or "disk" unquantized under this flag,
         # the whole model for {"": "cpu"}: only a map that really offloads gets it
@@ -188,13 +193,14 @@ def load_model(cfg: TrainConfig, run_dir: Path, max_memory: dict | None = None):
 
         quantization.llm_int8_enable_fp32_cpu_offload = offloads(planned_map)
     kwargs = dict(
-        quantization_config=quantization,
         dtype=torch_dtype(cfg.precision.dtype),
         device_map=planned_map if planned_map is not None else device_map(cfg.dist, cfg.offload),
         max_memory=budgets,
         use_safetensors=True,
         attn_implementation=attn,
     )
+    if quantization is not None:  # an explicit None would also clear a quantized checkpoint's own config
+        kwargs["quantization_config"] = quantization
     if cfg.model.rope_scaling:
         kwargs["config"] = rope_scaled_config(cfg.model)
     if cfg.offload.folder:

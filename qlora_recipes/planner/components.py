@@ -236,6 +236,24 @@ def unquantized_bytes(st: StackSpec, bb: BlockBytes) -> tuple[int, int, int, int
     return at_load, upcast, at_load + bb.buffers, largest
 
 
+def checkpoint_bytes(st: StackSpec, params_total: int, params_quantized: int, quantized_bytes: int) -> int:
+    """The checkpoint's bytes as from_pretrained maps them: its safetensors tensors when the files are
+    here, else its parameters at the dtype they are stored in (the load dtype when unknown), the
+    quantized ones as stored when the checkpoint is."""
+    if st.stored_bytes is not None:
+        return st.stored_bytes
+    stored = dtype_bytes(st.stored_dtype or st.dtype)
+    if st.prequantized:
+        return (params_total - params_quantized) * stored + quantized_bytes
+    return params_total * stored
+
+
+def keeps_views(st: StackSpec) -> bool:
+    """from_pretrained keeps the checkpoint's tensors as views of its mapping when they are stored in
+    the load dtype; stored in another, each is converted (a copy) as it is read."""
+    return st.stored_dtype in (None, st.dtype)
+
+
 def optimizer_bytes(optim: str, shapes: Iterable[tuple[int, ...]]) -> tuple[int, int]:
     """(state bytes, of which paged) the optimizer holds for these trainable tensors after a step.
 

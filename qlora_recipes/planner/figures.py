@@ -1,5 +1,6 @@
-"""Model figures and the parameter inventory: the architecture numbers of `cfg.model` (from its
-conf/model option or a local `config.json`), the blocks the loader places (decoder layers,
+"""Model figures and the parameter inventory: the architecture numbers of `cfg.model` (a local dir's
+`config.json`, a hub id's from the HF cache or the hub, or the conf/model entry that names that hub id
+when its config.json is out of reach), the blocks the loader places (decoder layers,
 embeddings, norms, lm_head) with their linears, and, for device maps and unknown families, the
 model on the meta device as from_pretrained builds it (torch + transformers + accelerate, ~5 s to
 import; the known families are inventoried analytically without importing torch).
@@ -8,7 +9,6 @@ import; the known families are inventoried analytically without importing torch)
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +18,7 @@ from omegaconf import MISSING
 from omegaconf.errors import MissingMandatoryValue
 
 from ..errors import UserError
+from ..model.checkpoint import hub_config_json, local_dir, read_config
 from ..model.families import KNOWN_ARCHITECTURES, FamilyTraits, traits
 from ..units import torch_dtype
 
@@ -42,6 +43,7 @@ class Figures:
     o_bias: bool = False
     mlp_bias: bool = False
     max_position_embeddings: int = 4096
+    positions: int = 0  # what the config's own RoPE scaling reaches (0: max_position_embeddings)
     source: str = "conf/model"
     config_dir: str | None = None  # a local dir with config.json (used for the meta model)
     trust_remote_code: bool = False
@@ -74,18 +76,74 @@ def given(model: ModelConfig, key: str) -> Any:
 
 
 def model_figures(model: ModelConfig) -> Figures:
-    """Figures of cfg.model: from `<name_or_path>/config.json` if that is a local dir, else the yaml."""
+    """Figures of cfg.model: a local dir's config.json; a hub id's config.json (HF cache, else the hub),
+    which the conf/model entry naming it (model.hub_id) must agree with; that entry's figures offline."""
     name = given(model, "name_or_path")
     trust = bool(model.trust_remote_code)
-    if name and Path(str(name)).expanduser().is_dir() and (Path(str(name)).expanduser() / "config.json").is_file():
-        return _figures_from_config_json(Path(str(name)).expanduser(), trust)
+    folder = local_dir(name)
+    if folder is not None:
+        return _figures_from_config_json(folder, trust)
     missing = [k for k in _FIGURE_FIELDS if given(model, k) is None]
+    if name and _hub_shaped(str(name)):
+        names_it = given(model, "hub_id") == name and not missing  # the entry's figures are this model's
+        path, where = hub_config_json(str(name), given(model, "revision"))
+        if path is not None:
+            fig = _figures_from_config_json(path.parent, trust, source=f"{name}'s config.json from {where}")
+            if names_it:
+                _refuse_contradiction(_yaml_figures(model, str(name), trust), fig, str(name))
+            return fig
+        if not names_it:
+            raise UserError(
+                f"model.name_or_path={name} is a hub id whose config.json cannot be read ({where}), and the "
+                f"figures of conf/model are another model's; {_entry_hint(str(name))}"
+            )
     if missing:
         raise UserError(
             f"model {name or '<unnamed>'!s}: no architecture figures ({', '.join('model.' + k for k in missing)} "
             "unset) and no local config.json; pick a conf/model option, add one with the figures, "
             "or point model.name_or_path at a local model dir"
         )
+    return _yaml_figures(model, name, trust)
+
+
+def _hub_shaped(name: str) -> bool:
+    """A name the hub could hold (check_model_dir refuses a missing local path of any other shape)."""
+    return not name.startswith((".", "/", "~")) and name.count("/") <= 1
+
+
+def _entry_hint(repo: str) -> str:
+    """What to run instead: the shipped conf/model entry whose hub_id is `repo`, or a local dir."""
+    from ..resources import CONF_DIR
+
+    local = f"or point model.name_or_path at a local model dir (where there is a network: hf download {repo} --local-dir DIR)"
+    for entry in sorted((CONF_DIR / "model").glob("*.yaml")):
+        if any(
+            line.split(":", 1)[1].strip() == repo
+            for line in entry.read_text().splitlines()
+            if line.startswith("hub_id:")
+        ):
+            return f"use model={entry.stem} (its figures, offline) {local}"
+    return f"use a conf/model entry with its figures and hub_id: {repo}, {local}"
+
+
+_COMPARED = _FIGURE_FIELDS + ("architecture", "tie_embeddings", "max_position_embeddings")
+
+
+def _refuse_contradiction(entry: Figures, real: Figures, repo: str) -> None:
+    """The conf/model entry naming `repo` must describe the model its config.json describes."""
+    wrong = [
+        f"{k} {getattr(entry, k)} (config.json: {getattr(real, k)})"
+        for k in _COMPARED
+        if getattr(entry, k) != getattr(real, k)
+    ]
+    if wrong:
+        raise UserError(
+            f"the conf/model entry for {repo} contradicts its config.json ({real.source}): {', '.join(wrong)}; "
+            "fix the entry's figures"
+        )
+
+
+def _yaml_figures(model: ModelConfig, name: Any, trust: bool) -> Figures:
     arch = str(model.architecture).lower()
     heads, hidden, head_dim = int(model.num_heads), int(model.hidden_size), model.head_dim
     qkv_bias, o_bias, mlp_bias = _arch_biases(arch)
@@ -110,11 +168,8 @@ def model_figures(model: ModelConfig) -> Figures:
     return fig
 
 
-def _figures_from_config_json(path: Path, trust: bool) -> Figures:
-    try:
-        cj = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path / 'config.json'}: cannot read it ({e}); fix or remove the file") from None
+def _figures_from_config_json(path: Path, trust: bool, source: str | None = None) -> Figures:
+    cj = read_config(path / "config.json")
     if "text_config" in cj and "hidden_size" not in cj:
         cj = {**cj["text_config"], "model_type": cj["text_config"].get("model_type", cj.get("model_type"))}
     arch = str(cj.get("model_type", "")).lower()
@@ -157,12 +212,32 @@ def _figures_from_config_json(path: Path, trust: bool) -> Figures:
         o_bias=o_bias,
         mlp_bias=mlp_bias,
         max_position_embeddings=int(cj.get("max_position_embeddings", 4096) or 4096),
-        source=str(path / "config.json"),
+        positions=own_positions(cj),
+        source=source or str(path / "config.json"),
         config_dir=str(path),
         trust_remote_code=trust,
     )
     _check_figures(fig, str(path / "config.json"))
     return fig
+
+
+def own_positions(cj: Mapping[str, Any]) -> int:
+    """The positions a config's own RoPE scaling reaches: its original_max_position_embeddings (else
+    max_position_embeddings) times the factor, never fewer than max_position_embeddings (Llama 3.1's
+    llama3 scaling already counts them there). Per layer type (Gemma 3): the most of any."""
+    native = int(cj.get("max_position_embeddings", 4096) or 4096)
+    rope = cj.get("rope_parameters") or cj.get("rope_scaling")
+    if not isinstance(rope, Mapping):
+        return native
+    kinds = [r for r in rope.values() if isinstance(r, Mapping)] or [rope]
+    most = native
+    for r in kinds:
+        factor = r.get("factor")
+        if r.get("rope_type", r.get("type", "default")) == "default" or not isinstance(factor, (int, float)):
+            continue
+        original = r.get("original_max_position_embeddings") or cj.get("original_max_position_embeddings") or native
+        most = max(most, int(int(original) * float(factor)))
+    return most
 
 
 def _check_figures(fig: Figures, where: str) -> None:

@@ -1,7 +1,7 @@
 """`trainer.seq_len`: the model's positions bound it, and `auto` picks it from the data.
 
 `auto` is the train rows' longest tokenized length (or `trainer.seq_len_percentile` of their lengths),
-rounded up to a multiple of ROUND, capped by the model's max_position_embeddings (times model.rope_scaling's factor) and by the longest
+rounded up to a multiple of ROUND, capped by the model's positions (`positions`) and by the longest
 sequence whose plan fits the hardware. Before the data is read (`qlora plan`, and a run's first
 plan) auto stands for that cap alone: the most it can resolve to, so the plan is an upper bound.
 
@@ -35,10 +35,23 @@ def is_auto(cfg: TrainConfig) -> bool:
 
 
 def positions(model: ModelConfig) -> int:
-    """The positions a run may use: max_position_embeddings, times model.rope_scaling's factor when set."""
-    native = model_figures(model).max_position_embeddings
+    """The positions a run may use: max_position_embeddings times model.rope_scaling's factor when set,
+    else what the model's own config.json scaling reaches (planner/figures.own_positions)."""
+    fig = model_figures(model)
     scaling = model.rope_scaling
-    return int(native * float(scaling["factor"])) if scaling else native
+    if scaling:
+        return int(fig.max_position_embeddings * float(scaling["factor"]))
+    return max(fig.positions, fig.max_position_embeddings)
+
+
+def _positions_word(model: ModelConfig) -> str:
+    """What the positions are: the native count, scaled by model.rope_scaling or by the config's own."""
+    if model.rope_scaling:
+        return "max_position_embeddings with model.rope_scaling"
+    fig = model_figures(model)
+    if fig.positions > fig.max_position_embeddings:
+        return f"max_position_embeddings={fig.max_position_embeddings:,} with its config.json's RoPE scaling"
+    return "max_position_embeddings"
 
 
 def refuse_past_positions(cfg: TrainConfig) -> None:
@@ -46,7 +59,6 @@ def refuse_past_positions(cfg: TrainConfig) -> None:
     most = positions(cfg.model)
     seq_len = cfg.trainer.seq_len
     if not is_auto(cfg) and most and int(seq_len) > most:
-        scaled = " with model.rope_scaling" if cfg.model.rope_scaling else ""
         further = (
             "raise model.rope_scaling.factor"
             if cfg.model.rope_scaling
@@ -54,7 +66,7 @@ def refuse_past_positions(cfg: TrainConfig) -> None:
         )
         raise UserError(
             f"trainer.seq_len={seq_len} is past {cfg.model.name_or_path}'s {most:,} positions "
-            f"(max_position_embeddings{scaled}): use trainer.seq_len={most} or less, or trainer.seq_len=auto, "
+            f"({_positions_word(cfg.model)}): use trainer.seq_len={most} or less, or trainer.seq_len=auto, "
             f"or {further}"
         )
 
@@ -97,7 +109,11 @@ def auto_cap(cfg: TrainConfig, plan_fn: Callable[..., dict], longest_fit: Callab
     when the plan at the positions does not. Not even ROUND tokens fitting: ROUND, which its plan refuses."""
     most = positions(cfg.model) - completion_room(cfg)  # grpo: a prompt leaves room for its completion
     if plan_fn(with_seq_len(cfg, most))["fits"]:
-        scaled = f" x model.rope_scaling.factor={cfg.model.rope_scaling['factor']}" if cfg.model.rope_scaling else ""
+        if cfg.model.rope_scaling:
+            scaled = f" x model.rope_scaling.factor={cfg.model.rope_scaling['factor']}"
+        else:
+            own = model_figures(cfg.model)
+            scaled = " x its config.json's RoPE scaling" if own.positions > own.max_position_embeddings else ""
         less = f" less objective.max_completion_length={completion_room(cfg)}" if completion_room(cfg) else ""
         return most, f"the model's positions (max_position_embeddings{scaled}={positions(cfg.model):,}){less}"
     fit = longest_fit() or ROUND

@@ -19,9 +19,11 @@ from .components import (
     act_dtypes,
     backward_working_bytes,
     block_bytes,
+    checkpoint_bytes,
     eager,
     eager_scores_bytes,
     eval_layer_bytes,
+    keeps_views,
     layer_saved_bytes,
     offloaded_activations,
     optimizer_bytes,
@@ -306,16 +308,23 @@ def _load_rows(st: StackSpec, hw: _dev.Hardware, t: _Tally) -> None:
       of a 300 M+ model on short sequences; then the mapping is gone.
     - without the upcast (quant=none, precision.upcast_frozen=false) the views stay, and so does
       the file for the whole run: a static row, the file's bytes beyond the views' own.
-    A checkpoint in the load dtype is counted."""
+    - a checkpoint stored in another dtype than the load dtype (or stored quantized) leaves no view:
+      every tensor is converted as it is read, and the mapping, whole by then, goes when loading ends.
+    The file is the checkpoint's own (components.checkpoint_bytes)."""
     if hw.has_gpu or "cpu" not in t.layers_on:
         return
     comp = t.comp
-    file_bytes = t.counts["params_total"] * dtype_bytes(st.dtype)
+    quantized = sum(comp["quantized_weights"].values())
+    file_bytes = checkpoint_bytes(st, t.counts["params_total"], t.counts["params_quantized"], quantized)
+    static = sum(comp[k].get("cpu", 0) for k in STATIC)
+    if not keeps_views(st):  # converted as read: the file beside what loading has made of it
+        at_load = t.counts["footprint_at_load"] + t.counts["quant_state_bytes"]
+        comp["load_transient"]["cpu"] = max(comp["load_transient"].get("cpu", 0), file_bytes + at_load - static)
+        return
     if st.frozen_bytes == dtype_bytes(st.dtype):  # no upcast: the other params are the file's views
         comp["checkpoint_pages"]["cpu"] += max(0, file_bytes - comp["other_params"].get("cpu", 0))
         return
     held = sum(comp[k].get("cpu", 0) for k in ("quantized_weights", "other_params", "buffers"))
-    static = sum(comp[k].get("cpu", 0) for k in STATIC)
     comp["load_transient"]["cpu"] = max(comp["load_transient"].get("cpu", 0), file_bytes + held - static)
 
 

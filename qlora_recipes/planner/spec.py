@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config.objectives import OBJECTIVES
 from ..config.schema import mlp_tile, padding_free_on
 from ..errors import UserError
+from ..model.checkpoint import SavedQuant, Stored, quant_contradiction, read_config, saved_quantization, stored_weights
 from ..units import DTYPE_BYTES, dtype_bytes
 from .constants import DEVICE_MAP_STRATEGIES, TRL_OFFLOAD_FWD_STASH
 from .evalbatch import AUTO as AUTO_ROWS
@@ -37,6 +39,7 @@ class StackSpec:
     fig: Figures
     name_or_path: str
     quant: str = "nf4"
+    prequantized: bool = False  # the checkpoint is stored quantized (its quantization_config): loaded as stored
     double_quant: bool = True
     quant_storage_bytes: int = 1
     skip_modules: tuple[str, ...] = ()
@@ -48,6 +51,8 @@ class StackSpec:
     modules_to_save: tuple[str, ...] = ()
     optim: str = "paged_adamw_8bit"
     dtype: str = "bfloat16"
+    stored_dtype: str | None = None  # the checkpoint's floating parameters on disk (None: unknown, planned as dtype)
+    stored_bytes: int | None = None  # its safetensors tensors' bytes (None: not here; params x stored dtype)
     upcast_frozen: bool = True  # precision.upcast_frozen: k-bit prep's fp32 copy of the frozen non-quantized params
     micro_batch: int = 4
     grad_accum: int = 4
@@ -117,6 +122,7 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
     model, quant, peft, trainer, data = cfg.model, cfg.quant, cfg.peft, cfg.trainer, cfg.data
     fig = model_figures(model)
     method, pmethod, oname, dtype, storage_bytes = _methods(quant, peft, cfg.optim, cfg.precision)
+    stored, saved = _checkpoint(fig, quant, str(given(model, "name_or_path") or ""))
     ints = _sizes(trainer, peft)
     mode = str(trainer.checkpointing_mode)
     if mode not in ("non_reentrant", "reentrant"):
@@ -137,9 +143,11 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         fig=fig,
         name_or_path=str(given(model, "name_or_path") or ""),
         quant=method,
+        prequantized=saved is not None,
         double_quant=bool(quant.double_quant),
         quant_storage_bytes=storage_bytes,
-        skip_modules=tuple(quant.skip_modules or ()),
+        # a quantized checkpoint keeps what it was saved with unquantized, whatever quant.skip_modules says
+        skip_modules=saved.skip_modules if saved is not None else tuple(quant.skip_modules or ()),
         peft=pmethod,
         r=ints["r"],
         alpha=float(peft.alpha),
@@ -149,6 +157,8 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         modules_to_save=tuple(peft.modules_to_save or ()),
         optim=oname,
         dtype=dtype,
+        stored_dtype=stored.dtype,
+        stored_bytes=stored.bytes,
         upcast_frozen=bool(cfg.precision.upcast_frozen),
         micro_batch=ints["micro_batch"],
         grad_accum=ints["grad_accum"],
@@ -174,6 +184,23 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         kl_batch=objective.kl_batch,
         completion_len=completion,
     )
+
+
+def _checkpoint(fig: Figures, quant: QuantConfig, name: str) -> tuple[Stored, SavedQuant | None]:
+    """How the checkpoint stores its weights, and the bitsandbytes quantization it was saved with (None:
+    16/32-bit): transformers loads such a checkpoint as stored, so a quant group saying otherwise is refused."""
+    if fig.config_dir is None:  # figures from conf/model: nothing on disk to read
+        return Stored(), None
+    folder = Path(fig.config_dir)
+    cj = read_config(folder / "config.json")
+    saved = saved_quantization(cj)
+    if saved is not None:
+        wrong = quant_contradiction(saved, str(quant.method), bool(quant.double_quant), str(quant.storage_dtype))
+        if wrong:
+            raise UserError(f"model.name_or_path={name} is stored quantized ({saved.describe()}); {wrong}")
+        if not saved.bitsandbytes:
+            saved = None  # another library's format: planned as the quant group says
+    return stored_weights(folder, cj), saved
 
 
 def data_note(st: StackSpec) -> str | None:

@@ -609,9 +609,13 @@ def test_budget_errors_are_one_line_user_errors():
         (
             ("model=tiny", "model.name_or_path=org/unknown-model", "model.hidden_size=???"),
             [],
-            "no architecture figures",
+            "is a hub id whose config.json cannot be read",  # offline: neither its figures nor the entry's
         ),
-        (("model.architecture=nosuchnet", "model.name_or_path=org/unknown"), [], "model.architecture='nosuchnet'"),
+        (
+            ("model.architecture=nosuchnet", "model.name_or_path=org/unknown", "model.hub_id=org/unknown"),
+            [],
+            "model.architecture='nosuchnet'",
+        ),
         (("peft.target_modules=[nope]",), [], "matches no module"),
     ]
     for overrides, gpus, needle in cases:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from ..model.families import traits
+from ..families import FAMILIES, traits
 from ..units import PRECISION_DTYPE, dtype_name
 from .fields import keys, range_ok, values
 from .objectives import BUILTIN_REWARDS, OBJECTIVES
@@ -379,8 +379,14 @@ def _check_lean_modules(cfg: TrainConfig) -> None:
                 f"trainer.{name}=true with trainer.liger=true: Liger replaces {what} with its own kernel, untested "
                 f"with trainer.{name}; drop one of the two"
             )
-    if t.lean_rmsnorm and not traits(cfg.model.architecture).llama_rmsnorm:
+    if t.tiled_mlp and traits(cfg.model.architecture).moe:
         raise UserError(
-            f"trainer.lean_rmsnorm=true: {cfg.model.architecture}'s RMSNorm is not Llama's form (Llama, Mistral, "
-            "Qwen2 have it); drop trainer.lean_rmsnorm"
+            f"trainer.tiled_mlp=true: {cfg.model.architecture}'s MLPs are routed experts, not one gate/up/down MLP "
+            "per layer to tile; drop trainer.tiled_mlp"
+        )
+    if t.lean_rmsnorm and not traits(cfg.model.architecture).llama_rmsnorm:
+        have = ", ".join(name for name, f in FAMILIES.items() if f.llama_rmsnorm)
+        raise UserError(
+            f"trainer.lean_rmsnorm=true: {cfg.model.architecture}'s RMSNorm is not Llama's form ({have} have it); "
+            "drop trainer.lean_rmsnorm"
         )

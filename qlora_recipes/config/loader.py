@@ -3,7 +3,8 @@ schema (config/schema.py), `to_typed` turns the composed DictConfig into a `Trai
 adds the config-only checks (config/checks.py). Every error is one UserError line.
 
     compose(overrides) -> DictConfig      what Hydra composes (the command line's own object)
-    to_typed(cfg) -> TrainConfig          every `${...}` resolved, no unknown `+key`, plain lists/dicts
+    to_typed(cfg) -> TrainConfig          every `${...}` resolved, no unknown `+key`, plain lists/dicts, the
+                                          model dir's own family and figures
     load(overrides) -> TrainConfig        compose + to_typed + check_stack
     with_overrides(cfg, ["k=v"])          a changed copy of a typed config (the OOM ladder's rungs)
     read_saved(path) -> TrainConfig       a run's config.yaml; keys it lacks take the schema's defaults
@@ -24,6 +25,7 @@ from ..errors import UserError
 from ..invocation import command
 from ..resources import shipped_path
 from .fields import is_section
+from .model_dir import from_config_json
 from .schema import MODEL_FIGURES, TrainConfig
 
 if TYPE_CHECKING:
@@ -87,7 +89,8 @@ def compose(overrides: list[str]) -> DictConfig:
 
 def to_typed(cfg: DictConfig) -> TrainConfig:
     """The composed config as a TrainConfig: every `${...}` resolves now (not when config.yaml is
-    written) and no `+key` was added that no field reads (it would be ignored silently)."""
+    written), no `+key` was added that no field reads (it would be ignored silently), and the model's
+    family and figures are those of the config.json model.name_or_path names (config/model_dir.py)."""
     from omegaconf.errors import OmegaConfBaseException
 
     try:
@@ -100,9 +103,11 @@ def to_typed(cfg: DictConfig) -> TrainConfig:
             raise UserError(
                 f"unknown key {extra[0]}: no stack reads it; check the spelling (`{command()} --cfg job` prints every key)"
             )
-        return OmegaConf.to_object(cfg)
+        typed = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
         raise UserError(one_line(err)) from None
+    typed.model = from_config_json(typed.model)  # a model dir's own family and figures, as config.yaml records
+    return typed
 
 
 def load(overrides: list[str]) -> TrainConfig:

@@ -1,3 +1,3 @@
-"""The model: the checks a model dir or hub id gets before loading, per-family traits (families.py:
-what the loader and the planner both ask), the library configs built from the stack
-(BitsAndBytesConfig, LoraConfig), and loading it quantized and trainable."""
+"""The model: the checks a model dir or hub id gets before loading, the library configs built from the
+stack (BitsAndBytesConfig, LoraConfig), and loading it quantized and trainable; the per-family traits
+it asks live one floor down (qlora_recipes/families.py)."""

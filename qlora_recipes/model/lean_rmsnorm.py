@@ -20,8 +20,17 @@ import types
 
 import torch
 
-# transformers 5.23 classes with LlamaRMSNorm's forward (modular copies of it)
-LLAMA_FORM = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+
+def llama_form(module: torch.nn.Module) -> bool:
+    """Its forward is LlamaRMSNorm's code (transformers' modular copies: Mistral, Qwen2, Qwen3, Qwen3-MoE,
+    SmolLM3 in 5.23): decided by the code, not the class name, so a new family's copy is found too."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    forward = getattr(type(module).forward, "__code__", None)
+    ref = LlamaRMSNorm.forward.__code__
+    # the docstring (co_consts[0]) may differ between copies
+    same = forward is not None and (forward.co_code, forward.co_names) == (ref.co_code, ref.co_names)
+    return same and forward.co_consts[1:] == ref.co_consts[1:] and hasattr(module, "variance_epsilon")
 
 
 class LeanRMSNormFunction(torch.autograd.Function):
@@ -68,7 +77,7 @@ def lean_rmsnorms(model: torch.nn.Module) -> int:
     """Patch every Llama-form RMSNorm of `model` (the decoder layers' and the final one); the count."""
     count = 0
     for module in model.modules():
-        if type(module).__name__ in LLAMA_FORM:
+        if llama_form(module):
             lean_rmsnorm(module)
             count += 1
     return count

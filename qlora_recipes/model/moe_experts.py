@@ -295,12 +295,21 @@ def linear_targets(model: torch.nn.Module) -> list[str] | None:
     names = {
         n.rsplit(".", 1)[-1]
         for n, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and m is not head and not any(n.startswith(f + ".") for f in fused)
+        if plain_linear(m) and m is not head and not any(n.startswith(f + ".") for f in fused)
     }
     dropped = sorted(names & _V4_EXPERT_NAMES)
     if dropped:
         log.info("peft: all-linear on MoE experts' layers leaves out %s (peft maps them onto the experts)", dropped)
     return sorted(names - _V4_EXPERT_NAMES)
+
+
+def plain_linear(module: torch.nn.Module) -> bool:
+    """An nn.Linear whose forward is nn.Linear's (or bitsandbytes' quantized one's): peft's LoRA adds its
+    output to the base layer's, so a model's subclass with a forward of its own (Llama 4's router returns
+    (scores, logits)) cannot take one."""
+    cls = type(module)
+    own = cls.forward is not torch.nn.Linear.forward and not cls.__module__.startswith("bitsandbytes.")
+    return isinstance(module, torch.nn.Linear) and not own
 
 
 # peft's v4-to-v5 MoE remap (utils/transformers_weight_conversion.py) turns these leaf names into the fused

@@ -1,12 +1,12 @@
 """The planner's documented constants and the choices it knows: measured or sourced byte figures
 (CUDA context, process baseline, allocator slack, bitsandbytes block sizes) and the names of the
 device-map strategies, compute dtypes and optimizers it can plan (the model families are
-model/families.py's).
+families.py's, on the package floor).
 """
 
 from __future__ import annotations
 
-from ..model.families import KNOWN_ARCHITECTURES  # noqa: F401  (the families inventoried from figures)
+from ..families import KNOWN_ARCHITECTURES  # noqa: F401  (the families inventoried from figures)
 from ..units import GiB
 
 # CUDA context of a process that imports torch, bitsandbytes and runs cuBLAS/flash kernels: the

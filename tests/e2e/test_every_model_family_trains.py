@@ -1,72 +1,45 @@
-"""Every model family in conf/model trains on CPU under the default command: a tiny model of the family's
-own architecture (built here from its transformers config class), `model=<option>` pointed at it, nothing
-else about the model set. Attention is chosen per family where the sdpa default cannot serve (Gemma 2:
-transformers 5 has no sdpa path for its soft-capped attention logits), and a load that fails for
-attention reasons says so, naming model.attn_implementation, not the network."""
+"""Every model family of the family table trains on CPU under the default command: a tiny model of the
+family's own architecture (tests/helpers_families.py builds it from its transformers config class), pointed
+at with `model.name_or_path=DIR` alone, under `quant=nf4 optim=paged8bit trainer=smoke`. The dir's
+config.json decides `model.architecture` and the figures config.yaml records. Attention is chosen per
+family where the sdpa default cannot serve (Gemma 2's soft-capped logits, gpt-oss's sinks: transformers 5
+has no sdpa path for them), and a load that fails for attention reasons says so, naming
+model.attn_implementation, not the network."""
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, compose_cfg
+from conftest import REPO, SMOKE, compose_cfg
+from helpers_families import FAMILY_CONFIGS, build_family
 
 from qlora_recipes.errors import UserError
+from qlora_recipes.families import FAMILIES, traits
 
-TINY = REPO / "assets" / "tiny-llama"
-CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "gemma2": "Gemma2Config"}
-# What the loader picks under the default model.attn_implementation (sdpa) for each family.
-ATTENTION = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "gemma2": "eager"}
-
-
-def _families() -> list[tuple[str, str]]:
-    """(architecture, the first conf/model option of it), one per family; `tiny` is the shipped Llama."""
-    found: dict[str, str] = {}
-    for path in sorted((REPO / "conf" / "model").glob("*.yaml")):
-        if path.stem != "tiny":
-            found.setdefault(yaml.safe_load(path.read_text())["architecture"], path.stem)
-    return sorted(found.items())
-
-
-FAMILIES = _families()
+MODEL_TYPES = sorted(FAMILY_CONFIGS)
 
 
 def test_every_family_is_covered():
-    assert {arch for arch, _ in FAMILIES} == set(CONFIG_CLASSES), "add the new family's config class here"
-
-
-def build_tiny(arch: str, out: Path) -> Path:
-    """A 2-layer model of `arch` with tiny sizes, random weights, and the shipped character tokenizer."""
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = getattr(transformers, CONFIG_CLASSES[arch])(
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
-    for f in list(TINY.glob("tokenizer*")) + [TINY / "chat_template.jinja"]:
-        shutil.copy(f, out)
-    return out
+    """Each family of the table (a multimodal checkpoint's by its text model's) and of conf/model is built here."""
+    conf = {yaml.safe_load(p.read_text())["architecture"] for p in (REPO / "conf" / "model").glob("*.yaml")}
+    for family in set(FAMILIES) | conf:
+        built = family if family in FAMILY_CONFIGS else f"{family}_text"
+        assert built in FAMILY_CONFIGS and traits(built) == traits(family), f"build a tiny {family} here"
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("families")
-    return {arch: build_tiny(arch, root / arch) for arch, _ in FAMILIES}
+def model_dir(tmp_path_factory):
+    """model_dir(model_type): its tiny model, built once per module."""
+    root, built = tmp_path_factory.mktemp("families"), {}
+
+    def get(model_type: str) -> Path:
+        if model_type not in built:
+            built[model_type] = build_family(model_type, root / model_type)
+        return built[model_type]
+
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -79,41 +52,45 @@ def data_file(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("arch, option", FAMILIES, ids=[a for a, _ in FAMILIES])
-def test_family_trains_on_cpu_under_the_default_command(models, data_file, tmp_path, caplog, arch, option):
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_family_trains_on_cpu_under_the_default_command(model_dir, data_file, tmp_path, caplog, model_type):
     from qlora_recipes.model import loading
     from qlora_recipes.run.training import train
 
-    cfg = compose_cfg(
-        f"model={option}", f"model.name_or_path={models[arch]}", f"data.path={data_file}", "trainer=smoke"
-    )
-    assert loading.attention_for(cfg.model) == ATTENTION[arch]
+    folder = model_dir(model_type)
+    cfg = compose_cfg(*SMOKE, f"model.name_or_path={folder}", f"data.path={data_file}", "quant=nf4", "optim=paged8bit")
+    own = json.loads((folder / "config.json").read_text())
+    assert (cfg.model.architecture, cfg.model.hidden_size, cfg.model.vocab_size) == (model_type, 64, 100)
+    assert cfg.model.tie_embeddings is own.get("tie_word_embeddings", traits(model_type).tie_embeddings)
+    assert loading.attention_for(cfg.model) == traits(model_type).attention
     with caplog.at_level("INFO"):
         out = train(cfg, tmp_path / "run")
     assert out["status"] == "ok" and out["steps"] == 3
     assert len(out["train_losses"]) == 3 and all(math.isfinite(x) for x in out["train_losses"])
     assert out["eval_loss"] is not None and math.isfinite(out["eval_loss"])
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]
+    assert (saved["architecture"], saved["hidden_size"], saved["max_position_embeddings"]) == (model_type, 64, 256)
     assert "could not load" not in caplog.text
 
 
-def test_sdpa_default_on_a_family_without_sdpa_becomes_eager(models, caplog):
+def test_sdpa_default_on_a_family_without_sdpa_becomes_eager(model_dir, caplog):
     """model=tiny (attn sdpa, the schema default) pointed at a Gemma 2 dir: eager, said in one line."""
     from qlora_recipes.model import loading
 
-    cfg = compose_cfg(f"model.name_or_path={models['gemma2']}")
+    cfg = compose_cfg(f"model.name_or_path={model_dir('gemma2')}")
     assert cfg.model.attn_implementation == "sdpa"
     with caplog.at_level("INFO", logger="qlora_recipes.model.loading"):
         assert loading.attention_for(cfg.model) == "eager"
     assert "attention: eager for Gemma2ForCausalLM" in caplog.text
-    assert loading.attention_for(compose_cfg(f"model.name_or_path={models['llama']}").model) == "sdpa"
+    assert loading.attention_for(compose_cfg(f"model.name_or_path={model_dir('llama')}").model) == "sdpa"
 
 
 @pytest.mark.parametrize("attn", ["flash_attention_2", "no_such_attention"])
-def test_attention_load_errors_name_attention_not_the_network(models, tmp_path, attn):
+def test_attention_load_errors_name_attention_not_the_network(model_dir, tmp_path, attn):
     from qlora_recipes.model import loading
 
-    cfg = compose_cfg(f"model.name_or_path={models['gemma2']}", f"model.attn_implementation={attn}")
+    cfg = compose_cfg(f"model.name_or_path={model_dir('gemma2')}", f"model.attn_implementation={attn}")
     with pytest.raises(UserError) as info:
         loading.load_model(cfg, tmp_path)
     msg = str(info.value)

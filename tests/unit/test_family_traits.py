@@ -1,4 +1,4 @@
-"""Per-family traits live in one table (model/families.py) that the planner and the loader both ask:
+"""Per-family traits live in one table (qlora_recipes/families.py) that the planner and the loader both ask:
 every family conf/model knows has an entry, and a trait set there (Gemma 2's soft-capping, its eager
 attention, its extra norms, its tied-embeddings default) reaches the planner's sizes and the loader's
 attention choice through that one lookup, not through a string compared here and there."""
@@ -12,9 +12,9 @@ import pytest
 import yaml
 from conftest import REPO, compose_cfg
 
+from qlora_recipes import families
 from qlora_recipes.config.schema import ModelConfig
-from qlora_recipes.model import families
-from qlora_recipes.model.families import FAMILIES, UNKNOWN, traits
+from qlora_recipes.families import FAMILIES, KNOWN_ARCHITECTURES, UNKNOWN, traits
 from qlora_recipes.planner import components, loss
 from qlora_recipes.planner.figures import inventory, model_figures
 from qlora_recipes.planner.spec import spec_from_cfg
@@ -23,8 +23,7 @@ CONF_FAMILIES = {yaml.safe_load(p.read_text())["architecture"] for p in (REPO / 
 
 
 def test_every_family_of_conf_model_has_traits():
-    assert CONF_FAMILIES <= set(FAMILIES), "add the new family to model/families.py FAMILIES"
-    assert all(traits(arch).known for arch in CONF_FAMILIES)
+    assert CONF_FAMILIES <= set(FAMILIES), "add the new family to qlora_recipes/families.py FAMILIES"
     assert traits("Gemma2") is FAMILIES["gemma2"]  # config.json's model_type, any case
 
 
@@ -35,7 +34,7 @@ def test_a_family_not_in_the_table_assumes_nothing():
 
 
 def test_the_table_imports_nothing_heavy():
-    code = "import sys, qlora_recipes.model.families; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    code = "import sys, qlora_recipes.families; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]"
 
@@ -90,11 +89,12 @@ def test_the_loader_asks_the_table(monkeypatch, caplog):
     assert loading.attention_for(compose_cfg("model.attn_implementation=flex_attention").model) == "flex_attention"
 
 
-@pytest.mark.parametrize("arch", sorted(FAMILIES))
+@pytest.mark.parametrize("arch", sorted(KNOWN_ARCHITECTURES))
 def test_analytic_families_build_from_a_typed_model_config(arch):
     fig = model_figures(
         ModelConfig(
             name_or_path="org/none",
+            hub_id="org/none",  # the figures below are that model's (no config.json offline)
             architecture=arch,
             hidden_size=64,
             num_layers=2,

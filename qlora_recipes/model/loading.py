@@ -9,9 +9,9 @@ import torch
 
 from ..config.schema import DistConfig, ModelConfig, OffloadConfig, TrainConfig, mlp_tile
 from ..errors import UserError
+from ..families import traits
 from ..units import torch_dtype
 from .checkpoint import bitsandbytes_saved
-from .families import traits
 from .hf_configs import bnb_config, lora_config
 from .lean_rmsnorm import lean_rmsnorms
 from .moe_experts import lora_on_linears, quantize_experts, quantized_while_loading
@@ -232,7 +232,24 @@ def load_model(cfg: TrainConfig, run_dir: Path, max_memory: dict | None = None):
         )
     quantize_experts(model, cfg.quant, experts_4bit)
     _keep_4bit_layout_trainable(model)
+    _as_trls_fused_head_reads_it(model)
     return model
+
+
+def _as_trls_fused_head_reads_it(model) -> None:
+    """What TRL's fused LM head (the SFT loss) assumes of a causal LM, made true of Llama 4's text model.
+    It runs `model.base_model` for the hidden states: Llama4ForCausalLM keeps the prefix it has inside the
+    multimodal model ("language_model"), so alone its base_model is itself (logits, no hidden states) while
+    its decoder is `.model`. And it adds the load-balancing loss whenever the config has a coefficient,
+    reading `num_experts`: Llama 4's config names it num_local_experts, and its own forward adds no such
+    loss (it keeps no router_aux_loss_coef, as Qwen3-MoE and gpt-oss do): 0 keeps the loss its own."""
+    from transformers import PreTrainedModel
+
+    if model.base_model is model and isinstance(getattr(model, "model", None), PreTrainedModel):
+        model.base_model_prefix = "model"
+    text = model.config.get_text_config()
+    if getattr(text, "router_aux_loss_coef", 0.0) and not hasattr(model, "router_aux_loss_coef"):
+        text.router_aux_loss_coef = 0.0
 
 
 def _keep_4bit_layout_trainable(model) -> None:
@@ -278,8 +295,8 @@ def make_trainable(cfg: TrainConfig, model):
         _tile_mlps(cfg, model)
     if t.lean_rmsnorm and not lean_rmsnorms(model):
         raise UserError(
-            f"trainer.lean_rmsnorm=true: {cfg.model.architecture} has no Llama-form RMSNorm (Llama, Mistral, Qwen2 "
-            "have); drop trainer.lean_rmsnorm"
+            f"trainer.lean_rmsnorm=true: {cfg.model.architecture} has no Llama-form RMSNorm (Llama, Mistral, Qwen2, "
+            "Qwen3, SmolLM3 have); drop trainer.lean_rmsnorm"
         )
     return model
 
@@ -312,7 +329,7 @@ def _tile_mlps(cfg: TrainConfig, model) -> None:
     if not tile_mlps(model, mlp_tile(cfg.trainer, hidden)):
         raise UserError(
             f"trainer.tiled_mlp=true: {cfg.model.architecture} has no gate/up/down MLP to tile "
-            "(Llama, Mistral, Qwen2, Gemma 2 have); drop trainer.tiled_mlp"
+            "(Llama, Mistral, Qwen2, Qwen3, Qwen3.5, SmolLM3, Gemma 2-4 have); drop trainer.tiled_mlp"
         )
 
 

@@ -19,7 +19,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from ..errors import UserError
 from ..model.checkpoint import hub_config_json, local_dir, read_config
-from ..model.families import KNOWN_ARCHITECTURES, FamilyTraits, traits
+from ..families import KNOWN_ARCHITECTURES, FamilyTraits, traits
 from ..units import torch_dtype
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ from omegaconf import MISSING
 from omegaconf.errors import MissingMandatoryValue
 
 from ..errors import UserError
-from ..model.checkpoint import hub_config_json, local_dir, read_config
 from ..families import KNOWN_ARCHITECTURES, FamilyTraits, traits
+from ..model.checkpoint import hub_config_json, local_dir, read_config
 from ..units import torch_dtype
 
 if TYPE_CHECKING:

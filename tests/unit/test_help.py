@@ -21,6 +21,8 @@ COMMANDS = {
     "qlora launch": ([PY, "-m", "qlora_recipes", "launch"], True),
     "qlora merge": ([PY, "-m", "qlora_recipes", "merge"], False),
     "qlora generate": ([PY, "-m", "qlora_recipes", "generate"], False),
+    "qlora eval": ([PY, "-m", "qlora_recipes", "eval"], False),
+    "qlora export": ([PY, "-m", "qlora_recipes", "export"], False),
     "qlora summarize": ([PY, "-m", "qlora_recipes", "summarize"], False),
     "scripts/summarize_sweep.py": ([PY, "scripts/summarize_sweep.py"], False),
     "qlora bench": ([PY, "-m", "qlora_recipes", "bench"], False),

@@ -1,14 +1,41 @@
 """How the user started this process (`python train.py`, `qlora train`) and the overrides of the
 Hydra job running now: for messages that name a command the user can copy and paste."""
 
+import os
 import re
 
 _COMMAND = ["qlora train"]
+# Set by `qlora launch` for the ranks it starts: the command (and flags) that starts them again
+LAUNCH_ENV = "QLORA_RECIPES_LAUNCH"
 
 
-def set_command(prog: str) -> None:
-    """How the user started this command (`python train.py`, `qlora train`), for copy-pasteable hints."""
-    _COMMAND[0] = f"python {prog}" if prog.endswith(".py") else prog
+def set_command(prog: str, environ=os.environ) -> None:
+    """How the user started this command (`python train.py`, `qlora train`), for copy-pasteable hints;
+    for a rank of several, the launcher that starts the same job again (`launcher_command`)."""
+    _COMMAND[0] = launcher_command(f"python {prog}" if prog.endswith(".py") else prog, environ)
+
+
+def launcher_command(trainer: str, environ=os.environ) -> str:
+    """The command that starts this process's job: `trainer` for one process; for the ranks of a
+    `qlora launch`, that command (LAUNCH_ENV); for torchrun's ranks, torchrun with as many ranks
+    per node (`--standalone` on one node) over the same script (`python train.py` -> `train.py`,
+    `qlora train` -> `-m qlora_recipes train`). A resume on another number of ranks would change
+    the global batch, so it is refused (run/resume.py): the printed command must keep it."""
+    try:
+        world = int(environ.get("WORLD_SIZE", "1") or 1)
+        local = int(environ.get("LOCAL_WORLD_SIZE", str(world)) or world)
+    except ValueError:  # validation names it
+        return trainer
+    if world <= 1:
+        return trainer
+    if environ.get(LAUNCH_ENV):
+        return environ[LAUNCH_ENV]
+    script = (
+        trainer.removeprefix("python ") if trainer.startswith("python ") else f"-m qlora_recipes {trainer.split()[-1]}"
+    )
+    nodes = max(1, world // max(local, 1))
+    where = f"--nnodes {nodes}" if nodes > 1 else "--standalone"  # several nodes: add the rendezvous flags used
+    return f"torchrun {where} --nproc_per_node {local} {script}"
 
 
 def command() -> str:
@@ -43,19 +70,27 @@ def resume_command(overrides: list[str], run_dir: str, *extra: str, trainer_comm
     """The command (`trainer_command`, else the one the user typed) that continues the run in `run_dir`, pasteable into
     a shell as printed: the user's overrides less those that pick or replace a run dir (resume,
     hydra.run.dir, overwrite) and the keys `extra` sets, then resume=auto, the dir and `extra`."""
-    import shlex
 
     words = [*_without_run_dir(overrides, extra), "resume=auto", hydra_override("hydra.run.dir", run_dir), *extra]
-    return " ".join([trainer_command or command(), *map(shlex.quote, words)])
+    return _joined(trainer_command or command(), words)
 
 
 def init_from_command(overrides: list[str], run_dir: str, trainer_command: str | None = None) -> str:
     """The command that trains on from the finished run in `run_dir` when it kept no checkpoint to
     resume: a new run (in a new run dir) whose adapter starts as that run's (init_from)."""
-    import shlex
 
     words = [*_without_run_dir(overrides, ("init_from",)), hydra_override("init_from", run_dir)]
-    return " ".join([trainer_command or command(), *map(shlex.quote, words)])
+    return _joined(trainer_command or command(), words)
+
+
+def _joined(cmd: str, words: list[str]) -> str:
+    """`cmd` and the shell-quoted overrides; `qlora launch` takes the recipe first, by name."""
+    import shlex
+
+    if cmd == os.environ.get(LAUNCH_ENV):
+        recipes = [w.split("=", 1)[1] for w in words if w.startswith("recipe=")]
+        words = recipes[-1:] + [w for w in words if not w.startswith("recipe=")]
+    return " ".join([cmd, *map(shlex.quote, words)])
 
 
 def _without_run_dir(overrides: list[str], extra) -> list[str]:

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 from ..config.loader import load
+from ..invocation import LAUNCH_ENV
 from .helptext import docs_pointer, groups_help, quiet_when_the_reader_goes, recipes_help
 from .runner import ArgumentParser, run_plain
 
@@ -64,9 +65,10 @@ def plan(recipe: str, overrides: list[str], check: bool) -> int:
     return 1 if check and not result["fits"] else 0
 
 
-def launch(recipe: str, overrides: list[str], dry_run: bool, cpu: bool = False) -> int:
+def launch(recipe: str, overrides: list[str], dry_run: bool, cpu: bool = False, prog: str = "qlora launch") -> int:
     """`cpu`: the recipe's ranks (one per GPU it declares) as CPU processes over gloo, through the
-    same launcher, launch/ configs and trainer path; the GPUs are hidden from them."""
+    same launcher, launch/ configs and trainer path; the GPUs are hidden from them. The ranks learn
+    this command (invocation.LAUNCH_ENV): the resume line they print starts the same ranks again."""
     from .. import planner
     from ..config import devices
     from ..run import dist
@@ -90,6 +92,8 @@ def launch(recipe: str, overrides: list[str], dry_run: bool, cpu: bool = False) 
         return 0
     if cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    launcher = f"python {prog}" if prog.endswith(".py") else prog
+    os.environ[LAUNCH_ENV] = f"{launcher} --cpu" if cpu else launcher
     os.execv(cmd[0], cmd)
     return 0  # not reached
 
@@ -122,6 +126,6 @@ def run(argv: list[str], prog: str = "qlora launch") -> None:
         overrides = [*args.overrides, *unknown]
         if args.plan:
             return plan(recipe, overrides, args.check)
-        return launch(recipe, overrides, args.dry_run, args.cpu)
+        return launch(recipe, overrides, args.dry_run, args.cpu, prog)
 
     run_plain(launch_run)

@@ -37,7 +37,8 @@ def _exit(message: str, code: int):
         for sig in interrupts.STOP_SIGNALS:  # one signal, one line: the exit is not interrupted again
             signal.signal(sig, signal.SIG_IGN)
     sys.stdout.flush()
-    print(message, file=sys.stderr, flush=True)
+    if message:  # none: another rank says it (a stop of several ranks is one line)
+        print(message, file=sys.stderr, flush=True)
     sys.exit(code)
 
 

@@ -107,14 +107,17 @@ def _checked_train(composed: DictConfig, run_dir: Path, hydra_cfg, multirun: boo
         from ..integrations import trackers
 
         trackers.leave_unused_unimported(cfg.logger)
-    from ..run.lifecycle import Preempted
+    from ..run.preemption import Preempted, RankLost
     from ..run.training import train
 
     on_write = None if multirun or not _Launch.deferred_hydra_files else (lambda: _save_hydra_files(run_dir, composed))
     try:
         result = train(cfg, run_dir, dict(hydra_cfg.runtime.choices), on_write=on_write)
-    except Preempted as stop:
-        raise runner.Stop(_preempted_line(stop, hydra_cfg, run_dir), interrupts.exit_code(stop.signame)) from None
+    except Preempted as stop:  # every rank stopped at that step: rank 0 says so, once
+        line = _preempted_line(stop, hydra_cfg, run_dir) if int(os.environ.get("RANK", 0)) == 0 else ""
+        raise runner.Stop(line, interrupts.exit_code(stop.signame)) from None
+    except RankLost as lost:  # each surviving rank: one line, not the collective's traceback
+        raise runner.Stop(_rank_lost_line(lost, hydra_cfg, run_dir), 1) from None
     except OmegaConfBaseException as err:
         raise UserError(one_line(err)) from None
     return result.get("eval_loss")  # the objective an Optuna sweep minimises
@@ -141,6 +144,17 @@ def _preempted_line(stop, hydra_cfg, run_dir: Path) -> str:
             f"{line}, not evaluated (trainer.save_steps=0 kept no checkpoint to finish from); merge or generate from it"
         )
     return f"{line} and checkpoint {stop.checkpoint}; to evaluate and finish: {resume}"
+
+
+def _rank_lost_line(lost, hydra_cfg, run_dir: Path) -> str:
+    """Another rank ended without the others (kill -9, a crash): what is kept, how to go on."""
+    rank = int(os.environ.get("RANK", 0))
+    if lost.checkpoint is None:
+        return f"error: rank {rank}: {lost}; the job stopped before a checkpoint was saved: run it again"
+    return (
+        f"error: rank {rank}: {lost}; the job stopped, its last checkpoint is {lost.checkpoint}; resume with: "
+        + _resume_command(hydra_cfg, run_dir)
+    )
 
 
 def _record_failed_job(run_dir: Path, err: UserError) -> None:

@@ -292,6 +292,25 @@ def sync_adapters(model) -> str | None:
     return digest
 
 
+# What a collective raises on a rank whose peer is gone (gloo: the TCP pair closes under it)
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def lost_peer(err: BaseException) -> str | None:
+    """The reason, when `err` is a collective failing because another rank of this process group
+    ended (killed outright, or crashed), else None: gloo's "Connection closed by peer [addr]:port",
+    without its source path and advice."""
+    import torch.distributed as tdist
+
+    if not (isinstance(err, RuntimeError) and tdist.is_available() and tdist.is_initialized()):
+        return None
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    for sign in _PEER_GONE:
+        if sign in text:
+            return sign + text.split(sign, 1)[1].split(". ", 1)[0]
+    return None
+
+
 def _zero_stage(trainer) -> int:
     if not getattr(trainer, "is_deepspeed_enabled", False):
         return 0

@@ -13,8 +13,8 @@ resume, preemption, NaN and OOM, one run per run dir.
   that can be applied in-process (halve the micro-batch and double accumulation, then gradient
   checkpointing), resuming from the newest checkpoint (or from the untrained start).
 
-Beside it, one concern each: `checkpoints` (checkpoint dirs, RECORD, fsync, the newest sound
-checkpoint), `schedule` (the LR schedule across a resume), `resume` (`resume_checkpoint`:
+Beside it, one concern each: `preemption` (a stop signal, agreed by every rank; a rank lost; fault
+injection), `checkpoints` (checkpoint dirs, RECORD, fsync, the newest sound checkpoint), `schedule` (the LR schedule across a resume), `resume` (`resume_checkpoint`:
 `resume=auto` / `resume.checkpoint`, the data and base fingerprints) and `rundir_lock` (`RunDirLock`: one run
 per run dir). They never import this module.
 """
@@ -24,21 +24,18 @@ import json
 import logging
 import os
 import shutil
-import signal
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 from trl import DPOTrainer, GRPOTrainer, KTOTrainer, SFTTrainer
 
 from ..config.loader import with_overrides
 from ..config.schema import TrainConfig
 from ..errors import UserError
-from ..integrations import cluster
 from ..units import fmt_bytes
 from . import rewards
 from .checkpoints import (
@@ -55,6 +52,8 @@ from .checkpoints import (
     tensors_in,
     trainer_state,
 )
+from .dist import lost_peer
+from .preemption import Preempted, PreemptionCallback, RankLost, faults  # noqa: F401 - the run's stop, re-exported
 from .resume import base_fingerprint, data_fingerprint
 from .schedule import continue_schedule, scheduler_for
 
@@ -63,25 +62,6 @@ log = logging.getLogger(__name__)
 
 class NonFiniteLoss(UserError):
     pass
-
-
-class Preempted(Exception):
-    """A stop signal ended the run: during training at `step` (a checkpoint saved there), or after
-    it, `phase` (e.g. "during the final evaluation"), with the trained `adapter` saved."""
-
-    def __init__(self, signame: str, step: int, checkpoint: str | None, adapter: str | None = None, phase: str = ""):
-        super().__init__(f"{signame} {phase or f'at step {step}'}")
-        self.signame, self.step, self.checkpoint = signame, step, checkpoint
-        self.adapter, self.phase = adapter, phase
-
-
-# ---------------------------------------------------------------- fault injection (tests only)
-def faults() -> dict[str, int]:
-    """QLORA_RECIPES_FAULTS="oom_above_micro_batch=2,nan_at_step=3,sigterm_at_step=4" makes the
-    run fail on purpose, so the guards are tested on CPU through the real entry point
-    (`eval_wait_s=N`: each evaluation waits N seconds in its first batch, for a signal to land in)."""
-    spec = os.environ.get("QLORA_RECIPES_FAULTS", "")
-    return {k: int(v) for k, v in (item.split("=") for item in spec.split(",") if item)}
 
 
 class Guarded:
@@ -295,6 +275,7 @@ class Guarded:
             "epochs": self.args.num_train_epochs,
             "total_steps": self.state.max_steps,
             "steps_per_epoch": self._steps_per_epoch,
+            "world_size": self.args.world_size,  # ranks: a resume on another number would change the global batch
             "schedule": self._schedule,
             "data": self.data_fingerprint,
             "base": self.base_fingerprint,
@@ -467,45 +448,6 @@ def guarded(objective: str) -> type:
     return classes[OBJECTIVES[objective].trainer]
 
 
-# ---------------------------------------------------------------- preemption
-class PreemptionCallback(TrainerCallback):
-    """SIGTERM (preemption), SLURM's time-limit warning (`--signal`, USR2: cluster.py) or SIGINT
-    (Ctrl-C): finish the current step, save a checkpoint there, stop. The caller turns that into a
-    resume hint; inside a submitit job, submitit then requeues the job (cluster.hand_over)."""
-
-    def __init__(self):
-        self.received: str | None = None
-        self._previous = {}
-
-    def install(self):
-        for sig in (signal.SIGTERM, signal.SIGINT, cluster.preemption_signal()):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def uninstall(self):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if faults().get("sigterm_at_step") == state.global_step:
-            os.kill(os.getpid(), signal.SIGTERM)
-        if faults().get("preempt_at_step") == state.global_step:  # what SLURM / submitit send
-            os.kill(os.getpid(), cluster.preemption_signal())
-        if self.received:
-            control.should_save = True
-            control.should_training_stop = True
-        return control
-
-    def on_train_end(self, args, state, control, **kwargs):
-        # The checkpoint at the stopping step is sealed by now: submitit may requeue (and exit).
-        requeue = cluster.submitit_handler(self._previous.get(cluster.preemption_signal()))
-        if self.received and self.received != "SIGINT" and requeue is not None and args.should_save:
-            cluster.hand_over(requeue, self.received)
-
-
 # ---------------------------------------------------------------- OOM ladder
 @dataclass
 class OomRecord:
@@ -558,38 +500,44 @@ def train_with_oom_ladder(
                 record.write(run_dir, cfg)
             return trainer, result, cfg
         except torch.OutOfMemoryError:
-            step = trainer.state.global_step
-            del trainer
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            rung = next_in_process_rung(cfg)
-            record.attempts.append(
-                {
-                    "step": step,
-                    "micro_batch_size": cfg.trainer.micro_batch_size,
-                    "grad_accum": cfg.trainer.grad_accum,
-                    "next": rung[1] if rung else None,
-                }
+            pass
+        except RuntimeError as err:  # another rank gone (dist.lost_peer), or a bug
+            cause = lost_peer(err)
+            if cause is None:
+                raise
+            raise RankLost(trainer.state.global_step, find_checkpoint(run_dir / "checkpoints"), cause) from None
+        step = trainer.state.global_step
+        del trainer
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        rung = next_in_process_rung(cfg)
+        record.attempts.append(
+            {
+                "step": step,
+                "micro_batch_size": cfg.trainer.micro_batch_size,
+                "grad_accum": cfg.trainer.grad_accum,
+                "next": rung[1] if rung else None,
+            }
+        )
+        record.write(run_dir, cfg)
+        if rung is None:
+            hint = "; ".join(relaunch_rungs) or "offload=cpu"
+            raise UserError(
+                f"out of memory at step {step} even with micro-batch 1 and gradient checkpointing; "
+                f"relaunch with one of: {hint} (see plan.json ladder)"
+            ) from None
+        cfg, applied = rung
+        log.warning("out of memory at step %d: retrying with %s", step, applied)
+        resume_from = find_checkpoint(run_dir / "checkpoints")
+        # every new trainer gets the untrained start (a checkpoint, if any, then loads over it): DPO's
+        # reference is scored from the adapter as the trainer finds it (GuardedDPOTrainer)
+        _restore_trainable(model, initial)
+        if cfg.trainer.gradient_checkpointing and not model.is_activation_checkpointing:  # transformers 5 names
+            model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": cfg.trainer.checkpointing_mode == "reentrant"}
             )
-            record.write(run_dir, cfg)
-            if rung is None:
-                hint = "; ".join(relaunch_rungs) or "offload=cpu"
-                raise UserError(
-                    f"out of memory at step {step} even with micro-batch 1 and gradient checkpointing; "
-                    f"relaunch with one of: {hint} (see plan.json ladder)"
-                ) from None
-            cfg, applied = rung
-            log.warning("out of memory at step %d: retrying with %s", step, applied)
-            resume_from = find_checkpoint(run_dir / "checkpoints")
-            # every new trainer gets the untrained start (a checkpoint, if any, then loads over it): DPO's
-            # reference is scored from the adapter as the trainer finds it (GuardedDPOTrainer)
-            _restore_trainable(model, initial)
-            if cfg.trainer.gradient_checkpointing and not model.is_activation_checkpointing:  # transformers 5 names
-                model.activation_checkpointing_enable(
-                    activation_checkpointing_kwargs={"use_reentrant": cfg.trainer.checkpointing_mode == "reentrant"}
-                )
-                model.enable_input_require_grads()
+            model.enable_input_require_grads()
 
 
 def _restore_trainable(model, initial: dict) -> None:

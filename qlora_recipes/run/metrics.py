@@ -4,6 +4,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -106,9 +107,28 @@ def trainable_digest(model) -> str:
 
 
 def write_metrics(run_dir: Path, metrics: dict, name: str = "metrics.json") -> None:
-    tmp = run_dir / f"{name}.tmp"
-    tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    tmp.replace(run_dir / name)  # never a half-written file
+    """`name` written whole (never a half-written file), through a temporary name of this process's
+    own: a writer elsewhere (another rank, a second run refused by the lock) never renames it away."""
+    tmp = run_dir / f".{name}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        tmp.replace(run_dir / name)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def drop_rank_metrics(run_dir: Path, world_size: int) -> list[str]:
+    """Remove metrics.rankN.json of ranks N >= world_size: an earlier run's, on more ranks, that this
+    run (a resume on fewer) would leave beside its own figures. Their names."""
+    stale = [p for p in run_dir.glob("metrics.rank*.json") if _rank_of(p.name) >= world_size]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return sorted(p.name for p in stale)
+
+
+def _rank_of(name: str) -> int:
+    rank = name.removeprefix("metrics.rank").removesuffix(".json")
+    return int(rank) if rank.isdigit() else -1  # not a rank's file: kept
 
 
 def objective_figures(objective: str, before: dict | None, after: dict | None) -> dict:

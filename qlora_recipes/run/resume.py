@@ -127,6 +127,7 @@ def resume_checkpoint(cfg: TrainConfig, run_dir: Path) -> str | None:
     record = read_record(checkpoint)
     if not r.checkpoint:
         _unless_complete(cfg, run_dir, checkpoint, record, saved_cfg)
+    _check_world_size(cfg, checkpoint, record)
     _check_data(cfg, checkpoint, record)
     _check_base(cfg, checkpoint, record)
     _check_schedule_goes_on(cfg, checkpoint, record)
@@ -181,6 +182,31 @@ def _unless_complete(
             f"resume: the run in {run_dir} finished at step {steps} and kept no checkpoint to continue from "
             "(trainer.save_steps=0); train the longer run in a new run dir"
         )
+
+
+def _check_world_size(cfg: TrainConfig, checkpoint: Path | None, record: dict) -> None:
+    """The checkpoint's ranks (WORLD_SIZE when it was written) must be this run's: each optimizer
+    step takes a micro-batch per rank, so another number changes the global batch and where in the
+    data the run goes on. resume.allow_changes=true accepts it."""
+    saved, now = record.get("world_size"), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if checkpoint is None or not saved or saved == now:
+        return  # the same; or written before checkpoints recorded it
+    batch = cfg.trainer.micro_batch_size * cfg.trainer.grad_accum
+    ranks = lambda n: "1 process" if n == 1 else f"{n} ranks"  # noqa: E731
+    what = (
+        f"{checkpoint.name} was trained on {ranks(saved)} (global batch {saved * batch}) and this run is "
+        f"{ranks(now)} (global batch {now * batch})"
+    )
+    how = (
+        "as one process" if saved == 1 else f"on {saved} ranks (torchrun --nproc_per_node {saved} ..., or qlora launch)"
+    )
+    _refuse_unless_allowed(
+        cfg,
+        what,
+        f"on {ranks(now)}",
+        f"so the batches and the data position would change; start it {how} as the run's resume line says, or set "
+        "resume.allow_changes=true",
+    )
 
 
 def _check_data(cfg: TrainConfig, checkpoint: Path, record: dict) -> None:

@@ -51,6 +51,15 @@ def _main_rank() -> bool:
     return int(os.environ.get("RANK", 0)) == 0  # under torchrun only rank 0 writes the run dir
 
 
+def _write_metrics(run_dir: Path, figures: dict) -> None:
+    """This rank's metrics file: metrics.json is rank 0's alone (ranks writing one file race on it),
+    metrics.rankN.json rank N's; rank 0 drops those of ranks this job does not have (an earlier run's)."""
+    rank = int(os.environ.get("RANK", 0))
+    metrics.write_metrics(run_dir, figures, name="metrics.json" if rank == 0 else f"metrics.rank{rank}.json")
+    if rank == 0:
+        metrics.drop_rank_metrics(run_dir, int(os.environ.get("WORLD_SIZE", 1) or 1))
+
+
 @dataclass
 class _Fitted:
     """What the guarded trainer leaves: the trainer, its result, the config that fit, seconds spent."""
@@ -171,9 +180,8 @@ def _load_train_and_record(cfg: TrainConfig, run_dir, plan, resume_from, tokeniz
         out["adapter_sha256_step0"] = getattr(fitted.trainer, "adapter_sha256_step0", None)  # equal on every rank
         if sharded:
             out["sharding"] = dist.sharding_figures(fitted.trainer)
-        rank = int(os.environ.get("RANK", 0))
         with sigint_deferred():
-            metrics.write_metrics(run_dir, out, name="metrics.json" if _main_rank() else f"metrics.rank{rank}.json")
+            _write_metrics(run_dir, out)
             if _main_rank():  # what merge and generate check the run's files against when they read them back
                 write_manifest(run_dir, run_file_names(run_dir), complete=("adapter",))
         finished = True
@@ -291,12 +299,17 @@ def _fit(
         )
     finally:
         preemption.uninstall()
-    if preemption.received:
+    if preemption.received and not preemption.stop:  # came after the ranks' last agreement: not swallowed
+        os.kill(os.getpid(), getattr(signal, preemption.received))
+    if preemption.stop:
+        if trainer.args.world_size > 1:  # every rank stops here; the launcher's SIGTERM, as another exits, adds nothing
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
         step = trainer.state.global_step
         checkpoint = find_checkpoint(run_dir / "checkpoints")
-        status = {"status": "preempted", "signal": preemption.received, "steps": step, "checkpoint": checkpoint}
-        metrics.write_metrics(run_dir, status)
-        raise lifecycle.Preempted(preemption.received, step, checkpoint)
+        status = {"status": "preempted", "signal": preemption.stop, "steps": step, "checkpoint": checkpoint}
+        _write_metrics(run_dir, status)
+        raise lifecycle.Preempted(preemption.stop, step, checkpoint)
     return _Fitted(trainer, result, fit_cfg, time.time() - started, before or None)
 
 
@@ -318,7 +331,7 @@ def _stopped_in_final_eval(signame: str, trainer, run_dir: Path) -> lifecycle.Pr
     adapter = str(run_dir / "adapter")
     status = {"status": "preempted", "signal": signame, "phase": "final evaluation", "steps": step}
     with sigint_deferred():
-        metrics.write_metrics(run_dir, {**status, "checkpoint": checkpoint, "adapter": adapter})
+        _write_metrics(run_dir, {**status, "checkpoint": checkpoint, "adapter": adapter})
     return lifecycle.Preempted(signame, step, checkpoint, adapter=adapter, phase="during the final evaluation")
 
 

@@ -18,7 +18,7 @@ from ..errors import UserError
 from ..integrations.trackers import check as check_trackers
 from ..model.check import check_model_dir
 
-# Fault injection for tests (lifecycle.faults): QLORA_RECIPES_FAULTS="key=int,key=int".
+# Fault injection for tests (preemption.faults): QLORA_RECIPES_FAULTS="key=int,key=int".
 FAULT_KEYS = (
     "oom_above_micro_batch",
     "nan_at_step",
@@ -27,7 +27,9 @@ FAULT_KEYS = (
     "eval_wait_s",
     "nan_grads_at_step",
     "adapter_skew_rank",
-)  # the last: dist.py
+    "fault_rank",
+    "sigkill_at_step",
+)  # adapter_skew_rank: dist.py; the others: preemption.py
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -101,11 +103,30 @@ def validate(cfg: TrainConfig, gpu_available: bool, world_size: int | None = Non
             raise UserError(
                 "trainer.lm_eval_tasks is set but lm-eval-harness is not installed: pip install lm-eval, or drop the key"
             )
+    _check_one_process_options(cfg, world_size)
     validate_dist(cfg, gpu_available, world_size)
     if cfg.hub.push:  # a repo id, a token and the hub in reach, before hours of training
         from ..integrations.hub import check_push
 
         check_push(cfg.hub.repo_id, cfg.hub.revision)
+
+
+def _check_one_process_options(cfg: TrainConfig, world_size: int) -> None:
+    """The options tested in one process only (config/checks.py refuses them with a dist= strategy)
+    under several processes too: `torchrun` with dist=none runs DDP all the same."""
+    if world_size <= 1:
+        return
+    t = cfg.trainer
+    for option, on in (
+        ("trainer.tiled_mlp=true", t.tiled_mlp),
+        ("trainer.lean_rmsnorm=true", t.lean_rmsnorm),
+        ("peft.adapter_dtype=bfloat16", cfg.peft.adapter_dtype == "bfloat16"),
+    ):
+        if on:
+            raise UserError(
+                f"{option} is tested in one process, not under {world_size} processes (WORLD_SIZE={world_size}, "
+                f"torchrun runs them as DDP): drop {option.split('=')[0]} or train in one process"
+            )
 
 
 # ---------------------------------------------------------------------------------------------

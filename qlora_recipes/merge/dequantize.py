@@ -5,7 +5,9 @@ and the quality check runs the quantized stack with them in fp32 as its referenc
 
 peft's `dequantize_bnb_weight` does the int8 case; for 4 bit it would dequantize into the layer's compute
 dtype (bf16 on the default stack) and round away what fp32 keeps, so the 4-bit case calls bitsandbytes'
-`dequantize_4bit` (the function peft calls) with an fp32 output instead.
+`dequantize_4bit` (the function peft calls) with an fp32 output instead. MoE experts stored in 4 bits
+(`model/moe_experts.py`: fused 3-D weights as Params4bit, no Linear4bit around them) are dequantized by
+that module's own function, at their full shape, in fp32: what the experts' forward computed with.
 """
 
 from __future__ import annotations
@@ -50,3 +52,13 @@ def dequantize(module) -> torch.Tensor:
             return F.int8_vectorwise_dequant(state.CB, state.SCB.to(state.CB.device)).float()
         return dequantize_bnb_weight(weight, state).float()
     return weight.detach().float()
+
+
+def dequantize_param(param) -> torch.Tensor:
+    """The fp32 weight of a 4-bit parameter that no Linear4bit holds (a fused MoE expert weight, at its
+    full [experts, ., .] shape); any other parameter as it is."""
+    import torch
+
+    from ..model.moe_experts import dequantized, is_4bit
+
+    return dequantized(param, torch.float32) if is_4bit(param) else param.detach()

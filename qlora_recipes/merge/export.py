@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -87,6 +89,36 @@ class ShardWriter:
                 json.dumps(index, indent=2, sort_keys=True) + "\n"
             )
         return names
+
+
+def checkpoint_layout(model, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The merged tensors under the names and shapes of the base's checkpoint. transformers 5 converts some
+    checkpoints while loading (Qwen3-MoE's, Mixtral's per-expert weights fused into 3-D experts) and
+    save_pretrained converts them back; the merge does the same, one decoder layer at a time (transformers'
+    conversions stay within a layer), so the merged dir has its base's layout, which other tools read too. A model loaded
+    without a conversion passes through unchanged."""
+    base = model.get_base_model()
+    if not getattr(base, "_weight_conversions", None):
+        yield from tensors
+        return
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from .progress import decoder_layers
+
+    prefix = decoder_layers(model)[0]
+    layer = re.compile(rf"^{re.escape(prefix)}\.\d+\.") if prefix else None
+    group: dict = {}
+    key = None
+    for name, tensor in tensors:
+        match = layer.match(name) if layer else None
+        here = match.group(0) if match else name  # outside the decoder layers: each tensor alone
+        if group and here != key:
+            yield from revert_weight_conversion(base, group).items()
+            group = {}
+        key = here
+        group[name] = tensor
+    if group:
+        yield from revert_weight_conversion(base, group).items()
 
 
 def write_config(model, folder: Path, dtype: torch.dtype, names: set[str]) -> None:

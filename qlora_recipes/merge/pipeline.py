@@ -135,7 +135,10 @@ def _write_merged(model, cfg, partial: Path, max_bytes: int, out_dtype, from_ori
     import torch
 
     writer = export.ShardWriter(partial, max_bytes, out_dtype)
-    tensors = original_merged_tensors(model, cfg) if from_original else merged_tensors(model)
+    # the original checkpoint is read in its own layout; the loaded stack's tensors go back to it
+    tensors = (
+        original_merged_tensors(model, cfg) if from_original else export.checkpoint_layout(model, merged_tensors(model))
+    )
     with MergeProgress(model) as progress:  # layers merged, shards written: on stderr
         for name, tensor in tensors:
             progress.tensor(name)

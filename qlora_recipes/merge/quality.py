@@ -39,10 +39,12 @@ def free_memory() -> None:
 
 
 def to_fp32_reference(model) -> None:
-    """Run the quantized stack in fp32: non-quantized parameters upcast (exactly), 4-bit layers
-    dequantized to and computing in fp32, so only the merge (not bf16 rounding) separates it from
+    """Run the quantized stack in fp32: non-quantized parameters upcast (exactly), 4-bit layers and 4-bit
+    MoE experts dequantized to and computing in fp32, so only the merge (not bf16 rounding) separates it from
     the merged model loaded in fp32."""
     import torch
+
+    from ..model.moe_experts import is_4bit
 
     for module in model.modules():
         if bnb_kind(module) == "4bit":
@@ -54,7 +56,9 @@ def to_fp32_reference(model) -> None:
             # inference path also quantizes the activations. The layer itself has no dropout.
             module.train()
         for param in module._parameters.values():
-            if (
+            if is_4bit(param):  # a 4-bit MoE expert weight: dequantized to fp32 in the experts' forward
+                param.quant_state.dtype = torch.float32
+            elif (
                 param is not None
                 and param.is_floating_point()
                 and param.dtype != torch.float32

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
-from .dequantize import bnb_kind, dequantize
+from .dequantize import bnb_kind, dequantize, dequantize_param
 
 if TYPE_CHECKING:  # torch and peft load lazily: the checks of bad input answer fast
     import torch
@@ -117,7 +117,7 @@ def merged_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
                 if param is None or id(param) in seen:  # tied weights: the first name only
                     continue
                 seen.add(id(param))
-                yield prefix + name, param.detach()
+                yield prefix + name, dequantize_param(param)  # 4-bit experts at their full shape
             for name, buf in module._buffers.items():
                 if buf is not None and name not in module._non_persistent_buffers_set:
                     yield prefix + name, buf.detach()

@@ -13,6 +13,7 @@ in its backward for the input's gradient: no 16-bit expert weight outlives the m
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import logging
@@ -97,10 +98,15 @@ def is_4bit(param) -> bool:
     return type(param).__name__ == "Params4bit"
 
 
-def dequantized(weight) -> torch.Tensor:
+def dequantized(weight, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The 16-bit weight a Params4bit stands for, in its compute dtype or `dtype` (merge asks for fp32)."""
     import bitsandbytes.functional as bnbf
 
-    return bnbf.dequantize_4bit(weight.data, weight.quant_state)
+    state = weight.quant_state
+    if dtype is not None and dtype != state.dtype:
+        state = copy.copy(state)  # shallow: only the output dtype changes
+        state.dtype = dtype
+    return bnbf.dequantize_4bit(weight.data, state)
 
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -1,51 +1,19 @@
 """MoE models train with their experts stored in 4 bits (quant.experts=4bit, the default under nf4/fp4):
-tiny Qwen3-MoE and gpt-oss models, built here from transformers' own config classes and saved as a user's
-model dir, load with every fused expert weight quantized as it lands (never more than one of them in
-16 bits), routers and gpt-oss's expert biases in the compute dtype, and train under the default stack
-(LoRA on the attention linears) with a falling loss."""
+tiny Qwen3-MoE and gpt-oss models, built from transformers' own config classes (helpers_models.py) and
+saved as a user's model dir, load with every fused expert weight quantized as it lands (never more than
+one of them in 16 bits), routers and gpt-oss's expert biases in the compute dtype, and train under the
+default stack (LoRA on the attention linears) with a falling loss."""
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SMOKE, compose_cfg, train_smoke
+from conftest import SMOKE, compose_cfg, train_smoke
+from helpers_models import build_moe
 
 from qlora_recipes.model import loading, moe_experts
-
-TINY = REPO / "assets" / "tiny-llama"
-
-
-def build_moe(family: str, out: Path) -> Path:
-    """A 2-layer model of `family` with hidden 64, random weights, and the shipped character tokenizer."""
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=100,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    if family == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(
-            **common, intermediate_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2
-        )
-    else:
-        config = transformers.GptOssConfig(**common, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
-    AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
-    for f in list(TINY.glob("tokenizer*")) + [TINY / "chat_template.jinja"]:
-        shutil.copy(f, out)
-    return out
 
 
 @pytest.fixture(scope="module")

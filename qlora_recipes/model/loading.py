@@ -135,7 +135,7 @@ def rope_scaled_config(model: ModelConfig):
     try:
         config.standardize_rope_params()  # yarn and llama3 read original_max_position_embeddings from here
         config.validate_rope()
-    except (KeyError, ValueError) as err:  # transformers' own word on keys the option's checks do not know
+    except (KeyError, ValueError, TypeError) as err:  # transformers' own word on keys the option's checks do not know
         raise UserError(f"model.rope_scaling={model.rope_scaling}: {str(err).strip(chr(34))}") from None
     return config
 

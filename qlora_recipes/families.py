@@ -32,7 +32,7 @@ class FamilyTraits:
     # its RMSNorm is weight * normed.to(dtype) in LlamaRMSNorm's own code (model/lean_rmsnorm.py patches
     # those); Gemma's and Qwen3.5's are (1 + weight) in fp32, gpt-oss's and Gemma 4's weight the fp32 value
     llama_rmsnorm: bool = True
-    known: bool = True  # Llama-shaped: inventoried from its figures without torch
+    known: bool = True  # inventoried from its figures without torch (planner/layers.py)
     # What a Llama-shaped inventory lacks (data for the planner; none of it is counted yet):
     qk_norm: bool = False  # a norm over each head's q and k (a weight of head_dim each; Llama 4's has none)
     local_attention: str = ""  # "sliding": some layers attend within a window; "chunked": within fixed chunks
@@ -48,8 +48,7 @@ class FamilyTraits:
     per_layer_embeddings: bool = False  # a second embedding table feeding each layer (Gemma 4's per-layer input)
 
 
-# the planner's Llama-shaped inventory has no q/k norm weights yet (2 x head_dim per layer): not known
-_QWEN3 = FamilyTraits(config_biases=True, qk_norm=True, known=False)
+_QWEN3 = FamilyTraits(config_biases=True, qk_norm=True)
 _QWEN3_5 = FamilyTraits(
     config_biases=True,
     llama_rmsnorm=False,
@@ -67,9 +66,8 @@ _GEMMA3 = FamilyTraits(
     config_biases=True,
     qk_norm=True,
     local_attention="sliding",
-    known=False,
 )
-_GEMMA4 = FamilyTraits(**{**vars(_GEMMA3), "per_layer_embeddings": True})
+_GEMMA4 = FamilyTraits(**{**vars(_GEMMA3), "per_layer_embeddings": True, "known": False})
 _LLAMA4 = FamilyTraits(
     config_biases=True,
     llama_rmsnorm=False,
@@ -103,7 +101,8 @@ FAMILIES: dict[str, FamilyTraits] = {
     "qwen3_5_text": _QWEN3_5,
     "qwen3_5_moe": _QWEN3_5_MOE,
     "qwen3_5_moe_text": _QWEN3_5_MOE,
-    "gemma3": _GEMMA3,
+    # the multimodal checkpoint loads its vision tower too, which the figures do not describe: its meta model
+    "gemma3": FamilyTraits(**{**vars(_GEMMA3), "known": False}),
     "gemma3_text": _GEMMA3,
     "gemma4": _GEMMA4,
     "gemma4_text": _GEMMA4,
@@ -111,7 +110,6 @@ FAMILIES: dict[str, FamilyTraits] = {
         attention="eager",
         config_biases=True,
         llama_rmsnorm=False,
-        known=False,
         local_attention="sliding",
         attention_sinks=True,
         moe=True,

@@ -108,6 +108,12 @@ class ModelConfig:
         "transformers' RoPE scaling, {rope_type: linear|dynamic|yarn|llama3, factor: > 1, ...}: "
         "positions past max_position_embeddings, up to it x factor; null: the model's own",
     )
+    # config.json keys of a family's own layers for planning offline (planner/layers.family_figures)
+    figures: Any = option(
+        None,
+        "config.json keys of the family's own layers: num_experts, num_experts_per_tok, moe_intermediate_size, "
+        "shared_expert_intermediate_size, layer_types, sliding_window; a local config.json's win",
+    )
     # the learning rate this model size wants (QLoRA paper, Table 9)
     lora_lr: float = option(2e-4, "the default learning rate of this model", range="> 0")
 

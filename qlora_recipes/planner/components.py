@@ -185,6 +185,7 @@ def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
                     bb.dora_weight += lin.numel
                     # eye(in) fp32, lora weight in x out fp32, dequantized weight (c), W + s*BA and s*BA fp32
                     bb.max_dora = max(bb.max_dora, 4 * lin.in_features**2 + lin.numel * (load + 12))
+        _add_experts(st, blk, bb)
         bias_names = {f"{lin.name}.bias" for lin in blk.linears}
         for pname, numel in blk.params:
             if pname in bias_names:
@@ -207,6 +208,29 @@ def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
         bb.lora_numel = sum(math.prod(s) for s in bb.lora_tensors)
         out.append((blk, bb))
     return out
+
+
+def _add_experts(st: StackSpec, blk: Block, bb: BlockBytes) -> None:
+    """A block's fused 3-D MoE expert weights: under quant.experts=4bit with nf4/fp4 each is one blockwise
+    NF4/FP4 tensor (model/moe_experts.py: the codes, absmax and code books as a Linear4bit's weight holds,
+    quantized_linear_bytes), and its forward (and again its backward) dequantizes the whole tensor in the
+    compute dtype: the layer's dequant scratch. Otherwise they are frozen 16-bit params (k-bit prep
+    upcasts them to fp32 like the norms)."""
+    load, after = dtype_bytes(st.dtype), st.frozen_bytes
+    for _, n in blk.experts:
+        bb.params_total += n
+        if st.quant in ("nf4", "fp4") and st.experts_4bit:
+            data, state = quantized_linear_bytes(n, 0, st.quant, st.double_quant, st.quant_storage_bytes)
+            bb.quant_data += data
+            bb.quant_state += state
+            bb.params_quantized += n
+            bb.max_dequant = max(bb.max_dequant, n)
+            bb.placed_bytes += n // 2
+        else:
+            bb.other += n * after
+            bb.other_at_load += n * load
+            bb.placed_bytes += n * load
+            bb.max_cast = max(bb.max_cast, n * load if after > load else 0)
 
 
 def saved_copy_shapes(blk: Block, blocks: tuple[Block, ...]) -> list[tuple[int, ...]]:
@@ -436,7 +460,10 @@ def mlp_saved_per_token(st: StackSpec, bb: BlockBytes, on_cpu: bool = False) -> 
     and act(gate), the LoRA inputs (+ dropout masks) of its adapted linears, DoRA's kept results
     (and with dropout its inputs)."""
     c, r, mask = act_dtypes(st, on_cpu)
-    per_token = 3 * r * st.fig.intermediate_size + (c + (mask if st.lora_dropout > 0 else 0)) * bb.mlp_lora_in
+    fig = st.fig
+    per_token = 3 * r * fig.active_intermediate + (c + (mask if st.lora_dropout > 0 else 0)) * bb.mlp_lora_in
+    if fig.num_experts:  # the routed rows' weighted outputs (k x h) and the router's fp32 logits and probs
+        per_token += fig.experts_per_token * fig.hidden_size * r + 8 * fig.num_experts
     per_token += 2 * c * bb.mlp_dora_out
     if bb.dora_out and st.lora_dropout > 0:
         per_token += c * bb.mlp_dora_in
@@ -454,14 +481,14 @@ def backward_working_bytes(st: StackSpec, b: int, on_cpu: bool = False, bb: Bloc
     at a time: that tile's saved tensors, its gate/up gradients and its input's gradient."""
     fig, s = st.fig, st.seq_len
     _, r, _ = act_dtypes(st, on_cpu)
-    w = b * s * r * (2 * fig.hidden_size + 2 * fig.intermediate_size)
+    w = b * s * r * (2 * fig.hidden_size + 2 * fig.active_intermediate)
     if mlp_tiled(st, b) and bb is not None:
         # the larger of the MLP's backward (one tile) and the rest of the layer's, which the MLP's
         # tokens x 2f gradients no longer cover: fp32 RMSNorm-backward temporaries and the q and
         # attention-output gradients (bench trace, 8B at 32k and 64k tokens: the peak is there). The
         # lean norm's backward (trainer.lean_rmsnorm) holds 6h bytes a token less there than autograd's
         # (bench trace, 8B at 32k tokens: 12h less in all, 6h of them the fp32 copies it does not save)
-        c, h, f = act_dtypes(st, on_cpu)[0], fig.hidden_size, fig.intermediate_size
+        c, h, f = act_dtypes(st, on_cpu)[0], fig.hidden_size, fig.active_intermediate
         tile = mlp_tokens(st, b)
         mlp = tile * (r * (2 * f + h) + mlp_saved_per_token(st, bb, on_cpu))
         norm_temps = 2 * h if st.lean_norms else 4 * 2 * h
@@ -531,7 +558,7 @@ def eval_layer_bytes(st: StackSpec, b: int, on_cpu: bool = False, s: int | None 
     fig, s = st.fig, s or st.seq_len
     c, r, _ = act_dtypes(st, on_cpu)
     c = c if autocast else r
-    h, f, a, d = fig.hidden_size, fig.intermediate_size, fig.num_heads, fig.head_dim
+    h, f, a, d = fig.hidden_size, fig.active_intermediate, fig.num_heads, fig.head_dim
     mlp = min(b * s, st.mlp_tile) if st.mlp_tile else b * s  # trainer.tiled_mlp: one tile's intermediates
     w = b * s * (2 * r * h + 4 * h + c * (4 * a * d)) + mlp * 3 * r * f
     if eager(st):

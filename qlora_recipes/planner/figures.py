@@ -21,6 +21,8 @@ from ..errors import UserError
 from ..families import KNOWN_ARCHITECTURES, FamilyTraits, traits
 from ..model.checkpoint import hub_config_json, local_dir, read_config
 from ..units import torch_dtype
+from .blocks import Block, Linear
+from .layers import analytic_inventory, family_figures
 
 if TYPE_CHECKING:
     from ..config.schema import ModelConfig
@@ -47,10 +49,25 @@ class Figures:
     source: str = "conf/model"
     config_dir: str | None = None  # a local dir with config.json (used for the meta model)
     trust_remote_code: bool = False
+    # a family's own layers (layers.family_figures): MoE experts, top-k, widths; local layers and their window
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_expert_intermediate: int = 0
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
 
     @property
     def traits(self) -> FamilyTraits:
         return traits(self.architecture)
+
+    @property
+    def active_intermediate(self) -> int:
+        """The MLP width one token runs through: an MoE layer's top-k experts (and its shared expert),
+        else the dense intermediate size; what the activation terms count per token."""
+        if self.num_experts:
+            return self.experts_per_token * self.expert_intermediate + self.shared_expert_intermediate
+        return self.intermediate_size
 
 
 _FIGURE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
@@ -126,7 +143,8 @@ def _entry_hint(repo: str) -> str:
     return f"use a conf/model entry with its figures and hub_id: {repo}, {local}"
 
 
-_COMPARED = _FIGURE_FIELDS + ("architecture", "tie_embeddings", "max_position_embeddings")
+_COMPARED = _FIGURE_FIELDS + ("architecture", "tie_embeddings", "max_position_embeddings", "num_experts")
+_COMPARED += ("experts_per_token", "expert_intermediate", "shared_expert_intermediate", "sliding_window")
 
 
 def _refuse_contradiction(entry: Figures, real: Figures, repo: str) -> None:
@@ -146,7 +164,7 @@ def _refuse_contradiction(entry: Figures, real: Figures, repo: str) -> None:
 def _yaml_figures(model: ModelConfig, name: Any, trust: bool) -> Figures:
     arch = str(model.architecture).lower()
     heads, hidden, head_dim = int(model.num_heads), int(model.hidden_size), model.head_dim
-    qkv_bias, o_bias, mlp_bias = _arch_biases(arch)
+    qkv_bias, o_bias, mlp_bias = _arch_biases(arch, _entry_keys(model))
     fig = Figures(
         architecture=arch,
         hidden_size=hidden,
@@ -163,9 +181,16 @@ def _yaml_figures(model: ModelConfig, name: Any, trust: bool) -> Figures:
         max_position_embeddings=int(model.max_position_embeddings),
         source="conf/model",
         trust_remote_code=trust,
+        **family_figures(arch, _entry_keys(model), f"model {name} (model.figures)"),
     )
     _check_figures(fig, f"model {name}")
     return fig
+
+
+def _entry_keys(model: ModelConfig) -> dict[str, Any]:
+    """A conf/model entry's config.json keys for the family's own layers: model.figures, over its
+    intermediate_size (gpt-oss's config names the experts' width so)."""
+    return {"intermediate_size": int(model.intermediate_size), **dict(given(model, "figures") or {})}
 
 
 def _figures_from_config_json(path: Path, trust: bool, source: str | None = None) -> Figures:
@@ -216,6 +241,7 @@ def _figures_from_config_json(path: Path, trust: bool, source: str | None = None
         source=source or str(path / "config.json"),
         config_dir=str(path),
         trust_remote_code=trust,
+        **family_figures(arch, cj, str(path / "config.json")),
     )
     _check_figures(fig, str(path / "config.json"))
     return fig
@@ -249,31 +275,6 @@ def _check_figures(fig: Figures, where: str) -> None:
         raise UserError(f"{where}: num_heads={fig.num_heads} is not a multiple of num_kv_heads={fig.num_kv_heads}")
 
 
-@dataclass(frozen=True)
-class Linear:
-    name: str  # full module name, e.g. model.layers.3.self_attn.q_proj
-    in_features: int
-    out_features: int
-    bias: bool
-
-    @property
-    def numel(self) -> int:
-        return self.in_features * self.out_features
-
-
-@dataclass(frozen=True)
-class Block:
-    """A module the loader places as a whole: a decoder layer, the embeddings, a norm, lm_head."""
-
-    name: str
-    linears: tuple[Linear, ...] = ()
-    params: tuple[tuple[str, int], ...] = ()  # non-linear params: (full name, numel)
-    buffers: tuple[tuple[str, int, int], ...] = ()  # (full name, numel, bytes/elem; 0 = load dtype)
-    embeddings: tuple[tuple[str, int, int], ...] = ()  # (module name, num_embeddings, dim)
-    is_layer: bool = False
-    tied_to: str | None = None  # lm_head of a tied model: its weight is the embedding's
-
-
 def inventory(fig: Figures) -> tuple[Block, ...]:
     """The blocks of the model: analytic for the known families, from a meta model otherwise."""
     if fig.traits.known:
@@ -283,48 +284,7 @@ def inventory(fig: Figures) -> tuple[Block, ...]:
 
 @functools.lru_cache(maxsize=32)
 def _analytic_inventory(fig: Figures) -> tuple[Block, ...]:
-    h, f, d = fig.hidden_size, fig.intermediate_size, fig.head_dim
-    qd, kvd = fig.num_heads * d, fig.num_kv_heads * d
-    norms = ["input_layernorm", "post_attention_layernorm"]
-    if fig.traits.sandwich_norms:
-        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-    blocks: list[Block] = []
-    embed_buffers: tuple = ()
-    if fig.traits.embed_scale:
-        embed_buffers = (("model.embed_tokens.embed_scale", 1, 0),)  # 0-dim, in the load dtype
-    blocks.append(
-        Block(
-            "model.embed_tokens",
-            params=(("model.embed_tokens.weight", fig.vocab_size * h),),
-            buffers=embed_buffers,
-            embeddings=(("model.embed_tokens", fig.vocab_size, h),),
-        )
-    )
-    for i in range(fig.num_layers):
-        p = f"model.layers.{i}"
-        linears = (
-            Linear(f"{p}.self_attn.q_proj", h, qd, fig.qkv_bias),
-            Linear(f"{p}.self_attn.k_proj", h, kvd, fig.qkv_bias),
-            Linear(f"{p}.self_attn.v_proj", h, kvd, fig.qkv_bias),
-            Linear(f"{p}.self_attn.o_proj", qd, h, fig.o_bias),
-            Linear(f"{p}.mlp.gate_proj", h, f, fig.mlp_bias),
-            Linear(f"{p}.mlp.up_proj", h, f, fig.mlp_bias),
-            Linear(f"{p}.mlp.down_proj", f, h, fig.mlp_bias),
-        )
-        blocks.append(Block(p, linears=linears, params=tuple((f"{p}.{n}.weight", h) for n in norms), is_layer=True))
-    blocks.append(Block("model.norm", params=(("model.norm.weight", h),)))
-    half = d // 2
-    blocks.append(
-        Block(
-            "model.rotary_emb",
-            buffers=(("model.rotary_emb.inv_freq", half, 4), ("model.rotary_emb.original_inv_freq", half, 4)),
-        )
-    )
-    if fig.tie_embeddings:
-        blocks.append(Block("lm_head", tied_to="model.embed_tokens"))
-    else:
-        blocks.append(Block("lm_head", linears=(Linear("lm_head", h, fig.vocab_size, False),)))
-    return tuple(blocks)
+    return analytic_inventory(fig)
 
 
 def hf_config(fig: Figures):
@@ -344,7 +304,11 @@ def hf_config(fig: Figures):
             tie_word_embeddings=fig.tie_embeddings,
             max_position_embeddings=fig.max_position_embeddings,
             head_dim=fig.head_dim,
+            attention_bias=fig.qkv_bias,
         )
+        if fig.num_experts:  # both families' names: a config class keeps the one it reads
+            kwargs.update(num_experts=fig.num_experts, num_local_experts=fig.num_experts)
+            kwargs.update(num_experts_per_tok=fig.experts_per_token, moe_intermediate_size=fig.expert_intermediate)
         return AutoConfig.for_model(fig.architecture, **kwargs)
     except (ValueError, KeyError, OSError) as e:
         raise UserError(
@@ -405,11 +369,15 @@ def _block_from_module(name: str, module, tied: dict, is_layer: bool, torch) -> 
                 linear_params.add(f"{full}.bias")
         elif isinstance(sub, torch.nn.Embedding):
             embeddings.append((full, sub.num_embeddings, sub.embedding_dim))
+    experts = []
     for pname, p in module.named_parameters():
         full = prefix + pname
         if full in linear_params:
             continue
-        params.append((full, p.numel()))
+        if p.dim() == 3 and pname.rsplit(".", 1)[-1] in ("gate_up_proj", "up_proj", "down_proj"):
+            experts.append((full, p.numel()))  # fused MoE experts: 4-bit under quant.experts=4bit
+        else:
+            params.append((full, p.numel()))
     for bname, b in module.named_buffers():
         size = 0 if b.is_floating_point() and b.dtype != torch.float32 else b.element_size()
         buffers.append((prefix + bname, b.numel(), size))
@@ -418,4 +386,6 @@ def _block_from_module(name: str, module, tied: dict, is_layer: bool, torch) -> 
         tied_to = tied[f"{name}.weight"].rsplit(".", 1)[0]
         linears = []
         params = [p for p in params if p[0] != f"{name}.weight"]
-    return Block(name, tuple(linears), tuple(params), tuple(buffers), tuple(embeddings), is_layer, tied_to)
+    return Block(
+        name, tuple(linears), tuple(params), tuple(buffers), tuple(embeddings), is_layer, tied_to, tuple(experts)
+    )

@@ -42,6 +42,7 @@ class StackSpec:
     prequantized: bool = False  # the checkpoint is stored quantized (its quantization_config): loaded as stored
     double_quant: bool = True
     quant_storage_bytes: int = 1
+    experts_4bit: bool = True  # quant.experts=4bit: fused MoE expert weights stored NF4/FP4 (nf4/fp4 only)
     skip_modules: tuple[str, ...] = ()
     peft: str = "lora"
     r: int = 16
@@ -146,6 +147,7 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         prequantized=saved is not None,
         double_quant=bool(quant.double_quant),
         quant_storage_bytes=storage_bytes,
+        experts_4bit=str(quant.experts) == "4bit",
         # a quantized checkpoint keeps what it was saved with unquantized, whatever quant.skip_modules says
         skip_modules=saved.skip_modules if saved is not None else tuple(quant.skip_modules or ()),
         peft=pmethod,

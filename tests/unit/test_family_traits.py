@@ -102,6 +102,7 @@ def test_analytic_families_build_from_a_typed_model_config(arch):
             num_kv_heads=2,
             intermediate_size=128,
             vocab_size=100,
+            figures={"num_experts": 4, "num_experts_per_tok": 2} if FAMILIES[arch].moe else None,
         )
     )
     assert fig.traits is FAMILIES[arch] and fig.qkv_bias is (arch == "qwen2")

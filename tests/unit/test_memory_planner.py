@@ -533,7 +533,15 @@ def test_single_device_shortcut_agrees_with_the_loaders_device_map(tiny_models, 
     assert taken >= 6  # the shortcut was exercised on both devices
 
 
-FAST_MODELS = ("llama2-70b", "llama3.1-8b", "mistral-7b", "qwen2.5-7b", "gemma2-9b")  # one per family
+FAST_MODELS = (
+    "llama2-70b",
+    "llama3.1-8b",
+    "mistral-7b",
+    "qwen2.5-7b",
+    "gemma2-9b",
+    "qwen3-8b",
+    "gpt-oss-20b",
+)  # one per family
 
 
 @pytest.mark.parametrize(
@@ -556,6 +564,7 @@ def test_analytic_inventory_matches_the_transformers_module_tree(option):
             b.name: (
                 sorted((lin.name, lin.in_features, lin.out_features, lin.bias) for lin in b.linears),
                 sum(n for name, n in b.params if not name.endswith(".bias")),
+                sorted(b.experts),
                 b.tied_to,
             )
             for b in blocks

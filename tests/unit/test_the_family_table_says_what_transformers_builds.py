@@ -61,15 +61,23 @@ LLAMA_LAYER = {
 
 @pytest.mark.parametrize("model_type", sorted(set(KNOWN_ARCHITECTURES) & set(FAMILY_CONFIGS)))
 def test_known_families_are_llama_shaped(model_type):
-    """What the planner inventories from figures alone: a layer of Llama's parts (Gemma 2's four norms
-    beside them), nothing else (Qwen3's q/k norm weights would be missed: it is not known)."""
+    """What the planner inventories from figures alone: a layer of Llama's parts (Gemma's four norms
+    beside them) and what planner/layers.py adds for the traits (q/k norms, sinks, a router and fused
+    experts), nothing else (Qwen3.5's linear attention would be missed: it is not known)."""
     t, model = traits(model_type), _meta(model_type)
     layer = {n.split("layers.0.", 1)[1] for n, _ in model.named_parameters() if ".layers.0." in n}
     allowed = set(LLAMA_LAYER)
     if t.sandwich_norms:
         allowed |= {"pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"}
+    if t.qk_norm:
+        allowed |= {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+    if t.attention_sinks:
+        allowed.add("self_attn.sinks")
+    if t.moe:
+        allowed |= {f"mlp.experts.{w}{b}" for w in ("gate_up_proj", "down_proj") for b in ("", "_bias")}
+        allowed |= {"mlp.gate.weight", "mlp.router.weight", "mlp.router.bias"}
     assert layer <= allowed, layer - allowed
-    assert not (t.qk_norm or t.moe or t.linear_attention or t.per_layer_embeddings or t.attn_output_gate)
+    assert not (t.linear_attention or t.per_layer_embeddings or t.attn_output_gate)
 
 
 def test_the_default_lora_skips_a_linear_whose_forward_is_its_own():

@@ -1,0 +1,34 @@
+"""The planner's parameter inventory as plain records: the blocks the loader places (decoder layers,
+embeddings, norms, lm_head), each with its linears, other parameters, buffers and MoE expert weights.
+Built from figures (layers.py) or from the meta model (figures.py); read by components.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Linear:
+    name: str  # full module name, e.g. model.layers.3.self_attn.q_proj
+    in_features: int
+    out_features: int
+    bias: bool
+
+    @property
+    def numel(self) -> int:
+        return self.in_features * self.out_features
+
+
+@dataclass(frozen=True)
+class Block:
+    """A module the loader places as a whole: a decoder layer, the embeddings, a norm, lm_head."""
+
+    name: str
+    linears: tuple[Linear, ...] = ()
+    params: tuple[tuple[str, int], ...] = ()  # non-linear params: (full name, numel)
+    buffers: tuple[tuple[str, int, int], ...] = ()  # (full name, numel, bytes/elem; 0 = load dtype)
+    embeddings: tuple[tuple[str, int, int], ...] = ()  # (module name, num_embeddings, dim)
+    is_layer: bool = False
+    tied_to: str | None = None  # lm_head of a tied model: its weight is the embedding's
+    # fused 3-D MoE expert weights (full name, numel): NF4/FP4 under quant.experts=4bit (model/moe_experts.py)
+    experts: tuple[tuple[str, int], ...] = ()

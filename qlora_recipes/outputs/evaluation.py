@@ -62,11 +62,19 @@ def check_tasks(tasks: list[str], include_path: str | None):
 
 def _scores(model, tokenizer, tasks: list[str], manager, limit: int | None, batch_size: int) -> dict:
     """{task: {metric: value}} of one model: lm-eval's figures, without their stderr entries."""
+    from unittest import mock
+
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    with _quiet_stderr():  # its progress bars and the `git describe` it runs for its report
+    # lm-eval's report of its environment (git describe, torch's collect_env: a dozen child processes)
+    # is not part of ours; one such child was seen hanging before its exec, the eval with it
+    with (
+        mock.patch("lm_eval.evaluator.get_git_commit_hash", lambda: None),
+        mock.patch("lm_eval.evaluator.add_env_info", lambda results: None),
+        _quiet_output(),  # its progress bars and prints
+    ):
         result = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit)
     out: dict[str, dict[str, float]] = {}
     for task, figures in result["results"].items():
@@ -80,18 +88,23 @@ def _scores(model, tokenizer, tasks: list[str], manager, limit: int | None, batc
 
 
 @contextlib.contextmanager
-def _quiet_stderr():
-    """File descriptor 2 to /dev/null for the block (a child's output too); errors still raise."""
+def _quiet_output():
+    """File descriptors 1 and 2 to /dev/null for the block (lm-eval prints its bootstrapping and bars
+    there, children too); errors still raise."""
+    sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved = [os.dup(1), os.dup(2)]
     try:
         with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
             os.dup2(null.fileno(), 2)
         yield
     finally:
+        sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
+        for fd, copy in zip((1, 2), saved, strict=True):
+            os.dup2(copy, fd)
+            os.close(copy)
 
 
 def evaluate_run(

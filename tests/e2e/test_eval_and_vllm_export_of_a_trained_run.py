@@ -22,15 +22,18 @@ def _cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def write_task(folder: Path, rows: int = 12) -> Path:
-    """A loglikelihood task over the shipped sample's eval rows, with absolute paths: lm-eval offline."""
+    """A loglikelihood task over the shipped sample's first eval rows (a jsonl and a YAML with its
+    absolute path): lm-eval offline; its perplexity moves with any change of the weights."""
     folder.mkdir(parents=True, exist_ok=True)
     lines = (REPO / "assets/data/order/eval.jsonl").read_text().splitlines()[:rows]
     (folder / "rows.jsonl").write_text("\n".join(lines) + "\n")
-    shipped = (REPO / "assets/lm-eval/order_next.yaml").read_text()
-    task = shipped.replace("order_next", "order_local").replace(
-        "assets/data/order/eval.jsonl", str(folder / "rows.jsonl")
+    (folder / "order_local.yaml").write_text(
+        "task: order_local\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {folder / 'rows.jsonl'}\n"
+        "test_split: test\noutput_type: loglikelihood\n"
+        'doc_to_text: "{{prompt}}"\ndoc_to_target: "{{completion}}"\ntarget_delimiter: ""\n'
+        "metric_list:\n  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n"
     )
-    (folder / "order_local.yaml").write_text(task)
     return folder
 
 

@@ -136,8 +136,8 @@ REGISTRY: dict[str, How] = {
     "cat prompts.txt | python scripts/generate.py RUN": How(needs=DEFAULT_RUN, files=("prompts.txt",), walk="abcq"),
     "python scripts/generate.py RUN --raw 'text as is'": How(needs=DEFAULT_RUN),
     # docs/after-training.md (and the README's first commands): eval, export, on the full default run
-    "qlora eval RUN --tasks order_next --include-path assets/lm-eval": How(
-        needs=DEFAULT_RUN, expect=r"(?m)^order_next\s+perplexity\s", creates=("RUN/eval.json",)
+    "qlora eval RUN --tasks order_choice --include-path assets/lm-eval": How(
+        needs=DEFAULT_RUN, expect=r"(?m)^order_choice\s+acc\s", creates=("RUN/eval.json",)
     ),
     "qlora export --fetch-converter": How(),
     "qlora export RUN --to gguf": How(

@@ -32,14 +32,14 @@ def fake_run(folder: Path, **adapter) -> Path:
 
 
 def test_eval_of_a_dir_that_does_not_exist_names_it(tmp_path, capsys):
-    line = _one_line(capsys, "eval", str(tmp_path / "nope"), "--tasks", "order_next")
+    line = _one_line(capsys, "eval", str(tmp_path / "nope"), "--tasks", "order_choice")
     assert "nope: no such directory" in line
 
 
 def test_eval_without_lm_eval_installed_says_what_to_install(tmp_path, capsys, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
-    line = _one_line(capsys, "eval", str(fake_run(tmp_path / "run")), "--tasks", "order_next")
+    line = _one_line(capsys, "eval", str(fake_run(tmp_path / "run")), "--tasks", "order_choice")
     assert "lm-evaluation-harness, which is not installed: pip install lm-eval==0.4.13" in line
 
 

@@ -134,19 +134,24 @@ def test_sft_kwargs_per_strategy():
 FSDP_OK = ("recipe=llama3.1-70b-2x24gb",)
 
 
+# precision=bf16 where the message names the dtype: precision=auto follows this machine's CPU
 @pytest.mark.parametrize(
     "overrides,gpu,message",
     [
-        (["dist=fsdp", "quant.storage_dtype=uint8"], True, "needs quant.storage_dtype=bfloat16"),
-        (["dist=fsdp", "quant.storage_dtype=float16"], True, "needs quant.storage_dtype=bfloat16"),
-        (["dist=zero3", "quant.storage_dtype=uint8", "optim=adamw"], True, "needs quant.storage_dtype=bfloat16"),
+        (["dist=fsdp", "precision=bf16", "quant.storage_dtype=uint8"], True, "needs quant.storage_dtype=bfloat16"),
+        (["dist=fsdp", "precision=bf16", "quant.storage_dtype=float16"], True, "needs quant.storage_dtype=bfloat16"),
+        (
+            ["dist=zero3", "precision=bf16", "quant.storage_dtype=uint8", "optim=adamw"],
+            True,
+            "needs quant.storage_dtype=bfloat16",
+        ),
         (["dist=fsdp", "quant=int8"], True, "cannot shard an int8"),
         ([*FSDP_OK, "optim=paged8bit"], True, "cannot use optim.name=paged_adamw_8bit"),
         ([*FSDP_OK, "optim=adamw8bit"], True, "cannot use optim.name=adamw_bnb_8bit"),
         ([*FSDP_OK, "offload=cpu"], True, "cannot run under"),
         ([*FSDP_OK, "optim=paged8bit"], False, "cannot use optim.name=paged_adamw_8bit"),  # CPU ranks too
         (["dist=ddp", "offload=disk"], True, "cannot run under"),
-        (["dist=zero3", "quant.storage_dtype=bfloat16", "optim=paged8bit"], True, "DeepSpeed's CPU AdamW"),
+        (["dist=zero3", "precision=bf16", "optim=paged8bit"], True, "DeepSpeed's CPU AdamW"),
         (["dist=zero2"], True, "needs DeepSpeed, which is not installed"),
         (["dist=fsdp2"], True, "dist=fsdp2 is not an option"),
         (["dist=fsdp", "dist.strategy=fsdp2"], True, "dist.strategy=fsdp2 is not an option"),

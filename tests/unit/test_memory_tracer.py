@@ -140,11 +140,16 @@ needs_fake_cuda = pytest.mark.skipif(
 )
 
 
+# precision pinned: precision=auto picks by the device, and the fake CUDA device and the plan's
+# declared GPU need not agree with this CPU's bf16 support (the trace and the plan must be one stack)
+TINY = ["trainer.micro_batch_size=4", "trainer.seq_len=32", "precision=bf16"]
+
+
 @pytest.fixture(scope="module")
 def tiny_trace():
     from bench.trace.run import run_child
 
-    return run_child({"overrides": ["trainer.micro_batch_size=4", "trainer.seq_len=32"], "device": "cuda"})
+    return run_child({"overrides": TINY, "device": "cuda"})
 
 
 @needs_fake_cuda
@@ -157,7 +162,7 @@ def test_tiny_trace_on_the_fake_cuda_device(tiny_trace):
     dev = "cuda:0"
     assert r["device"] == "cuda" and r["fake"] and set(r["peak"]) == {dev}
     assert {"forward", "loss", "backward", "optimizer"} <= {k.split("|")[1] for k in r["phases"]}
-    plan = plan_for(["trainer.micro_batch_size=4", "trainer.seq_len=32"], [24 * GiB])
+    plan = plan_for(TINY, [24 * GiB])
     static = r["static"][dev]
     for row in ("other_params", "lora_weights"):
         assert static[row] == plan["components"][row][dev], row

@@ -91,8 +91,9 @@ def qwen_config(**changes) -> dict:
 
 def test_an_entry_whose_figures_contradict_its_cached_config_json_is_one_line(hub_cache):
     fake_hub_cache(hub_cache, "Qwen/Qwen2.5-7B", qwen_config(hidden_size=4096))
+    # the config's loader reads the cached config.json first, before a plan is made
     with pytest.raises(
-        UserError, match=r"conf/model entry for Qwen/Qwen2.5-7B contradicts .*hidden_size 3584 \(config"
+        UserError, match=r"model=qwen2.5-7b \(hidden_size 3584\) contradicts .*config\.json \(hidden_size 4096\)"
     ):
         plan(compose_cfg("model=qwen2.5-7b"), gpus=[24 * GiB], ladder=False)
 

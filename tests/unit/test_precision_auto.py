@@ -74,7 +74,8 @@ def test_recipes_that_name_a_precision_keep_it(device):
     device(T4, AVX2)
     assert compose_cfg("recipe=llama3.1-8b-24gb").precision.name == "bf16"
     assert compose_cfg("recipe=llama2-7b-16gb").precision.name == "fp16"
-    assert compose_cfg("recipe=tiny-cpu").precision.auto  # names none: auto
+    assert compose_cfg("recipe=tiny-cpu").precision.name == "fp32"  # one plan on every CPU
+    assert compose_cfg().precision.auto  # the default names none: auto
 
 
 def test_a_recipe_without_bf16_never_gets_it(device):

@@ -105,6 +105,7 @@ _ATTENTION_WORDS = (
     "flash attention",
     "flex_attention",
     "sdpa",
+    "`kernels`",  # a hub kernel (model.attn_implementation=org/name) needs the kernels package
 )
 
 

@@ -61,6 +61,34 @@ def check_stack(cfg: TrainConfig) -> None:
     check_hardware(cfg)
 
 
+SHARDED_STRATEGIES = ("fsdp", "zero3")  # the strategies that shard the base weights themselves
+
+
+def _check_sharded_quant(cfg: TrainConfig) -> None:
+    """What FSDP / ZeRO-3 can shard: never an int8 base; a 4-bit one only stored in the compute dtype.
+    Config-only, so `qlora plan` refuses what train and launch refuse."""
+    s, q, dtype = cfg.dist.strategy, cfg.quant, cfg.precision.dtype
+    if s not in SHARDED_STRATEGIES:
+        return
+    if q.method == "int8":
+        # FSDP: "Must flatten tensors with uniform dtype but got torch.float16 and torch.int8"
+        # (bitsandbytes issue 1709); ZeRO-3 cannot partition Int8Params (bigcode starcoder issue 96).
+        raise UserError(
+            f"dist={s} cannot shard an int8 (LLM.int8) base; use quant=nf4 with quant.storage_dtype={dtype}"
+        )
+    if q.method in ("nf4", "fp4") and q.storage_dtype != dtype:
+        # FSDP shards only floating tensors of one dtype per unit: uint8 storage fails ("Cannot
+        # flatten integer dtype tensors", peft issue 1432; bitsandbytes PR 970) or, under FSDP2,
+        # is silently left unsharded on every rank (accelerate issue 3983); a float storage of
+        # another dtype fails to flatten with the rest (transformers PR 29587 sets the mixed
+        # precision policy from bnb_4bit_quant_storage). ZeRO-3 + QLoRA needs the same
+        # (peft docs, "Use PEFT QLoRA and DeepSpeed with ZeRO3").
+        raise UserError(
+            f"dist={s} with a 4-bit base needs quant.storage_dtype={dtype} (the compute dtype), "
+            f"not {q.storage_dtype}: set quant.storage_dtype={dtype}"
+        )
+
+
 def _check_seq_len(t: TrainerConfig) -> None:
     """trainer.seq_len: a positive number of tokens, or auto (planner/seqlen.py resolves it from the data);
     trainer.eval_batch_size: a positive number of rows, or auto (planner/evalbatch.py)."""
@@ -205,8 +233,12 @@ def _check_placement(cfg: TrainConfig) -> None:
         raise UserError(
             "peft=dora does not work over quant=int8 (bitsandbytes 8-bit matmul fails); use quant=nf4 or peft=lora"
         )
-    if cfg.quant.method == "none" and cfg.quant.storage_dtype != "uint8":
+    # dist=fsdp / zero3 set quant.storage_dtype to the compute dtype for a 4-bit base they shard; with no
+    # 4-bit weights that setting is moot, not the user's mistake
+    set_by_dist = cfg.dist.strategy in SHARDED_STRATEGIES and cfg.quant.storage_dtype == cfg.precision.dtype
+    if cfg.quant.method == "none" and cfg.quant.storage_dtype not in ("uint8", None) and not set_by_dist:
         raise UserError("quant.storage_dtype only applies to 4-bit quantization; drop it or use quant=nf4")
+    _check_sharded_quant(cfg)
 
 
 def check_hardware(cfg: TrainConfig) -> None:

@@ -218,7 +218,7 @@ def validate_dist(cfg: TrainConfig, gpu_available: bool, world_size: int) -> Non
     import json
     from pathlib import Path
 
-    d, q = cfg.dist, cfg.quant
+    d = cfg.dist
     s = d.strategy  # one of DIST_STRATEGIES, and the launcher one of DIST_LAUNCHERS: check_stack
     if d.state_dict_type not in FSDP_STATE_DICT_TYPES:
         raise UserError(f"dist.state_dict_type={d.state_dict_type}; choose one of: {', '.join(FSDP_STATE_DICT_TYPES)}")
@@ -233,25 +233,7 @@ def validate_dist(cfg: TrainConfig, gpu_available: bool, world_size: int) -> Non
         )
     # No GPU: FSDP and ZeRO run as CPU ranks over gloo (tests/e2e/test_sharded_training_on_cpu_ranks.py); what still needs
     # GPUs is the kernels, NCCL and real device memory (docs/multi-gpu.md).
-    four_bit = q.method in ("nf4", "fp4")
-    if s in ("fsdp", "zero3") and q.method == "int8":
-        # FSDP: "Must flatten tensors with uniform dtype but got torch.float16 and torch.int8"
-        # (bitsandbytes issue 1709); ZeRO-3 cannot partition Int8Params (bigcode starcoder issue 96).
-        raise UserError(
-            f"dist={s} cannot shard an int8 (LLM.int8) base; "
-            f"use quant=nf4 with quant.storage_dtype={cfg.precision.dtype}"
-        )
-    if s in ("fsdp", "zero3") and four_bit and q.storage_dtype != cfg.precision.dtype:
-        # FSDP shards only floating tensors of one dtype per unit: uint8 storage fails ("Cannot
-        # flatten integer dtype tensors", peft issue 1432; bitsandbytes PR 970) or, under FSDP2,
-        # is silently left unsharded on every rank (accelerate issue 3983); a float storage of
-        # another dtype fails to flatten with the rest (transformers PR 29587 sets the mixed
-        # precision policy from bnb_4bit_quant_storage). ZeRO-3 + QLoRA needs the same
-        # (peft docs, "Use PEFT QLoRA and DeepSpeed with ZeRO3").
-        raise UserError(
-            f"dist={s} with a 4-bit base needs quant.storage_dtype={cfg.precision.dtype} (the compute dtype), "
-            f"not {q.storage_dtype}: set quant.storage_dtype={cfg.precision.dtype}"
-        )
+    # an int8 base, or a 4-bit one not stored in the compute dtype: config/checks.py (plan refuses them too)
     if s == "fsdp" and _bnb_optimizer(cfg.optim.name):
         # bitsandbytes 8-bit / paged optimizers on FSDP-sharded flat parameters: bitsandbytes
         # issue 89 (open), LlamaFactory issue 5619, pytorch/ao issue 1213 (PagedAdamW and FSDP2),

@@ -192,6 +192,26 @@ def test_valid_distributed_stacks_pass(monkeypatch):
         validate(compose_cfg(f"dist={option}"), gpu_available=False, world_size=2)
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_a_sharded_strategy_over_an_unquantized_base_is_not_refused_for_the_storage_dtype_it_sets(strategy):
+    """The dist group sets quant.storage_dtype for the 4-bit base it shards; over quant=none that is moot."""
+    from qlora_recipes.config.checks import check_stack
+
+    check_stack(compose_cfg(f"dist={strategy}", "quant=none"))
+    with pytest.raises(UserError, match="quant.storage_dtype only applies to 4-bit"):  # set by the user: said
+        check_stack(compose_cfg("quant=none", "quant.storage_dtype=bfloat16", "precision=fp32"))
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_qlora_plan_refuses_a_sharded_int8_base_as_train_does(strategy, capsys):
+    from qlora_recipes.cli import plan
+
+    with pytest.raises(SystemExit) as done:
+        plan.run([f"dist={strategy}", "quant=int8", "--gpus", "2x24GB"])
+    assert done.value.code == 2
+    assert f"error: dist={strategy} cannot shard an int8 (LLM.int8) base" in capsys.readouterr().err
+
+
 def test_dist_option_brings_an_optimizer_it_can_shard():
     """dist=fsdp / dist=zero3 choose torch AdamW unless one is named (the default paged 8-bit one
     cannot run there); a named optimizer, on the command line or in a recipe, still wins."""

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 from .. import interrupts
@@ -73,6 +74,7 @@ def _hydra_errors_as_user_errors(hydra_main: Callable[[], object]) -> None:
         if 'Could not detect "srun"' not in str(err):
             raise
         # submitit's SLURM executor, started by hydra/launcher=slurm before any job
+        _remove_unlaunched_sweep_dir()
         raise UserError(
             "hydra/launcher=slurm submits jobs to a SLURM cluster, and there is none here (no `srun` on PATH): "
             "run the command on a SLURM login node, or use hydra/launcher=local to run the jobs on this machine"
@@ -101,3 +103,27 @@ def run_plain(command: Callable[[], int | None]) -> None:
         signame = interrupts.signal_name(err)
         _exit(f"stopped by {interrupts.described(signame)}", interrupts.exit_code(signame))
     sys.exit(code or 0)
+
+
+_STARTED_AT = time.time()
+
+
+def _remove_unlaunched_sweep_dir() -> None:
+    """Hydra writes the sweep dir's multirun.yaml before its launcher starts: a launcher that refused
+    to start leaves no sweep dir (and no date folder it alone was in)."""
+    from pathlib import Path
+
+    from ..integrations.sweep import started_sweep_dir
+
+    sweep_dir = started_sweep_dir()
+    if sweep_dir is None or not sweep_dir.is_dir() or {p.name for p in sweep_dir.iterdir()} != {"multirun.yaml"}:
+        return
+    (sweep_dir / "multirun.yaml").unlink()
+    made_after = _STARTED_AT - 1  # a folder Hydra made for this sweep (runs/, runs/multirun/DATE, ...)
+    for folder in (sweep_dir, *sweep_dir.parents):
+        try:
+            if folder == Path.cwd() or folder.stat().st_ctime < made_after:
+                break
+            folder.rmdir()  # only while empty
+        except OSError:
+            break

@@ -261,7 +261,18 @@ def write_summary(sweep_dir: Path) -> list[dict]:
     return rows
 
 
+_STARTED: list[Path] = []  # the sweep dir of the multirun under way in this process
+
+
+def started_sweep_dir() -> Path | None:
+    """The sweep dir of the multirun this process started (Hydra makes it before its launcher runs)."""
+    return _STARTED[-1] if _STARTED else None
+
+
 class SweepSummary(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        _STARTED.append(Path(str(config.hydra.sweep.dir)))
+
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = write_summary(sweep_dir)

@@ -167,8 +167,7 @@ REGISTRY: dict[str, How] = {
     "python train.py -m peft.r=4,8 hydra/launcher=local hydra/sweeper=sequential": How(suffix=SWEEP_JOB, jobs=2),
     "python train.py -m +sweep=rank_lr recipe=llama3.1-8b-24gb hydra/launcher=slurm": How(
         kind="refuse",
-        expect=r"srun|SLURM|slurm",
-        leaves=r"^runs/multirun/",  # Hydra's multirun.yaml, before the launcher
+        expect=r"srun|SLURM|slurm",  # and no sweep dir: Hydra's multirun.yaml, made before the launcher, goes
     ),
     "python scripts/summarize_sweep.py runs/multirun/DATE/TIME": How(
         needs=SWEEP_4, creates=("runs/multirun/DATE/TIME/summary.md",)

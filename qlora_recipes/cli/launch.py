@@ -29,15 +29,12 @@ from .runner import ArgumentParser, run_plain
 USAGE = """usage: qlora launch [--plan [--check] | --dry-run | --cpu] RECIPE [GROUP=OPTION ...] [GROUP.KEY=VALUE ...]
        (also: make RECIPE ARGS='...', make plan-RECIPE)
 
-  qlora launch llama2-70b-a100                        checks the GPUs here, then trains
-  qlora launch llama2-70b-a100 trainer.max_steps=100 data.path=my.jsonl
+  qlora launch llama2-70b-a100 trainer.max_steps=100  checks the GPUs here, then trains
   qlora launch --plan llama3.1-70b-2x24gb             the plan for the recipe's hardware node
   qlora launch --cpu llama3.1-70b-2x24gb model=tiny data=order trainer=smoke    its ranks on this CPU
-
 flags:
-  --plan     print the plan for the recipe's hardware node; train nothing (for GPUs you name instead:
-             qlora plan --gpus SIZES recipe=NAME)
-  --check    with --plan: exit 1 when the plan does not fit
+  --plan     the plan for the recipe's hardware node, training nothing (--check: exit 1 if it does not
+             fit; for GPUs you name: qlora plan --gpus SIZES recipe=NAME)
   --dry-run  print the command it would run (accelerate or torchrun for several GPUs); start nothing
   --cpu      the recipe's ranks on this machine's CPU over gloo: its launcher and trainer path, no GPU"""
 DOC_SECTIONS = ("Recipes", "Multi-GPU")

@@ -104,8 +104,11 @@ class RunDirChanges:
     back what was set aside, byte for byte: a refused or crashed replacement costs the old run nothing,
     and a fresh run dir refused while loading is left empty (the caller removes it)."""
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path):
+    def __init__(self, cfg: TrainConfig, run_dir: Path, writes_hydra_files: bool = True):
         self.run_dir, self.aside = run_dir, run_dir / ASIDE
+        # .hydra/ is this run's to set aside only where this run writes it with its own files (a
+        # sweep job's was written at the job's start, for its summary, and stays)
+        self.rewritten = tuple(n for n in REWRITTEN if writes_hydra_files or n != ".hydra")
         self.replacing = bool(cfg.overwrite) and held_run(run_dir) is not None
         self.before: set[str] | None = None  # the run dir's entries before this run wrote any
         self.training = False
@@ -113,7 +116,7 @@ class RunDirChanges:
     def begin(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.before = {p.name for p in self.run_dir.iterdir()}
-        names = [*REWRITTEN, *(RUN_OUTPUTS if self.replacing else ())]
+        names = [*self.rewritten, *(RUN_OUTPUTS if self.replacing else ())]
         names += [p.name for p in self.run_dir.glob("metrics.rank*.json")] if self.replacing else []
         moving = [name for name in names if os.path.lexists(self.run_dir / name)]
         if moving:
@@ -136,8 +139,9 @@ class RunDirChanges:
             self.keep()
 
     def keep(self) -> None:
-        """The new run has something of its own to keep: what it replaces goes."""
-        if self.aside.is_dir():
+        """The new run has something of its own to keep: what it replaces goes (the rank that
+        set it aside removes it: another rank of the job has nothing of its own here)."""
+        if self.before is not None and self.aside.is_dir():
             shutil.rmtree(self.aside)
 
     def undo(self) -> None:

@@ -118,7 +118,8 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
     cfg, plan = planner.settle_for_data(cfg, plan, data_stats)  # planned for the batches the rows make
     # grpo: its rewards imported and checked against the rows' columns before anything is written or loaded
     reward_funcs = rewards.reward_functions(cfg, tuple(train_ds.column_names)) if cfg.objective.name == "grpo" else None
-    changes = RunDirChanges(cfg, run_dir)  # a failure before the run has something to keep undoes its writes
+    # a failure before the run has something to keep undoes its writes
+    changes = RunDirChanges(cfg, run_dir, writes_hydra_files=on_write is not None)
     _write_run_files(cfg, run_dir, choices, plan, on_write, changes)  # every check has passed
     data_split, run = (train_ds, eval_ds, data_stats), (started, stage, reward_funcs, tracker)
     try:

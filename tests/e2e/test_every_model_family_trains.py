@@ -8,6 +8,7 @@ model.attn_implementation, not the network."""
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,9 @@ def test_every_family_is_covered():
     conf = {yaml.safe_load(p.read_text())["architecture"] for p in (REPO / "conf" / "model").glob("*.yaml")}
     for family in set(FAMILIES) | conf:
         built = family if family in FAMILY_CONFIGS else f"{family}_text"
-        assert built in FAMILY_CONFIGS and traits(built) == traits(family), f"build a tiny {family} here"
+        # the text model's traits, but for `known`: a multimodal checkpoint's planner needs its vision tower too
+        same = built in FAMILY_CONFIGS and replace(traits(built), known=False) == replace(traits(family), known=False)
+        assert same, f"build a tiny {family} here"
 
 
 @pytest.fixture(scope="module")

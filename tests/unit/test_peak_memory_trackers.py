@@ -12,17 +12,32 @@ from qlora_recipes.run import memory
 GiB = 2**30
 
 
+def _in_a_fresh_process(code: str) -> str:
+    """A process's RSS high-water mark is what these read: measured in a process of its own, so that no
+    earlier test's resident heap (which a new tensor may reuse) hides the peak."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
 def test_tracker_peak_is_per_tracker_and_falls_back_to_the_plan_device():
     if torch.cuda.is_available():
         pytest.skip("the CPU sampler")
-    with memory.PeakTracker(gpu=False) as first:
-        held = torch.ones(GiB // 8)  # 512 MiB, touched
-        held.add_(1)
-        during = first.peak_gib()
-        del held
-    with memory.PeakTracker(gpu=False) as second:
-        after = second.peak_gib()
-    assert during > after + 0.4 and first.stop() >= during
+    code = """
+import torch
+from qlora_recipes.run import memory
+GiB = 2**30
+with memory.PeakTracker(gpu=False) as first:
+    held = torch.ones(GiB // 8)  # 512 MiB, touched
+    held.add_(1)
+    during = first.peak_gib()
+    del held
+with memory.PeakTracker(gpu=False) as second:
+    after = second.peak_gib()
+print(during, after, first.stop())
+"""
+    during, after, first_stop = map(float, _in_a_fresh_process(code).split())
+    assert during > after + 0.4 and first_stop >= during
     assert memory.planned_peak_gib({"devices": [{"device": "cpu", "peak": GiB}], "peak_gib": 9.0}) == 1.0
     gpu_plan = {"devices": [{"device": "cuda:0", "peak": 9 * GiB}], "peak_gib": 9.0, "peak_allocated_gib": 7.5}
     assert memory.planned_peak_gib(gpu_plan) == 7.5 and memory.plan_on_gpu(gpu_plan)
@@ -33,12 +48,19 @@ def test_cpu_peak_is_the_kernels_high_water_mark_and_sees_a_spike_no_sampler_wou
     start), while the RSS before and after does not."""
     if torch.cuda.is_available() or not memory.reset_rss_high_water_mark():
         pytest.skip("Linux CPU: /proc/self/clear_refs")
-    with memory.PeakTracker(gpu=False, interval_s=3600) as tracker:  # a sampler this slow sees nothing
-        assert tracker.exact
-        before = memory.rss_bytes()
-        torch.ones(GiB // 16).add_(1)  # 256 MiB, touched, freed at once
-        spike = tracker.peak_gib() * GiB - before
-    assert spike > 0.9 * GiB / 4, spike / GiB
+    code = """
+import torch
+from qlora_recipes.run import memory
+GiB = 2**30
+with memory.PeakTracker(gpu=False, interval_s=3600) as tracker:  # a sampler this slow sees nothing
+    assert tracker.exact
+    before = memory.rss_bytes()
+    torch.ones(GiB // 16).add_(1)  # 256 MiB, touched, freed at once
+    spike = tracker.peak_gib() * GiB - before
+print(spike / GiB)
+"""
+    spike = float(_in_a_fresh_process(code))
+    assert spike > 0.9 / 4, spike
 
 
 def test_pinned_malloc_thresholds_give_freed_tensors_back():

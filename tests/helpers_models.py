@@ -5,6 +5,8 @@ and, where it can, its layers."""
 import shutil
 from pathlib import Path
 
+from helpers_families import COMMON
+
 TINY = Path(__file__).resolve().parents[1] / "assets" / "tiny-llama"
 
 
@@ -42,18 +44,7 @@ def build_moe(family: str, out: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    common = dict(
-        vocab_size=100,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    common = {k: v for k, v in COMMON.items() if k != "intermediate_size"}  # MoE widths are the family's
     if family == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(
             **common, intermediate_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import train_smoke
+from helpers_families import COMMON
 
 from qlora_recipes.cli import main as qlora
 
@@ -46,20 +47,7 @@ def build_bpe_llama(out: Path) -> Path:
     )
     tokenizer.chat_template = CHAT
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(vocab),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
+    config = LlamaConfig(**{**COMMON, "vocab_size": len(vocab), "tie_word_embeddings": False})
     LlamaForCausalLM(config).save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     return out

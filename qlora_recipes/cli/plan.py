@@ -32,8 +32,8 @@ USAGE = """usage: qlora plan [--gpus SIZES] [--host-ram SIZE] [--check] [GROUP=O
   qlora plan model=llama3.1-8b quant=nf4 trainer.seq_len=4096
   qlora plan --gpus 2x40GiB --host-ram 256GiB offload=cpu model=llama2-70b     plan for hardware you name"""
 FLAGS = """flags:
-  --gpus SIZES     the GPUs to plan for: 80GB, 80GiB, 2x80GB, 24GB,24GB or none (env QLORA_PLAN_GPUS);
-                   default: this machine's GPUs; without one, the recipe's hardware node, else the CPU
+  --gpus SIZES     the GPUs to plan for (env QLORA_PLAN_GPUS): 80GB, 2x80GiB, 24GB,24GB, none, or cards (H100,
+                   2xA100-40GB: plus a step's time); default: this machine's, else the recipe's hardware node
   --host-ram SIZE  host RAM to plan with, e.g. 256GiB (env QLORA_PLAN_HOST_RAM); default: this machine's
   --check          exit 1 when the plan does not fit (0 otherwise; 2 on bad input)
   --longest-seq    also print the longest trainer.seq_len (a multiple of 64) at which the stack fits"""
@@ -56,7 +56,7 @@ def _take_flag(argv: list[str], name: str) -> str | None:
 
 
 def parse_hardware_flags(argv: list[str]) -> dict:
-    from ..config.devices import parse_gpus
+    from ..config.devices import parse_gpu_cards
     from ..units import GiB, parse_bounded_size
 
     gpus = _take_flag(argv, "--gpus") or os.environ.get("QLORA_PLAN_GPUS")
@@ -67,7 +67,8 @@ def parse_hardware_flags(argv: list[str]) -> dict:
         if flag in argv:
             argv.remove(flag)
     if gpus is not None:
-        out["gpus"] = parse_gpus(gpus)
+        cards = parse_gpu_cards(gpus)  # a named card (--gpus H100) also gives the plan its time
+        out["gpus"], out["cards"] = [size for size, _ in cards], [card for _, card in cards]
     if ram is not None:
         out["host_ram"] = parse_bounded_size(ram, "--host-ram", GiB, 2**46)  # 1 GiB to 64 TiB
     return out
@@ -105,16 +106,21 @@ def plan_and_print(composed: DictConfig) -> None:
     from .. import planner
     from ..config import devices
     from ..config.checks import check_stack
+    from ..planner import timeplan
 
     started = time.perf_counter()
     try:
         cfg = to_typed(composed)
         check_stack(cfg)
+        cards = _HARDWARE.get("cards") or []
+        if cards and all(c is not None and not c.bf16 for c in cards):
+            cfg.hardware.bf16 = False  # --gpus T4 / V100: precision=auto plans fp16, as it runs there
         gpus, host_ram, planned_for = hardware_to_plan(cfg)
         chosen = devices.precision_line(cfg, gpus)  # precision=auto as it picks on the hardware planned for
         plan = planner.plan(cfg, gpus=gpus, host_ram=host_ram)  # one rank's share under FSDP / ZeRO-3
         vllm = planner.report.vllm_note(cfg.peft.modules_to_save)  # said now, not when serving
         plan["notes"] += [vllm] if vllm else []
+        plan["time"] = timeplan.time_section(cfg, plan, cards, gpus or [])
     except UserError as err:  # here, not in cli.run: Hydra would add its own "Error executing job" line
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -126,6 +132,8 @@ def plan_and_print(composed: DictConfig) -> None:
     print(planner.render_table(plan))
     if not (cfg.data.packing or "seq_len_auto" in plan):  # no data read: rows planned at their longest
         print(planner.upper_bound_note(int(cfg.trainer.seq_len)))
+    for line in timeplan.time_lines(plan["time"]):
+        print(line)
     print(f"plan: {path}  (planned in {plan_s:.2f} s, {time.perf_counter() - _STARTED:.2f} s since start)")
     _RESULT["fits"] = plan["fits"]
     if _HARDWARE["longest"]:

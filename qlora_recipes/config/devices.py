@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from ..units import PRECISION_DTYPE, GiB, check_bounds, fmt_gib, parse_size
+from .gpus import Gpu, card, looks_like_a_name
 
 if TYPE_CHECKING:
     from .schema import TrainConfig
@@ -67,12 +68,23 @@ MAX_GPUS = 4096  # --gpus 1000000x80GB is a typo, not a cluster
 
 
 def parse_gpus(text: str) -> list[int]:
-    """`--gpus 80GB,80GB` or `2x80GiB` or `none` -> list of GPU usable bytes (see gpu_size). Each size
-    needs a unit and sane bounds (GPU_BYTES), each count 1 to MAX_GPUS."""
+    """`--gpus 80GB,80GB` or `2x80GiB` or `2xH100` or `none` -> list of GPU usable bytes (see gpu_size;
+    a card's name, config/gpus.py, as its marketed size). Each size needs a unit and sane bounds
+    (GPU_BYTES), each count 1 to MAX_GPUS."""
+    return [size for size, _ in parse_gpu_cards(text)]
+
+
+def card_bytes(gpu: Gpu) -> int:
+    """A named card's usable bytes: its marketed size as `--gpus 80GB` reads it, else what torch reports."""
+    return int((gpu.usable_gib or MARKETED_GPU_GIB[gpu.memory_gb]) * GiB)
+
+
+def parse_gpu_cards(text: str) -> list[tuple[int, Gpu | None]]:
+    """parse_gpus, each GPU with the card it names (None for a size)."""
     text = text.strip()
     if text.lower() in ("", "none", "0", "cpu"):
         return []
-    gpus: list[int] = []
+    gpus: list[tuple[int, Gpu | None]] = []
     for part in text.split(","):
         part = part.strip()
         count = 1
@@ -85,7 +97,11 @@ def parse_gpus(text: str) -> list[int]:
                 )
         if re.fullmatch(r"[0-9]+(\.[0-9]*)?", part):
             raise UserError(f"--gpus {text!r}: {part} has no unit; write e.g. {part}GB (a card as sold) or {part}GiB")
-        gpus.extend([check_bounds(gpu_size(part, "--gpus"), f"--gpus {text!r}", *GPU_BYTES)] * count)
+        if looks_like_a_name(part):
+            named = card(part, f"--gpus {text!r}")
+            gpus.extend([(card_bytes(named), named)] * count)
+            continue
+        gpus.extend([(check_bounds(gpu_size(part, "--gpus"), f"--gpus {text!r}", *GPU_BYTES), None)] * count)
     if len(gpus) > MAX_GPUS:
         raise UserError(f"--gpus {text!r}: {len(gpus)} GPUs; give at most {MAX_GPUS}")
     return gpus

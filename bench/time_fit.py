@@ -28,6 +28,9 @@ SUITE_FILE = RESULTS / "nvidia-h100-80gb-hbm3-2026-11-26.json"
 LONG_FILE = RESULTS / "long-context-nvidia-h100-80gb-hbm3-2026-11-26.md"
 GPU = "H100"
 _PATHS = ("model.name_or_path=", "data.path=")  # the bench machine's files; the figures come from conf/model
+# What the runs had by default and the files do not name: sdpa, model.attn_implementation's default at the
+# commit they record (environment.git)
+AS_RUN = ["model.attn_implementation=sdpa"]
 
 
 def suite_rows(path: Path = SUITE_FILE) -> list[dict]:
@@ -36,7 +39,7 @@ def suite_rows(path: Path = SUITE_FILE) -> list[dict]:
     job = list(data["settings"]["job"])
     rows = []
     for stack in data["stacks"]:
-        overrides = job + [o for o in stack["overrides"] if not o.startswith(_PATHS)]
+        overrides = job + [o for o in stack["overrides"] if not o.startswith(_PATHS)] + AS_RUN
         for run in ("ours", "baseline"):
             measured = (stack.get(run) or {}).get("s_per_step")
             if measured:
@@ -53,6 +56,7 @@ def long_context_rows(path: Path = LONG_FILE, suite: Path = SUITE_FILE) -> list[
     base = json.loads(suite.read_text())["settings"]["job"] + [
         o for o in first["overrides"] if not o.startswith(_PATHS)
     ]
+    base += AS_RUN
     rows = []
     for m in re.finditer(r"^\| ([\d,]+) \| (plain|lean) \|[^|]*\|[^|]*\|[^|]*\| ([\d,]+) \|$", text, re.M):
         seq, stack, tps = int(m.group(1).replace(",", "")), m.group(2), float(m.group(3).replace(",", ""))
@@ -153,11 +157,24 @@ def warmup_seconds(path: Path = SUITE_FILE) -> float:
     return extra[mid] if len(extra) % 2 else (extra[mid - 1] + extra[mid]) / 2
 
 
+def markdown_rows(preds: list[tuple[str, float, float]]) -> list[str]:
+    """The table docs/memory-and-planner.md shows (its test holds the page to these lines)."""
+    out = []
+    for name, m, pred in preds:
+        what, fmt = ("s/step", "{:.3f}") if "(" in name else ("tokens/s, warm-up included", "{:,.0f}")
+        out.append(f"| {name} | {what} | {fmt.format(m)} | {fmt.format(pred)} | {100 * (pred / m - 1):+.1f} % |")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.time_fit", description=__doc__.splitlines()[0])
     p.add_argument("--search", action="store_true", help="also grid-search the fitted constants")
+    p.add_argument("--markdown", action="store_true", help="print the rows as docs/memory-and-planner.md's table")
     args = p.parse_args(argv)
     suite, long = all_rows()
+    if args.markdown:
+        print("\n".join(markdown_rows(predictions(suite, long))))
+        return
     print(f"{'row':<34}{'measured':>12}{'predicted':>12}{'error %':>9}")
     for name, m, pred in predictions(suite, long):
         unit = "s/step" if "(" in name else "tok/s"

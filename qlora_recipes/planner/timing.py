@@ -163,8 +163,10 @@ def micro_batch_work(st: StackSpec) -> Work:
     flash = packed = 0.0
     if eager(st):
         matmul += 2 * attention  # scores and weighted sum as plain matmuls, the whole square
+    elif st.padding_free and st.attn == "sdpa":  # the measured case: a dense block-diagonal mask
+        packed = 2 * attention  # no causal skip in a masked kernel
     elif sdpa_masked(st, st.train_rows):
-        packed, flash = (2 * attention, 0.0) if st.padding_free else (0.0, 2 * attention)  # no causal skip
+        flash = 2 * attention
     else:
         flash = attention
     c = st.act_bytes

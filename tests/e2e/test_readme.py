@@ -80,6 +80,10 @@ REGISTRY: dict[str, How] = {
     # README: first commands (and docs/memory-and-planner.md); `python train.py` is below
     "make llama3.1-8b-24gb": How(kind="refuse", expect=r"needs 1 x 23.5 GiB GPU.*make plan-llama3.1-8b-24gb"),
     "qlora plan --gpus 24GB model=llama3.1-8b trainer.seq_len=4096": How(expect=r"(?m)^(FITS|DOES NOT FIT): peak"),
+    # docs/memory-and-planner.md: the time on a named card
+    "qlora plan --gpus H100 recipe=llama3.1-8b-24gb trainer.max_steps=1000": How(
+        expect=r"(?m)^time on H100: [\d.]+ s/step, [\d,]+ tokens/s .*\n^wall time: .* for 1,000 steps"
+    ),
     # docs/memory-and-planner.md: the tiled MLP's longest sequence on the 24 GB recipe
     "qlora plan --longest-seq --host-ram 128GiB recipe=llama3.1-8b-24gb peft.r=32 trainer.micro_batch_size=1 "
     "precision.upcast_frozen=false trainer.activation_offloading=true trainer.tiled_mlp=true": How(

@@ -131,3 +131,19 @@ def test_a_local_dataset_gives_the_runs_steps_and_wall_time(tmp_path):
     assert section["wall_s"] == pytest.approx(section["steps"] * section["s_per_step"] + timing.WARMUP_SECONDS)
     hub = _time("L4", "data=alpaca", "trainer.max_steps=-1")
     assert "wall_s" not in hub and "data.path" in hub["wall_omitted"]
+
+
+def test_the_docs_table_and_constants_are_the_time_models(measured_rows):
+    page = (REPO / "docs" / "memory-and-planner.md").read_text()
+    for row in time_fit.markdown_rows(time_fit.predictions(*measured_rows)):
+        assert row in page, row
+    said = (
+        f"the matmuls reach {timing.MATMUL_EFFICIENCY:g} of the peak, flash attention {timing.ATTENTION_EFFICIENCY:g}",
+        f"(a dense block-diagonal mask; its one row) {timing.PACKED_ATTENTION_EFFICIENCY:g}, a module call costs "
+        f"{timing.OP_SECONDS * 1e6:g} us, each kept byte moves {timing.ELEMENTWISE_TRAFFIC:g}",
+        f"median warm-up,\n{timing.WARMUP_SECONDS:g} s",
+        f"every row is within {100 * timing.TIME_TOLERANCE:g} %",
+    )
+    flat = " ".join(page.split())
+    for words in said:
+        assert " ".join(words.split()) in flat, words

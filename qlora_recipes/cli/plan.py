@@ -82,7 +82,9 @@ def hardware_to_plan(cfg: TrainConfig) -> tuple[list[int] | None, int | None, st
 
     gpus, host_ram = _HARDWARE.get("gpus"), _HARDWARE.get("host_ram")
     if gpus is not None:
-        return gpus, host_ram, "--gpus " + (", ".join(f"{g / GiB:.1f} GiB" for g in gpus) or "none")
+        cards = _HARDWARE.get("cards") or [None] * len(gpus)  # a named card says its name (--gpus H100)
+        each = [f"{c.name if c else ''} {g / GiB:.1f} GiB".strip() for c, g in zip(cards, gpus, strict=True)]
+        return gpus, host_ram, "--gpus " + (", ".join(each) or "none")
     here = devices.detect_gpus()
     if here:
         return None, host_ram, f"this machine's {len(here)} GPU(s)"  # None: the planner detects them

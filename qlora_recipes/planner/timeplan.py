@@ -5,6 +5,7 @@ else trainer.epochs over a local data.path's rows) the expected wall time.
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import math
@@ -34,8 +35,7 @@ def time_section(cfg: TrainConfig, plan: dict, cards: list[Gpu | None], gpus: li
     gpu = next(iter(named.values()))
     if cfg.objective.name == "grpo":
         return {"omitted": "objective=grpo: its generation is not in the time model", "gpu": gpu.name}
-    if is_auto(cfg):
-        cfg = with_seq_len(cfg, int(plan["seq_len_auto"]["cap"]))
+    cfg = _as_planned(cfg, plan)
     dist = plan.get("dist") or {}
     st = spec_from_cfg(precision_for(cfg, gpus), int(dist.get("world_size") or 1))
     offloaded = _offloaded_bytes(plan) if gpus else 0
@@ -47,6 +47,23 @@ def time_section(cfg: TrainConfig, plan: dict, cards: list[Gpu | None], gpus: li
     else:
         out["wall_omitted"] = how
     return out
+
+
+def _as_planned(cfg: TrainConfig, plan: dict) -> TrainConfig:
+    """cfg with what the plan resolved of its `auto` values (trainer.seq_len's cap, and any other trainer
+    size given as a word) as the plan made them."""
+    if is_auto(cfg):
+        cfg = with_seq_len(cfg, int(plan["seq_len_auto"]["cap"]))
+    words = [
+        k
+        for k in ("micro_batch_size", "grad_accum", "gradient_checkpointing")
+        if isinstance(getattr(cfg.trainer, k), str)
+    ]
+    if words:
+        cfg = copy.deepcopy(cfg)
+        for key in words:
+            setattr(cfg.trainer, key, plan["stack"][key])
+    return cfg
 
 
 def _offloaded_bytes(plan: dict) -> int:

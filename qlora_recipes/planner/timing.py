@@ -35,6 +35,7 @@ is the model's assumption, not a measurement.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from ..config.gpus import Gpu
@@ -247,6 +248,14 @@ def _optimizer_seconds(st: StackSpec, trainable: int, bandwidth: float) -> float
 def wall_seconds(per_step: float, steps: int) -> float:
     """A run of `steps` optimizer steps, its warm-up included (loading the model is not)."""
     return steps * per_step + WARMUP_SECONDS
+
+
+def steps_for(rows: int, st: StackSpec, epochs: float, max_steps: int) -> int:
+    """The optimizer steps a run makes: trainer.max_steps when set (> 0), else epochs over the rows."""
+    if max_steps and max_steps > 0:
+        return int(max_steps)
+    per_epoch = math.ceil(rows / (st.micro_batch * st.grad_accum * max(1, st.world_size)))
+    return int(math.ceil(per_epoch * epochs))
 
 
 FITTED_ON = (

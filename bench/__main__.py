@@ -11,6 +11,7 @@
     python -m bench longest-context        # longest context per card vs unsloth -> results/longest-context.*
     python -m bench planner-cpu            # planned vs measured peak RSS, 36 CPU runs (make bench-planner-cpu)
     python -m bench planner-sharded        # per-rank plan vs each rank's peak RSS, 2-rank DDP/FSDP/ZeRO-2/3 on CPU
+    python -m bench syncs                  # device->host syncs and kernels per step, ours vs the baseline
 
 Run from the repository root. A suite is a file in bench/suites/ (or a path). Each measured run is a
 fresh process (peak RSS and max_memory_allocated are per process): ours is `python train.py <job>
@@ -80,6 +81,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> None:
         from bench.planner_sharded import main as planner_sharded
 
         planner_sharded(argv[1:], f"{prog} planner-sharded")
+        return
+    if argv[:1] == ["syncs"]:  # per-step syncs and kernels, ours vs the baseline (bench/trace/syncs.py)
+        from bench.trace.syncs import main as syncs
+
+        syncs(argv[1:], f"{prog} syncs")
         return
     args = parser(prog).parse_args(argv)
     if args.suite == "report":

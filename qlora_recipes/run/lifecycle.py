@@ -7,7 +7,8 @@ resume, preemption, NaN and OOM, one run per run dir.
   LR schedule, the data and base fingerprints and the step totals) and renamed into place only when complete:
   a crash, `kill -9` or a full disk mid-save leaves the previous checkpoint loadable and no staging
   dir. It records the best checkpoint by its final path, so rotation keeps protecting it after a
-  resume. A non-finite loss stops the run at the step it appears. A resumed run whose total steps
+  resume. A non-finite loss stops the run where it is logged (the step it appears at
+  trainer.logging_steps=1; a weight or optimizer state gone NaN is never saved). A resumed run whose total steps
   changed continues its LR schedule by the policy of `continue_schedule`.
 - `train_with_oom_ladder` catches out-of-memory during training and retries with the next rung
   that can be applied in-process (halve the micro-batch and double accumulation, then gradient
@@ -22,6 +23,7 @@ per run dir). They never import this module.
 import gc
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -36,7 +38,6 @@ from trl import DPOTrainer, GRPOTrainer, KTOTrainer, SFTTrainer
 from ..config.loader import with_overrides
 from ..config.schema import TrainConfig
 from ..errors import UserError
-from ..model.checkpointing import checkpoint_every_layer
 from ..units import fmt_bytes
 from . import rewards
 from .checkpoints import (
@@ -85,12 +86,15 @@ class Guarded:
         self._steps_per_epoch: int | None = None
         self._schedule: dict | None = None
         self._eval_wait_s = 0  # faults(): eval_wait_s
+        self._logged_step: int | None = None  # the last step whose loss was logged (and so checked)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         self._resumed_from = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
         if self._resumed_from is not None and self._no_step_left(self._resumed_from):
             return self._finish_from(self._resumed_from)
         result = super().train(resume_from_checkpoint, *args, **kwargs)
+        if not math.isfinite(result.training_loss):  # steps after the last logged one
+            raise self._nonfinite_stop(f"training loss became {result.training_loss} {self._unlogged_steps()}")
         bad = self._nonfinite_values()
         if bad:  # the last update was NaN and no checkpoint save saw it (trainer.save_steps=0)
             raise self._nonfinite_stop(
@@ -146,9 +150,25 @@ class Guarded:
             for param in model.parameters():
                 if param.grad is not None:
                     param.grad.fill_(float("nan"))
-        if not torch.isfinite(loss).all():
-            raise self._nonfinite_stop(f"training loss became {loss.item()} at step {step}")
-        return loss
+        return loss  # checked where the trainer fetches it anyway: at logging (log) and at the end (train)
+
+    def log(self, logs, *args, **kwargs):
+        # The logged loss is the window's sum fetched once (a NaN in any micro-batch of it shows): a
+        # check here costs no device sync of its own, where one per micro-batch stalled every step.
+        loss = logs.get("loss")
+        if loss is not None and not math.isfinite(loss):
+            raise self._nonfinite_stop(f"training loss became {loss} {self._unlogged_steps()}")
+        if loss is not None:
+            self._logged_step = self.state.global_step
+        return super().log(logs, *args, **kwargs)
+
+    def _unlogged_steps(self) -> str:
+        """Where a non-finite loss appeared: its step, or the steps since the last logged one."""
+        first = max(self._logged_step or 0, getattr(self, "_initial_global_step", 0)) + 1
+        last = self.state.global_step
+        if first >= last:
+            return f"at step {last}"
+        return f"in steps {first}-{last} (a loss is checked where it is logged, every trainer.logging_steps)"
 
     def _optimizer_state(self) -> list:
         return list(getattr(self.optimizer, "state", {}).values()) if self.optimizer is not None else []
@@ -473,7 +493,7 @@ def next_in_process_rung(cfg: TrainConfig) -> tuple[TrainConfig, str] | None:
     least = 2 if OBJECTIVES[cfg.objective.name].kl_batch else 1  # kto's KL batch needs 2 rows (config/checks.py)
     if t.micro_batch_size // 2 >= least:
         applied = f"trainer.micro_batch_size={t.micro_batch_size // 2} trainer.grad_accum={t.grad_accum * 2}"
-    elif t.gradient_checkpointing is not True:  # none or the first N layers: all of them
+    elif not t.gradient_checkpointing:
         applied = "trainer.gradient_checkpointing=true"
     else:
         return None
@@ -534,10 +554,7 @@ def train_with_oom_ladder(
         # every new trainer gets the untrained start (a checkpoint, if any, then loads over it): DPO's
         # reference is scored from the adapter as the trainer finds it (GuardedDPOTrainer)
         _restore_trainable(model, initial)
-        if applied.startswith("trainer.gradient_checkpointing"):  # every layer now (a partial N kept fewer)
-            checkpoint_every_layer(model, {"use_reentrant": cfg.trainer.checkpointing_mode == "reentrant"})
-            model.enable_input_require_grads()
-        elif cfg.trainer.gradient_checkpointing and not model.is_activation_checkpointing:  # transformers 5 names
+        if cfg.trainer.gradient_checkpointing and not model.is_activation_checkpointing:  # transformers 5 names
             model.activation_checkpointing_enable(
                 activation_checkpointing_kwargs={"use_reentrant": cfg.trainer.checkpointing_mode == "reentrant"}
             )

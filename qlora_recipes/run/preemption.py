@@ -117,4 +117,5 @@ def agreed_signal(received: str | None, device) -> str | None:
     mine = int(signal.Signals[received]) if received else 0
     flag = torch.tensor([mine], dtype=torch.int32, device=device)
     tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
-    return received or (signal.Signals(int(flag.item())).name if flag.item() else None)
+    agreed = int(flag.item())  # one device->host read a step (each .item() on a GPU waits for its queue)
+    return received or (signal.Signals(agreed).name if agreed else None)

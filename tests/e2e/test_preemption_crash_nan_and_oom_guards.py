@@ -125,6 +125,19 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch
     assert not (tmp_path / "metrics.json").exists()
 
 
+@pytest.mark.parametrize(("nan_at", "steps"), [(2, "2-3"), (6, "5-6")])
+def test_a_nan_loss_between_logged_steps_stops_the_run_where_it_is_logged(tmp_path, monkeypatch, nan_at, steps):
+    """The loss is checked where the trainer fetches it for its log, with no device sync of its own each
+    micro-batch: a NaN at step 2 with a loss logged at steps 1, 3 and 6 stops the run at step 3; one at
+    step 6 with a loss logged at steps 1 and 4 stops it at the end. Each names the steps it came in."""
+    monkeypatch.setenv("QLORA_RECIPES_FAULTS", f"nan_at_step={nan_at}")
+    logging = 3 if nan_at == 2 else 4
+    cfg = compose_cfg(*BASE, f"trainer.logging_steps={logging}", "trainer.save_steps=0")
+    with pytest.raises(UserError, match=rf"training loss became nan in steps {steps} \(.*trainer\.logging_steps\)"):
+        train(cfg, tmp_path)
+    assert not (tmp_path / "metrics.json").exists() and not (tmp_path / "adapter").exists()
+
+
 def test_a_nan_update_is_never_kept_as_a_checkpoint(tmp_path, monkeypatch):
     """A NaN gradient at step 4 (the loss still finite) made NaN weights, saved as checkpoint-4 and
     then kept as "the last good checkpoint" when the loss showed NaN at step 5. The weights are

@@ -176,6 +176,8 @@ REGISTRY: dict[str, How] = {
     "python scripts/summarize_sweep.py runs/multirun/DATE/TIME": How(
         needs=SWEEP_4, creates=("runs/multirun/DATE/TIME/summary.md",)
     ),
+    # docs/benchmarks.md: per-step syncs and kernels, ours vs the plain script (three training processes)
+    "python -m bench syncs --no-write": How(expect=r"(?m)^\| baseline \| \d", timeout=1800, slow=True),
 }
 
 

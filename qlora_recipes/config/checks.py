@@ -40,6 +40,7 @@ def check_stack(cfg: TrainConfig) -> None:
             hint = f" {f.metadata['choices_hint']}" if "choices_hint" in f.metadata else ""
             raise UserError(f"{key}={value} is not an option; choose one of: {names}{hint}")
     _check_seq_len(cfg.trainer)
+    _check_batch_and_checkpointing(cfg.trainer)
     for key, f, value in values(cfg):
         if f.metadata.get("positive") and (value is None or value <= 0):
             raise UserError(f"{key}={value} must be positive")
@@ -102,6 +103,20 @@ def _check_seq_len(t: TrainerConfig) -> None:
         raise UserError(f"trainer.seq_len_percentile={t.seq_len_percentile} must be in (0, 100]; 100: the longest row")
 
 
+def _check_batch_and_checkpointing(t: TrainerConfig) -> None:
+    """trainer.micro_batch_size: a positive number of rows, or auto; trainer.gradient_checkpointing: true,
+    false, a number of decoder layers >= 0, or auto (planner/fastest.py resolves both from the plan)."""
+    mb = t.micro_batch_size
+    if mb != "auto" and (isinstance(mb, bool) or not isinstance(mb, int) or mb <= 0):
+        raise UserError(f"trainer.micro_batch_size={mb} must be a positive number of rows, or auto (from the plan)")
+    gc = t.gradient_checkpointing
+    if not isinstance(gc, bool) and gc != "auto" and (not isinstance(gc, int) or gc < 0):
+        raise UserError(
+            f"trainer.gradient_checkpointing={gc} must be true, false, a number of decoder layers (0 or more) "
+            "or auto (the fewest that fit)"
+        )
+
+
 def check_ranges(cfg: TrainConfig) -> None:
     """Each numeric key with a `range` in its metadata, within it."""
     for key, f, value in values(cfg):
@@ -162,6 +177,11 @@ def check_grpo(cfg: TrainConfig) -> None:
     """GRPO's generation batch holds whole groups (TRL 1.16 GRPOConfig: micro_batch_size x grad_accum
     completions, num_generations per prompt), and its rewards are built-ins or module:function names."""
     o, t = cfg.objective, cfg.trainer
+    if t.micro_batch_size == "auto":  # its generation batch must stay whole groups: the user sizes it
+        raise UserError(
+            "trainer.micro_batch_size=auto does not apply to objective=grpo (its generation batch holds whole "
+            "groups of num_generations); set a number"
+        )
     batch = t.micro_batch_size * t.grad_accum
     if batch % o.num_generations:
         raise UserError(

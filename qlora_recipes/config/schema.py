@@ -259,7 +259,12 @@ def mlp_tile(trainer: "TrainerConfig", hidden_size: int) -> int:
 
 @dataclass
 class TrainerConfig:
-    micro_batch_size: int = option(4, "rows per forward/backward", positive=True)
+    # int | str: a number, or "auto" (planner/fastest.py), resolved by the plan before it is read
+    micro_batch_size: int | str = option(
+        4,
+        "rows per forward/backward; auto: the largest that fits, trainer.grad_accum then read as the rows of one "
+        "optimizer step per rank and split into micro-batch x accumulation (the effective batch kept)",
+    )
     grad_accum: int = option(4, "micro-batches per optimizer step", positive=True)
     # int | str: a number, or "auto" (planner/evalbatch.py), resolved by the plan before it is read
     eval_batch_size: int | str = option(
@@ -281,7 +286,12 @@ class TrainerConfig:
     epochs: float = option(
         1.0, "passes over the data; used when trainer.max_steps is -1", range=">= 0", resume_safe=True
     )
-    gradient_checkpointing: bool = option(True, "recompute activations in backward instead of keeping them")
+    # bool | int | str: all, none, the first N decoder layers, or "auto" (planner/fastest.py)
+    gradient_checkpointing: bool | int | str = option(
+        True,
+        "recompute activations in backward instead of keeping them: true (every decoder layer), false, N (the "
+        "first N decoder layers; the rest keep theirs), auto (the fewest layers that fit the card)",
+    )
     checkpointing_mode: str = option(
         "non_reentrant", "torch's checkpoint variant", choices=("non_reentrant", "reentrant")
     )

@@ -12,6 +12,7 @@ from ..errors import UserError
 from ..families import traits
 from ..units import torch_dtype
 from .checkpoint import bitsandbytes_saved
+from .checkpointing import enable_checkpointing
 from .hf_configs import bnb_config, lora_config
 from .lean_rmsnorm import lean_rmsnorms
 from .moe_experts import lora_on_linears, quantize_experts, quantized_while_loading
@@ -278,7 +279,7 @@ def make_trainable(cfg: TrainConfig, model):
         # utils/other.py). Not prep-then-cast-back: that would hold the fp32 copies of embeddings and
         # lm_head at load, the very bytes this option saves. Freezing is get_peft_model's (only the
         # adapters train); the adapters are fp32 either way (peft autocast_adapter_dtype).
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
+        enable_checkpointing(model, t.gradient_checkpointing, ckpt_kwargs)  # every layer, or the first N
         if not kbit_prep or ckpt_kwargs["use_reentrant"]:  # as peft's prep does it
             model.enable_input_require_grads()
     try:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..config import devices as _dev
 from ..config.loader import precision_for
-from . import evalbatch
+from . import evalbatch, fastest
 from .figures import model_figures
 from .ladder import ladder_rungs, offload_params_rungs
 from .loss import with_metric
@@ -62,6 +62,7 @@ __all__ = [
     "refuse_unless_fits",
     "render_table",
     "seq_len_for_data",
+    "settle_batch",
     "settle_eval_batch",
     "settle_for_data",
     "upper_bound_note",
@@ -96,6 +97,14 @@ def plan(
         result = plan(with_seq_len(cfg, cap), gpus, host_ram, world_size, ladder)
         result.setdefault("notes", []).append(plan_note(cap, why))
         result["seq_len_auto"] = {"cap": cap, "why": why}
+        return result
+    if fastest.is_auto(cfg):  # checkpointing / micro-batch auto: the fastest that fits (planner/fastest.py)
+        auto = fastest.resolve(cfg, _planner(gpus, host_ram, world_size), model_figures(cfg.model).num_layers)
+        result = plan(
+            fastest.with_batch(cfg, auto.checkpointing, auto.micro, auto.accum), gpus, host_ram, world_size, ladder
+        )
+        result.setdefault("notes", []).extend(auto.lines)
+        result["batch_auto"] = {**auto.overrides(), "why": auto.lines}
         return result
     if evalbatch.is_auto(cfg):  # the most eval rows whose evaluation needs no more than training
         rows, why = evalbatch.resolve(cfg, _planner(gpus, host_ram, world_size))
@@ -136,6 +145,19 @@ def longest_seq_len(
 
 def _planner(gpus: list[int] | None, host_ram: int | None, world_size: int | None):
     return lambda c: plan(c, gpus, host_ram, world_size, ladder=False)
+
+
+def settle_batch(cfg: TrainConfig, first_plan: dict) -> TrainConfig:
+    """cfg with trainer.gradient_checkpointing / micro_batch_size=auto resolved as `first_plan` resolved them
+    (their lines logged); otherwise as it was."""
+    if not fastest.is_auto(cfg):
+        return cfg
+    auto = first_plan["batch_auto"]
+    for line in auto["why"]:
+        log.info("%s", line)
+    return fastest.with_batch(
+        cfg, auto["trainer.gradient_checkpointing"], auto["trainer.micro_batch_size"], auto["trainer.grad_accum"]
+    )
 
 
 def seq_len_for_data(cfg: TrainConfig, first_plan: dict):

@@ -95,7 +95,7 @@ def _header(plan: dict) -> list[str]:
         f"batch: {st['micro_batch_size']} x {st['seq_len']} tokens, accum {st['grad_accum']}"
         f"{' x ' + str(st['world_size']) + ' ranks' if st['world_size'] > 1 else ''} -> effective batch "
         f"{plan['effective_batch']}, {plan['tokens_per_step']:,} tokens/step | checkpointing "
-        f"{'on' if st['gradient_checkpointing'] else 'off'}"
+        f"{_checkpointing_word(st['gradient_checkpointing'], plan['model']['num_layers'])}"
     )
     return lines
 
@@ -225,3 +225,10 @@ def write_plan(plan: dict, run_dir: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan, indent=2, sort_keys=False) + "\n")
     return path
+
+
+def _checkpointing_word(value, num_layers: int) -> str:
+    """on, off, or the first N of the decoder layers (trainer.gradient_checkpointing=N)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value} of {num_layers} layers"

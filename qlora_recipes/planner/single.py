@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import devices as _dev
@@ -231,22 +231,18 @@ def _activation_rows(st: StackSpec, t: _Tally) -> None:
     the eval phase is _eval_rows. With trainer.activation_offloading the kept tensors go to host RAM
     (components.offloaded_activations), which then is a device of the plan.
     """
-    comp, b, s = t.comp, st.train_rows, st.seq_len
+    comp, b = t.comp, st.train_rows
+    before = 0  # decoder layers on the devices already tallied (trainer.gradient_checkpointing=N: the first N)
     for dev, layer_bbs in t.layers_on.items():
         if not layer_bbs:
             continue
         cpu = dev == "cpu"
-        worst = max(layer_bbs, key=lambda x: layer_saved_bytes(st, x, b, cpu))
-        if st.checkpointing:
-            _, r, _ = act_dtypes(st, cpu)
-            per_layer = [b * s * st.fig.hidden_size * r] * len(layer_bbs)  # each layer's input
-            working = layer_saved_bytes(st, worst, b, cpu) + backward_working_bytes(st, b, cpu, worst)
-        else:
-            per_layer = [layer_saved_bytes(st, x, b, cpu) for x in layer_bbs]
-            working = backward_working_bytes(st, b, cpu, worst)
+        per_layer, working, partial = _layers_kept(st, layer_bbs, before, b, cpu)
+        before += len(layer_bbs)
         stored = sum(per_layer)
         if st.activation_offloading and not cpu:  # TRL: to pinned host RAM but the forward stash
-            stored, host = offloaded_activations(st, per_layer)
+            # a partial N: planned as without checkpointing (every saved tensor of a kept layer moves)
+            stored, host = offloaded_activations(replace(st, checkpointing=False) if partial else st, per_layer)
             comp["activations"]["cpu"] += host
         comp["activations"][dev] += stored + shared_per_device_bytes(st, b, cpu)
         comp["layer_working"][dev] += working
@@ -263,6 +259,27 @@ def _activation_rows(st: StackSpec, t: _Tally) -> None:
         _sampling_rows(st, t)
     if st.evaluates or st.reference == "precomputed":
         _eval_rows(st, t)
+
+
+def _layers_kept(st: StackSpec, layer_bbs: list, before: int, b: int, cpu: bool) -> tuple[list[int], int, bool]:
+    """(bytes each decoder layer of a device keeps for backward, the backward working set beside them,
+    whether only some of them are checkpointed). A checkpointed layer keeps its input, T*h elements,
+    and recomputes what it saves one layer at a time in backward; the others keep what autograd saves.
+    With the first N checkpointed (trainer.gradient_checkpointing=N, model/checkpointing.py) backward
+    reaches them last, once the others have freed theirs: the peak is the larger of the start of backward
+    (everything kept) and a recompute beside the N inputs."""
+    _, r, _ = act_dtypes(st, cpu)
+    first = len(layer_bbs) if st.ckpt_layers is None else max(0, min(len(layer_bbs), st.ckpt_layers - before))
+    ckpt, kept = (layer_bbs[:first], layer_bbs[first:]) if st.checkpointing else ([], layer_bbs)
+    layer_input = b * st.seq_len * st.fig.hidden_size * r
+    saved = [layer_saved_bytes(st, x, b, cpu) for x in kept]
+    worst = max(layer_bbs, key=lambda x: layer_saved_bytes(st, x, b, cpu))
+    backward = backward_working_bytes(st, b, cpu, worst)
+    per_layer = [layer_input] * len(ckpt) + saved
+    if not ckpt:
+        return per_layer, backward, False
+    recompute = max(layer_saved_bytes(st, x, b, cpu) for x in ckpt) + backward_working_bytes(st, b, cpu, worst)
+    return per_layer, max(backward, recompute - sum(saved)), bool(kept)
 
 
 def _kl_rows(st: StackSpec, t: _Tally) -> None:
@@ -498,7 +515,7 @@ def _stack_section(st: StackSpec, hw: _dev.Hardware) -> dict:
         "grad_accum": st.grad_accum,
         "eval_batch_size": st.eval_batch if st.evaluates else None,
         "seq_len": st.seq_len,
-        "gradient_checkpointing": st.checkpointing,
+        "gradient_checkpointing": st.checkpointing if st.ckpt_layers is None else st.ckpt_layers,
         "attention": "eager" if eager(st) else st.attn,
         **({"eager_scores_bytes": eager_scores_bytes(st, st.micro_batch)} if eager(st) else {}),
         "device_map": st.device_map,

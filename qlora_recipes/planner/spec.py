@@ -61,6 +61,7 @@ class StackSpec:
     evaluates: bool = True
     seq_len: int = 2048
     checkpointing: bool = True
+    ckpt_layers: int | None = None  # trainer.gradient_checkpointing=N: the first N decoder layers; None: all
     checkpointing_mode: str = "non_reentrant"
     activation_offloading: bool = False  # trainer.activation_offloading (TRL): saved activations in host RAM
     embeddings_on_host: bool = False  # offload.embeddings: the input embeddings in host RAM, looked up there
@@ -167,7 +168,7 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         eval_batch=ints["eval_batch"],
         evaluates=bool(data.eval_path) or float(data.eval_fraction) > 0,
         seq_len=ints["seq_len"] + completion,
-        checkpointing=bool(trainer.gradient_checkpointing),
+        **_checkpointing(trainer.gradient_checkpointing, fig.num_layers),
         checkpointing_mode=mode,
         activation_offloading=bool(trainer.activation_offloading),
         offload_stash=int(trainer.activation_offload_stash),
@@ -186,6 +187,15 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         kl_batch=objective.kl_batch,
         completion_len=completion,
     )
+
+
+def _checkpointing(value: Any, num_layers: int) -> dict[str, Any]:
+    """trainer.gradient_checkpointing as the spec's two fields; auto unresolved (plan() resolves it) is
+    planned as every layer, the most it resolves to."""
+    if value == "auto" or isinstance(value, bool):
+        return {"checkpointing": value == "auto" or value is True, "ckpt_layers": None}
+    n = int(value)
+    return {"checkpointing": n > 0, "ckpt_layers": n if 0 < n < num_layers else None}
 
 
 def _checkpoint(fig: Figures, quant: QuantConfig, name: str) -> tuple[Stored, SavedQuant | None]:
@@ -245,6 +255,8 @@ def _sizes(trainer: TrainerConfig, peft: PeftConfig) -> dict[str, int]:
         value = getattr(node, name)
         if name == "eval_batch_size" and value == AUTO_ROWS:  # unresolved (plan() resolves it): its most
             value = MOST_EVAL_ROWS
+        if name == "micro_batch_size" and value == "auto":  # unresolved (plan() resolves it): its least
+            value = 1
         if value is None or int(value) < lo:
             raise UserError(f"{group}.{name}={value!r} must be an integer >= {lo}")
         ints[key] = int(value)

@@ -38,6 +38,7 @@ from trl import DPOTrainer, GRPOTrainer, KTOTrainer, SFTTrainer
 from ..config.loader import with_overrides
 from ..config.schema import TrainConfig
 from ..errors import UserError
+from ..model.checkpointing import checkpoint_every_layer
 from ..units import fmt_bytes
 from . import rewards
 from .checkpoints import (
@@ -493,7 +494,7 @@ def next_in_process_rung(cfg: TrainConfig) -> tuple[TrainConfig, str] | None:
     least = 2 if OBJECTIVES[cfg.objective.name].kl_batch else 1  # kto's KL batch needs 2 rows (config/checks.py)
     if t.micro_batch_size // 2 >= least:
         applied = f"trainer.micro_batch_size={t.micro_batch_size // 2} trainer.grad_accum={t.grad_accum * 2}"
-    elif not t.gradient_checkpointing:
+    elif t.gradient_checkpointing is not True:  # none or the first N layers: all of them
         applied = "trainer.gradient_checkpointing=true"
     else:
         return None
@@ -554,7 +555,10 @@ def train_with_oom_ladder(
         # every new trainer gets the untrained start (a checkpoint, if any, then loads over it): DPO's
         # reference is scored from the adapter as the trainer finds it (GuardedDPOTrainer)
         _restore_trainable(model, initial)
-        if cfg.trainer.gradient_checkpointing and not model.is_activation_checkpointing:  # transformers 5 names
+        if applied.startswith("trainer.gradient_checkpointing"):  # every layer now (a partial N kept fewer)
+            checkpoint_every_layer(model, {"use_reentrant": cfg.trainer.checkpointing_mode == "reentrant"})
+            model.enable_input_require_grads()
+        elif cfg.trainer.gradient_checkpointing and not model.is_activation_checkpointing:  # transformers 5 names
             model.activation_checkpointing_enable(
                 activation_checkpointing_kwargs={"use_reentrant": cfg.trainer.checkpointing_mode == "reentrant"}
             )

@@ -139,7 +139,8 @@ def _shared(cfg: TrainConfig, run_dir: Path, on_gpu: bool, has_eval: bool) -> di
         fp16=cfg.precision.name == "fp16",
         use_cpu=not on_gpu,
         # transformers 5 names it activation checkpointing (the gradient_* keys warn, removed in v6)
-        activation_checkpointing=t.gradient_checkpointing,
+        # N layers: the model keeps its first N when the trainer enables it (model/checkpointing.py)
+        activation_checkpointing=bool(t.gradient_checkpointing),
         activation_checkpointing_kwargs={"use_reentrant": t.checkpointing_mode == "reentrant"},
         activation_offloading=t.activation_offloading,  # saved activations to pinned host RAM (CUDA)
         use_liger_kernel=t.liger,

@@ -109,6 +109,7 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
         return done.metrics
     stage = stages.check_init_from(cfg)  # init_from: a finished run, this base, this adapter shape
 
+    cfg = planner.settle_batch(cfg, plan)  # gradient_checkpointing / micro_batch_size=auto: as the plan resolved them
     cfg = planner.settle_eval_batch(cfg, plan)  # eval_batch_size=auto: as the plan resolved it
     set_seed(cfg.seed)
     tokenizer = loading.load_tokenizer(cfg.model)

@@ -111,7 +111,7 @@ def test_wrong_type_is_rejected():
         (["offload=disk", "offload.folder=null"], True, "offload=disk needs an offload folder"),
         (["precision=fp16"], False, "precision=fp16 needs a CUDA GPU"),
         (["quant.method=nf5"], False, "quant.method=nf5 is not an option; choose one of: nf4, fp4, int8, none"),
-        (["trainer.micro_batch_size=0"], False, "trainer.micro_batch_size=0 must be positive"),
+        (["trainer.micro_batch_size=0"], False, "trainer.micro_batch_size=0 must be a positive number of rows"),
         (["peft.dropout=1.5"], False, "peft.dropout=1.5"),
         (["precision=bf16", "precision.dtype=float16"], False, "contradicts precision=bf16"),
         (["trainer.max_steps=-1", "trainer.epochs=0"], False, "set one of them"),

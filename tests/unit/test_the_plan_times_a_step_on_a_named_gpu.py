@@ -147,3 +147,15 @@ def test_the_docs_table_and_constants_are_the_time_models(measured_rows):
     flat = " ".join(page.split())
     for words in said:
         assert " ".join(words.split()) in flat, words
+
+
+def test_a_card_without_bf16_plans_fp16_and_times_the_default_stack(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "qlora_recipes", "plan", "--gpus", "T4", f"hydra.run.dir={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "precision=auto: fp16" in proc.stdout and "planned for: --gpus T4 14.5 GiB" in proc.stdout
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["stack"]["dtype"] == "float16" and plan["time"]["gpu"] == "T4"
+    assert plan["time"]["s_per_step"] > 0 and "seq_len_auto" in plan  # timed at what auto was planned at

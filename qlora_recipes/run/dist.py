@@ -335,6 +335,27 @@ def adapter_digest(trainer) -> str:
     return _digest(gathered_trainable(trainer))
 
 
+def zero_adapter_state(trainer, dtypes: dict) -> dict | None:
+    """Under DeepSpeed with an optimizer: every trainable weight whole, from the optimizer's fp32
+    master copy, in the dtype it had before DeepSpeed cast it (`dtypes`: name -> peft.adapter_dtype),
+    for the adapter file. In bf16 mode the engine keeps bf16 weights for compute and ZeRO-3 saves
+    those (stage3_gather_16bit_weights_on_model_save), ZeRO-2 too; one process, DDP and FSDP save
+    the adapter in its own dtype. Collectives (all ranks call it together); None elsewhere."""
+    stage = _zero_stage(trainer)
+    if not stage or getattr(trainer.model_wrapped, "optimizer", None) is None:
+        return None
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = {}
+    for name, p in trainer.accelerator.unwrap_model(trainer.model_wrapped).named_parameters():
+        if p.requires_grad:
+            full = safe_get_full_fp32_param(p)
+            if full is None:  # not held by the optimizer: the trainer's own save is right
+                return None
+            out[name] = full.detach().to("cpu", dtypes.get(name, full.dtype))
+    return out
+
+
 def save_gathered_adapter(trainer, out_dir: str, main: bool) -> bool:
     """Under FSDP the trainer saves no model with SHARDED_STATE_DICT (and a full state dict would
     gather the whole base): the adapter weights are gathered here and rank 0 writes them as one

@@ -55,7 +55,7 @@ from .checkpoints import (
     tensors_in,
     trainer_state,
 )
-from .dist import lost_peer
+from .dist import lost_peer, zero_adapter_state
 from .preemption import Preempted, PreemptionCallback, RankLost, faults  # noqa: F401 - the run's stop, re-exported
 from .resume import base_fingerprint, data_fingerprint
 from .schedule import continue_schedule, scheduler_for
@@ -81,6 +81,7 @@ class Guarded:
         for name, param in self.model.named_parameters():
             if name in kept and param.dtype != kept[name].dtype:
                 param.data = kept[name].to(param.device)
+        self._adapter_dtypes = {name: t.dtype for name, t in kept.items()}  # what the saved adapter holds
         self.data_fingerprint: dict | None = None  # recorded in each checkpoint (train_with_oom_ladder)
         self.base_fingerprint: dict | None = None  # likewise: the base weights
         self._resumed_from: str | None = None
@@ -222,6 +223,14 @@ class Guarded:
             return super()._finalize_training(trial, num_train_samples, start_time)
         finally:
             self.args.save_total_limit = limit
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        # DeepSpeed's own save is its bf16 compute copy in bf16 mode: the adapter is saved from the
+        # fp32 master in peft.adapter_dtype instead, as every other strategy saves it
+        state = zero_adapter_state(self, self._adapter_dtypes) if self.is_deepspeed_enabled else None
+        if state is None:
+            return super().save_model(output_dir, _internal_call)
+        self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state)
 
     def _save_checkpoint(self, model, trial):
         root = self.args.output_dir

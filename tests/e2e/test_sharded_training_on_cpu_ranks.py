@@ -220,6 +220,30 @@ def test_the_documented_command_runs_on_cpu(strategy, tmp_path):
     print(f"dist={strategy}: losses {ranks[0]['train_losses']}; {_peaks(ranks)}")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_saved_adapter_has_the_configured_dtype_on_every_strategy(strategy, tmp_path):
+    """precision=bf16 computes in bf16 (DeepSpeed keeps bf16 weights for it); the adapter and a
+    checkpoint's adapter are saved in peft.adapter_dtype (float32), from the fp32 weights the
+    optimizer steps: values bf16 cannot hold, not bf16 ones upcast. (FSDP's sharded checkpoints
+    hold the weights in their .distcp files, no adapter file.)"""
+    import torch
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    ranks = train_ranks(run, f"dist={strategy}", *SMOKE, "precision=bf16", "peft.adapter_dtype=float32",
+                        "trainer.save_steps=2")  # fmt: skip
+    assert_ranks_agree(ranks, steps=3)
+    files = [run / "adapter" / "adapter_model.safetensors"]
+    if strategy != "fsdp":
+        files.append(run / "checkpoints" / "checkpoint-2" / "adapter_model.safetensors")
+    for path in files:
+        tensors = load_file(path)
+        assert tensors and {t.dtype for t in tensors.values()} == {torch.float32}, (path, tensors.keys())
+        trained = [t for name, t in tensors.items() if "lora_B" in name]  # zero at the start, trained since
+        assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in trained), path
+
+
 # One process on the same global batch: micro-batch 4 here, 2 per rank there (the distributed
 # sampler deals each rank every other batch of 2 of the same order). LoRA dropout off: its masks
 # are drawn per rank, so with dropout the gradients differ from one process by design.

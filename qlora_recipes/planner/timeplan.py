@@ -29,17 +29,18 @@ def time_section(cfg: TrainConfig, plan: dict, cards: list[Gpu | None], gpus: li
     """The `time` of plan.json: {"omitted": why} where no time is estimated, else step_seconds' figures,
     the steps of the run and its wall time where they are known."""
     named = {c.name: c for c in cards if c is not None}
-    if len(named) != 1 or None in cards:
-        why = "mixed cards" if len(named) > 1 else "name a GPU for a time estimate (--gpus H100)"
-        return {"omitted": why}
+    if not named:
+        return {"omitted": "name a GPU for a time estimate (--gpus H100)"}
+    if len(named) > 1 or None in cards:
+        return {"omitted": "the GPUs differ; name one card for all of them, e.g. --gpus 2xH100"}
     gpu = next(iter(named.values()))
     if cfg.objective.name == "grpo":
         return {"omitted": "objective=grpo: its generation is not in the time model", "gpu": gpu.name}
     cfg = _as_planned(cfg, plan)
     dist = plan.get("dist") or {}
     st = spec_from_cfg(precision_for(cfg, gpus), int(dist.get("world_size") or 1))
-    offloaded = _offloaded_bytes(plan) if gpus else 0
-    out = timing.step_seconds(st, gpu, offloaded, sharded=dist.get("strategy") in SHARDED)
+    host, disk = _offloaded_bytes(plan)
+    out = timing.step_seconds(st, gpu, host, sharded=dist.get("strategy") in SHARDED, disk_bytes=disk)
     out["constants"] = timing.constants()
     steps, how = run_steps(cfg, st)
     if steps:
@@ -66,12 +67,12 @@ def _as_planned(cfg: TrainConfig, plan: dict) -> TrainConfig:
     return cfg
 
 
-def _offloaded_bytes(plan: dict) -> int:
-    """The weights a device map keeps in host RAM or on disk (onloaded for every pass)."""
+def _offloaded_bytes(plan: dict) -> tuple[int, int]:
+    """(bytes in host RAM, bytes on disk) of the weights a device map offloads (onloaded for every pass)."""
     if len(plan.get("device_map") or {}) <= 1:
-        return 0
+        return 0, 0
     host = (plan.get("components", {}).get("other_params") or {}).get("cpu", 0)
-    return int(host + (plan.get("counts") or {}).get("disk_read_bytes", 0))
+    return int(host), int((plan.get("counts") or {}).get("disk_read_bytes", 0))
 
 
 def run_steps(cfg: TrainConfig, st) -> tuple[int | None, str]:

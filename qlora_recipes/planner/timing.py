@@ -35,7 +35,6 @@ is the model's assumption, not a measurement.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 from ..config.gpus import Gpu
@@ -67,6 +66,9 @@ ELEMENTWISE_TRAFFIC = 4.0
 BANDWIDTH_EFFICIENCY = 0.8
 # PCIe copies reach about 80 % of the slot's rate (pinned host memory; cudaMemcpy bandwidth tests).
 LINK_EFFICIENCY = 0.8
+# A device map's disk modules are read at an NVMe SSD's sequential rate (PCIe 4.0 drives' datasheets:
+# about 7 GB/s; the page cache can do better when host RAM holds the files).
+DISK_GB_S = 7.0
 # Trainer bookkeeping per optimizer step (callbacks, logging, the learning-rate step, grad-norm clipping).
 STEP_SECONDS = 0.02
 # Trainer construction and the first steps' extra seconds (CUDA kernels loaded, autotuning, the paged
@@ -191,11 +193,12 @@ def micro_batch_work(st: StackSpec) -> Work:
     )
 
 
-def step_seconds(st: StackSpec, gpu: Gpu, offloaded_bytes: int = 0, sharded: bool = False) -> dict:
+def step_seconds(st: StackSpec, gpu: Gpu, offloaded_bytes: int = 0, sharded: bool = False, disk_bytes: int = 0) -> dict:
     """Seconds per optimizer step of `st` on `gpu` (one rank of st.world_size), by term, and tokens/s.
 
-    offloaded_bytes: the weights a device map keeps in host RAM or on disk, onloaded for every pass;
-    sharded: FSDP / ZeRO-3, whose ranks all-gather the (quantized) weights in every pass."""
+    offloaded_bytes: the weights a device map keeps in host RAM, onloaded for every pass; disk_bytes:
+    those it reads from disk for every pass (at DISK_GB_S, then over the link); sharded: FSDP / ZeRO-3,
+    whose ranks all-gather the (quantized) weights in every pass."""
     w = micro_batch_work(st)
     peak, bw = gpu.tflops_16bit * 1e12, gpu.memory_tb_s * 1e12 * BANDWIDTH_EFFICIENCY
     passes = 1 + (1 if st.checkpointing else 0) + 1
@@ -208,7 +211,7 @@ def step_seconds(st: StackSpec, gpu: Gpu, offloaded_bytes: int = 0, sharded: boo
     dispatch = w.ops * OP_SECONDS
     link = gpu.host_link_gb_s * 1e9 * LINK_EFFICIENCY
     offload = max(0.0, w.link_bytes / link - (compute + memory))  # copies on their own streams
-    onload = offloaded_bytes * passes / link
+    onload = (offloaded_bytes + disk_bytes) * passes / link + disk_bytes * passes / (DISK_GB_S * 1e9)
     micro = compute + memory + dispatch + offload + onload
     ws = max(1, st.world_size)
     peer = gpu.peer_link_gb_s * 1e9 * LINK_EFFICIENCY
@@ -250,14 +253,6 @@ def wall_seconds(per_step: float, steps: int) -> float:
     return steps * per_step + WARMUP_SECONDS
 
 
-def steps_for(rows: int, st: StackSpec, epochs: float, max_steps: int) -> int:
-    """The optimizer steps a run makes: trainer.max_steps when set (> 0), else epochs over the rows."""
-    if max_steps and max_steps > 0:
-        return int(max_steps)
-    per_epoch = math.ceil(rows / (st.micro_batch * st.grad_accum * max(1, st.world_size)))
-    return int(math.ceil(per_epoch * epochs))
-
-
 FITTED_ON = (
     "bench/results/nvidia-h100-80gb-hbm3-2026-11-26.json, "
     "bench/results/long-context-nvidia-h100-80gb-hbm3-2026-11-26.md"
@@ -268,7 +263,7 @@ def constants() -> dict:
     """The model's constants as plan.json records them, with where the fitted ones come from."""
     fitted = ("MATMUL_EFFICIENCY", "OP_SECONDS", "ATTENTION_EFFICIENCY", "PACKED_ATTENTION_EFFICIENCY")
     fitted += ("ELEMENTWISE_TRAFFIC", "WARMUP_SECONDS")
-    stated = ("BANDWIDTH_EFFICIENCY", "LINK_EFFICIENCY", "STEP_SECONDS", "LAYER_OPS", "BACKWARD_OPS")
+    stated = ("BANDWIDTH_EFFICIENCY", "LINK_EFFICIENCY", "DISK_GB_S", "STEP_SECONDS", "LAYER_OPS", "BACKWARD_OPS")
     return {
         "fitted": {k.lower(): globals()[k] for k in fitted},
         "fitted_on": FITTED_ON + " (python -m bench.time_fit --search)",

@@ -159,3 +159,14 @@ def test_a_card_without_bf16_plans_fp16_and_times_the_default_stack(tmp_path):
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["stack"]["dtype"] == "float16" and plan["time"]["gpu"] == "T4"
     assert plan["time"]["s_per_step"] > 0 and "seq_len_auto" in plan  # timed at what auto was planned at
+
+
+def test_offloaded_layers_cost_their_host_link_and_mixed_cards_get_no_time():
+    cfg = compose_cfg("recipe=llama2-70b-24gb-disk", "data.metric=null")
+    sizes = devices.parse_gpus("RTX-4090")
+    plan = planner.plan(cfg, gpus=sizes, host_ram=128 * GiB)
+    offloaded = timeplan.time_section(cfg, plan, [gpus.card("RTX-4090")], sizes)
+    link = offloaded["terms_s"]["host_link"]
+    assert link > offloaded["terms_s"]["matmul_and_attention"]  # the layers on disk and in RAM, every pass
+    mixed = timeplan.time_section(cfg, plan, [gpus.card("RTX-4090"), None], sizes * 2)
+    assert "differ" in mixed["omitted"] and timeplan.time_lines(mixed)[0].startswith("time: not estimated")

@@ -184,6 +184,19 @@ class PeftConfig:
     dropout: float = option(0.05, "the LoRA dropout probability", range="[0, 1)")
     target_modules: Any = option("all-linear", '"all-linear", a list of module names or a regular expression')
     modules_to_save: list[str] | None = option(None, "modules trained in full and saved with the adapter")
+    # model/expert_lora.py: peft's target_parameters on the fused 3-D expert weights (4-bit ones included)
+    experts: str = option(
+        "lora",
+        "MoE models: lora also adapts the fused expert weights (peft target_parameters, one low-rank update "
+        "per expert, no dropout there); none adapts the linears only (attention, shared experts)",
+        choices=("lora", "none"),
+    )
+    expert_r: int | None = option(
+        None,
+        "the LoRA rank of each expert under peft.experts=lora; null: max(1, r // num_experts), as peft's docs "
+        "advise (the experts together then hold about what one rank-r linear does)",
+        range=">= 1|null",
+    )
     adapter_dtype: str = option(
         "float32",
         "the trained tensors' dtype: float32 master weights, or bfloat16 as the QLoRA paper and TRL train a "

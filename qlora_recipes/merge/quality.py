@@ -189,13 +189,12 @@ def _device_kwargs(dtype: torch.dtype) -> dict[str, Any]:
 
 def original_logits(cfg, run_dir: Path, batches: list[dict], pad_id: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """Logits of the 16-bit original base + adapter, unmerged: the reference for the merge alone."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from ..model import loading
+    from ..model import expert_lora, loading
 
     original = AutoModelForCausalLM.from_pretrained(**loading.source(cfg.model), **_device_kwargs(dtype))
-    original = PeftModel.from_pretrained(original, str(run_dir / "adapter"), is_trainable=False).eval()
+    original = expert_lora.load_adapter(original, str(run_dir / "adapter")).eval()
     logits = prompt_logits(original, batches, pad_id)
     original = None
     free_memory()

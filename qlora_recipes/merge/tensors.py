@@ -66,6 +66,18 @@ def _merge_lora(module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _param_wrappers(module) -> tuple[dict, object]:
+    """({weight name: its wrapper}, the wrapped module) of peft's nested parameter wrappers (LoRA on fused
+    MoE expert weights, model/expert_lora.py); ({}, module) for any other module."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    wrappers = {}
+    while isinstance(module, ParamWrapper):
+        wrappers[module.parameter_name] = module
+        module = module.base_layer
+    return wrappers, module
+
+
 def _peft_types():
     from peft.tuners.lora import LoraLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -92,6 +104,7 @@ def merged_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     seen: set[int] = set()
 
     def walk(module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        wrappers, module = _param_wrappers(module)
         if isinstance(module, LoraLayer):
             with _aligned(module.get_base_layer()):
                 for name, tensor in _merge_lora(module).items():
@@ -117,7 +130,8 @@ def merged_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
                 if param is None or id(param) in seen:  # tied weights: the first name only
                     continue
                 seen.add(id(param))
-                yield prefix + name, dequantize_param(param)  # 4-bit experts at their full shape
+                tensor = dequantize_param(param)  # 4-bit experts at their full shape
+                yield prefix + name, _add_update(wrappers[name], tensor) if name in wrappers else tensor
             for name, buf in module._buffers.items():
                 if buf is not None and name not in module._non_persistent_buffers_set:
                     yield prefix + name, buf.detach()
@@ -175,7 +189,9 @@ def original_merged_tensors(model, cfg) -> Iterator[tuple[str, torch.Tensor]]:
 
     LoraLayer, _, ModulesToSaveWrapper, _ = _peft_types()
     base = model.get_base_model()
-    lora_modules = {name for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    lora_modules = {name for name, m in base.named_modules() if isinstance(m, LoraLayer) and not _param_wrappers(m)[0]}
+    experts = {name: _param_wrappers(m)[0] for name, m in base.named_modules() if _param_wrappers(m)[0]}
+    experts = {name: w for name, w in experts.items() if not name.endswith(".base_layer")}  # peft nests them
     saved_modules = {name: m for name, m in base.named_modules() if isinstance(m, ModulesToSaveWrapper)}
     merged: set[str] = set()
     _, files = _checkpoint_files(cfg)
@@ -183,7 +199,12 @@ def original_merged_tensors(model, cfg) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt") as f:
             for key in keys:
                 module_name, _, attr = key.rpartition(".")
-                if module_name in lora_modules and attr == "weight":
+                if attr in experts.get(module_name, {}):  # a fused expert weight as the loaded model names it
+                    wrapper = experts[module_name][attr]
+                    device = next(wrapper.lora_A.parameters()).device
+                    yield key, _add_update(wrapper, f.get_tensor(key).to(device).float())
+                    merged.add(f"{module_name}.{attr}")
+                elif module_name in lora_modules and attr == "weight":
                     module = base.get_submodule(module_name)
                     device = next(module.lora_A.parameters()).device if len(module.lora_A) else torch.device("cpu")
                     yield key, _add_update(module, f.get_tensor(key).to(device).float())
@@ -201,9 +222,11 @@ def original_merged_tensors(model, cfg) -> Iterator[tuple[str, torch.Tensor]]:
                     yield key, trained.get_parameter(key[len(saved) + 1 :]).detach()
                 else:
                     yield key, f.get_tensor(key)
-    missing = sorted(lora_modules - merged)
+    merged_keys = {f"{m}.weight" for m in merged} | merged
+    wanted = {f"{m}.weight" for m in lora_modules} | {f"{m}.{w}" for m, ws in experts.items() for w in ws}
+    missing = sorted(wanted - merged_keys)
     if missing:
         raise UserError(
             f"--from-original: the original checkpoint has no weight for {len(missing)} adapted module(s) (e.g. "
-            f"{missing[0]}.weight); its tensor names differ from the loaded model's, merge without --from-original"
+            f"{missing[0]}); its tensor names differ from the loaded model's, merge without --from-original"
         )

@@ -13,9 +13,9 @@ from ..families import traits
 from ..units import torch_dtype
 from .checkpoint import bitsandbytes_saved
 from .checkpointing import enable_checkpointing
-from .hf_configs import bnb_config, lora_config
+from .hf_configs import bnb_config
 from .lean_rmsnorm import lean_rmsnorms
-from .moe_experts import lora_on_linears, quantize_experts, quantized_while_loading
+from .moe_experts import quantize_experts, quantized_while_loading
 from .tiled_mlp import tile_mlps
 
 log = logging.getLogger(__name__)
@@ -269,6 +269,8 @@ def make_trainable(cfg: TrainConfig, model):
     then the adapters from `peft`."""
     from peft import get_peft_model, prepare_model_for_kbit_training
 
+    from . import expert_lora  # imports peft
+
     t = cfg.trainer
     ckpt_kwargs = {"use_reentrant": t.checkpointing_mode == "reentrant"}
     kbit_prep = cfg.quant.method != "none" and cfg.precision.upcast_frozen
@@ -285,7 +287,9 @@ def make_trainable(cfg: TrainConfig, model):
     try:
         with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-            model = get_peft_model(model, lora_config(lora_on_linears(cfg.peft, model)))
+            warnings.filterwarnings("ignore", expert_lora.RANK_PATTERN_WARNING, RuntimeWarning)
+            model = get_peft_model(model, expert_lora.peft_config(cfg.peft, model))
+        expert_lora.saved_as_peft_loads_it(model)
     except ValueError as err:  # e.g. target modules not found in the base
         raise UserError(f"peft: {str(err).splitlines()[0]} (check peft.target_modules)") from None
     _adapters_off_meta(cfg.offload, model)

@@ -46,7 +46,7 @@ def expert_weights(module: torch.nn.Module) -> list[str]:
     ]
 
 
-def _experts_module(module: torch.nn.Module) -> bool:
+def experts_module(module: torch.nn.Module) -> bool:
     """An experts module, its weights in 16 or 4 bits."""
     own = dict(module.named_parameters(recurse=False))
     return bool(expert_weights(module)) or any(is_4bit(own.get(n)) for n in _WEIGHT_NAMES)
@@ -148,11 +148,39 @@ class _Experts4bit(torch.autograd.Function):
         return dx.to(ctx.x_dtype), None, None, None
 
 
+def _lora_rows(module, name: str, x: torch.Tensor, layout: str, ids=None) -> torch.Tensor | None:
+    """x times the active LoRA updates of `module.<name>` (model/expert_lora.py sets them while its
+    wrapper's forward runs), None without any. Rows sorted by expert with their expert `ids`, or one batch
+    per expert (`ids` None, x [E, n, in]). A routed row goes through every expert's A at once (the experts
+    together hold about rank r) and keeps only its own expert's columns before B: no loop, no host sync."""
+    wrapper, adapters = module.__dict__.get("_expert_lora", {}).get(name, (None, ()))
+    out = None
+    for adapter in adapters:
+        first, second, scaling = wrapper.io_factors(adapter, layout, x.dtype)  # [E, in, r], [E, r, out]
+        if ids is None:
+            rows = torch.bmm(torch.bmm(x, first), second)
+        else:
+            experts, _, rank = first.shape
+            h = x @ first.permute(1, 0, 2).reshape(x.shape[-1], experts * rank)
+            own = ids.unsqueeze(-1) == torch.arange(experts, device=ids.device).repeat_interleave(rank)
+            rows = (h * own) @ second.reshape(experts * rank, -1)
+        out = rows * scaling if out is None else out + rows * scaling
+    return out
+
+
 def _project(module, name: str, x: torch.Tensor, offsets, ids=None) -> torch.Tensor:
     layout = "io" if module.is_transposed else "oi"
     out = _Experts4bit.apply(x, getattr(module, name), offsets, layout)
+    lora = _lora_rows(module, name, x, layout, ids)
+    out = out if lora is None else out + lora.to(out.dtype)
     bias = getattr(module, f"{name}_bias", None) if module.has_bias else None
     return out if bias is None else out + bias[ids].to(out.dtype)
+
+
+def _batched(module, name: str, x: torch.Tensor) -> torch.Tensor:
+    out = _Experts4bit.apply(x, getattr(module, name), None, "io")
+    lora = _lora_rows(module, name, x, "io")
+    return out if lora is None else out + lora.to(out.dtype)
 
 
 def routed_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -177,8 +205,8 @@ def batched_forward(self, hidden_states):
     """Llama 4's experts forward over 4-bit weights: the tokens come laid out per expert."""
     size = self.gate_up_proj.quant_state.shape[1]  # hidden (its weights are [E, in, out])
     x = hidden_states.view(self.num_experts, -1, size)
-    gate, up = _Experts4bit.apply(x, self.gate_up_proj, None, "io").chunk(2, dim=-1)
-    out = _Experts4bit.apply(up * self.act_fn(gate), self.down_proj, None, "io")
+    gate, up = _batched(self, "gate_up_proj", x).chunk(2, dim=-1)
+    out = _batched(self, "down_proj", up * self.act_fn(gate))
     return out.view(-1, size)
 
 
@@ -233,7 +261,7 @@ def quantize_experts(model: torch.nn.Module, quant: QuantConfig, here: bool = Tr
     if not applies(quant):
         return counts
     for module in model.modules():
-        if not _experts_module(module) or type(module) in _CLASSES.values():
+        if not experts_module(module) or type(module) in _CLASSES.values():
             continue
         kind = _forward_kind(module)
         meta = any(p.device.type == "meta" for p in module.parameters())
@@ -283,7 +311,9 @@ def lora_on_linears(peft_cfg: PeftConfig, model: torch.nn.Module) -> PeftConfig:
     targets = linear_targets(model) if peft_cfg.target_modules == "all-linear" else None
     if targets is None:
         return peft_cfg
-    log.info("peft: all-linear on an MoE model: LoRA on its nn.Linear layers %s, not on the experts", targets)
+    log.info(
+        "peft: all-linear on an MoE model: LoRA on its nn.Linear layers %s (on the experts: peft.experts)", targets
+    )
     return dataclasses.replace(peft_cfg, target_modules=targets)
 
 
@@ -291,10 +321,10 @@ def linear_targets(model: torch.nn.Module) -> list[str] | None:
     """For `peft.target_modules=all-linear` on a model with fused experts: the leaf names of its nn.Linear
     layers (attention, shared or dense MLPs; never the output head), else None (all-linear as peft reads
     it). peft 0.21 maps all-linear on such models to the expert parameters too (`target_parameters`,
-    its ParamWrapper, which refuses LoRA dropout and cannot wrap a 4-bit weight): LoRA on the experts is
-    not built yet, so the default stays on the linears. Leaf names that peft would map onto the fused
+    its ParamWrapper, which refuses LoRA dropout and cannot wrap a 4-bit weight): the experts get theirs
+    from model/expert_lora.py instead (peft.experts). Leaf names that peft would map onto the fused
     experts (v4's per-expert names) are left out, logged."""
-    fused = [n for n, m in model.named_modules() if _experts_module(m)]
+    fused = [n for n, m in model.named_modules() if experts_module(m)]
     if not fused:
         return None
     head = model.get_output_embeddings()
@@ -303,10 +333,10 @@ def linear_targets(model: torch.nn.Module) -> list[str] | None:
         for n, m in model.named_modules()
         if plain_linear(m) and m is not head and not any(n.startswith(f + ".") for f in fused)
     }
-    dropped = sorted(names & _V4_EXPERT_NAMES)
+    dropped = sorted(names & V4_EXPERT_NAMES)
     if dropped:
         log.info("peft: all-linear on MoE experts' layers leaves out %s (peft maps them onto the experts)", dropped)
-    return sorted(names - _V4_EXPERT_NAMES)
+    return sorted(names - V4_EXPERT_NAMES)
 
 
 def plain_linear(module: torch.nn.Module) -> bool:
@@ -320,4 +350,4 @@ def plain_linear(module: torch.nn.Module) -> bool:
 
 # peft's v4-to-v5 MoE remap (utils/transformers_weight_conversion.py) turns these leaf names into the fused
 # experts' parameters and the router's weight
-_V4_EXPERT_NAMES = frozenset({"gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
+V4_EXPERT_NAMES = frozenset({"gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})

@@ -212,6 +212,7 @@ def check_adapter_shapes(model, run_dir: Path, adapter_cfg: dict) -> None:
         if marker is None:
             continue  # modules_to_save copies, trainable tokens: peft checks those itself
         module_name, side = name.split(marker)[0], "in" if marker == ".lora_A." else "out"
+        module_name = module_name.replace(".base_layer", "")  # peft nests the wrappers of one module's weights
         try:
             module = model.get_submodule(module_name)
         except AttributeError:
@@ -234,14 +235,12 @@ def load_stack(cfg: TrainConfig, run_dir: Path, adapter_cfg: dict | None = None)
     """The stack the run trained and evaluated: its (quantized) base via `loading.load_model`, plus
     the saved adapter, in eval mode."""
     adapter_cfg = adapter_cfg if adapter_cfg is not None else check_adapter_base(cfg, run_dir)
-    from peft import PeftModel
-
-    from ..model import loading
+    from ..model import expert_lora, loading
 
     base = loading.load_model(cfg, run_dir)
     check_adapter_shapes(base, run_dir, adapter_cfg)
     try:
-        model = PeftModel.from_pretrained(base, str(run_dir / "adapter"), is_trainable=False)
+        model = expert_lora.load_adapter(base, str(run_dir / "adapter"))
     except (RuntimeError, ValueError, KeyError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"{run_dir}/adapter could not be loaded onto {cfg.model.name_or_path} ({first})") from None

@@ -82,8 +82,12 @@ def _lora_targets(st: StackSpec, blocks: tuple[Block, ...]) -> tuple[set[str], s
     embed_names = [e[0] for b in blocks for e in b.embeddings]
     tm = st.target_modules
     if isinstance(tm, str) and tm == "all-linear":
-        # peft: every linear except the output layer (lm_head)
-        return {n for n in linear_names if n != "lm_head"}, set()
+        # peft: every linear except the output layer (lm_head); beside fused experts, not the names peft
+        # maps onto them (moe_experts.linear_targets spells the list out so; that import loads torch)
+        skip: frozenset[str] = frozenset()
+        if any(b.experts for b in blocks):
+            from ..model.moe_experts import V4_EXPERT_NAMES as skip
+        return {n for n in linear_names if n != "lm_head" and n.rsplit(".", 1)[-1] not in skip}, set()
 
     def match(name: str) -> bool:
         if isinstance(tm, str):
@@ -127,6 +131,7 @@ class BlockBytes:
     max_dora: int = 0  # bytes of DoRA's weight-norm temporaries for the largest adapted linear
     lora_in: int = 0  # sum of in_features of adapted linears (dropout copies)
     mlp_lora_in: int = 0  # of which the MLP's (gate/up/down): what trainer.tiled_mlp runs per tile
+    expert_lora_in: int = 0  # sum of in_features of LoRA-adapted expert weights (per routed row)
     dora_out: int = 0  # sum of out_features of DoRA-adapted linears
     dora_in: int = 0  # sum of in_features of DoRA-adapted linears
     dora_weight: int = 0  # sum of out*in of DoRA-adapted linears
@@ -215,10 +220,15 @@ def _add_experts(st: StackSpec, blk: Block, bb: BlockBytes) -> None:
     NF4/FP4 tensor (model/moe_experts.py: the codes, absmax and code books as a Linear4bit's weight holds,
     quantized_linear_bytes), and its forward (and again its backward) dequantizes the whole tensor in the
     compute dtype: the layer's dequant scratch. Otherwise they are frozen 16-bit params (k-bit prep
-    upcasts them to fp32 like the norms)."""
+    upcasts them to fp32 like the norms). peft.experts=lora: peft's A [E*r_e, in], B [out, E*r_e] each."""
     load, after = dtype_bytes(st.dtype), st.frozen_bytes
-    for _, n in blk.experts:
+    for name, n in blk.experts:
         bb.params_total += n
+        if st.expert_r:  # the weight's other side than h: 2 x intermediate (gate_up), intermediate (down)
+            e, h, width = st.fig.num_experts, st.fig.hidden_size, n // (st.fig.num_experts * st.fig.hidden_size)
+            fan_in, fan_out = (width, h) if name.endswith("down_proj") else (h, width)
+            bb.lora_tensors += [(e * st.expert_r, fan_in), (fan_out, e * st.expert_r)]
+            bb.expert_lora_in += fan_in
         if st.quant in ("nf4", "fp4") and st.experts_4bit:
             data, state = quantized_linear_bytes(n, 0, st.quant, st.double_quant, st.quant_storage_bytes)
             bb.quant_data += data
@@ -464,6 +474,9 @@ def mlp_saved_per_token(st: StackSpec, bb: BlockBytes, on_cpu: bool = False) -> 
     per_token = 3 * r * fig.active_intermediate + (c + (mask if st.lora_dropout > 0 else 0)) * bb.mlp_lora_in
     if fig.num_experts:  # the routed rows' weighted outputs (k x h) and the router's fp32 logits and probs
         per_token += fig.experts_per_token * fig.hidden_size * r + 8 * fig.num_experts
+    if bb.expert_lora_in:  # expert LoRA, per routed row and weight: its input, x@A over all experts, the mask
+        ranks = fig.num_experts * st.expert_r
+        per_token += fig.experts_per_token * (c * bb.expert_lora_in + 2 * (2 * c + 1) * ranks)
     per_token += 2 * c * bb.mlp_dora_out
     if bb.dora_out and st.lora_dropout > 0:
         per_token += c * bb.mlp_dora_in

@@ -49,6 +49,7 @@ class StackSpec:
     alpha: float = 32
     lora_dropout: float = 0.05
     target_modules: Any = "all-linear"  # "all-linear", a regex string, or a tuple of names
+    expert_r: int = 0  # peft.experts=lora: the LoRA rank of each MoE expert (resolved); 0: no LoRA on the experts
     modules_to_save: tuple[str, ...] = ()
     optim: str = "paged_adamw_8bit"
     dtype: str = "bfloat16"
@@ -157,6 +158,7 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         # DPOConfig.disable_dropout (TRL's default, kept): every dropout's p set to 0, so it saves no mask
         lora_dropout=float(peft.dropout) if objective.name == "sft" else 0.0,
         target_modules=targets,
+        expert_r=_expert_rank(peft, fig.num_experts),
         modules_to_save=tuple(peft.modules_to_save or ()),
         optim=oname,
         dtype=dtype,
@@ -196,6 +198,14 @@ def _checkpointing(value: Any, num_layers: int) -> dict[str, Any]:
         return {"checkpointing": value == "auto" or value is True, "ckpt_layers": None}
     n = int(value)
     return {"checkpointing": n > 0, "ckpt_layers": n if 0 < n < num_layers else None}
+
+
+def _expert_rank(peft: PeftConfig, num_experts: int | None) -> int:
+    """The rank model/expert_lora.py gives each expert: peft.expert_r, else max(1, r // num_experts); 0
+    where no expert gets LoRA (peft.experts=none, a dense model)."""
+    if str(peft.experts) != "lora" or not num_experts:
+        return 0
+    return int(peft.expert_r) if peft.expert_r else max(1, int(peft.r) // num_experts)
 
 
 def _checkpoint(fig: Figures, quant: QuantConfig, name: str) -> tuple[Stored, SavedQuant | None]:

@@ -18,7 +18,7 @@ from ..outputs.rundir import load_run_config, resolve_dir, run_metrics, same_bas
 from ..outputs.runfiles import MANIFEST
 
 # what the adapter's tensors and their scale are made of: equal in both stages, or the weights do not fit
-SHAPE_KEYS = ("method", "r", "alpha", "target_modules", "modules_to_save")
+SHAPE_KEYS = ("method", "r", "alpha", "target_modules", "experts", "expert_r", "modules_to_save")
 
 
 def check_init_from(cfg: TrainConfig) -> dict | None:

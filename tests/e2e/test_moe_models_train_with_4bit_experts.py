@@ -2,7 +2,7 @@
 tiny Qwen3-MoE and gpt-oss models, built from transformers' own config classes (helpers_models.py) and
 saved as a user's model dir, load with every fused expert weight quantized as it lands (never more than
 one of them in 16 bits), routers and gpt-oss's expert biases in the compute dtype, and train under the
-default stack (LoRA on the attention linears) with a falling loss."""
+default stack (LoRA on the attention linears and the 4-bit experts) with a falling loss."""
 
 import json
 import math
@@ -87,7 +87,7 @@ def test_qwen3_moe_trains_with_4bit_experts_and_its_loss_falls(models, tmp_path,
     )
     adapter = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
     assert sorted(adapter["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
-    assert not adapter.get("target_parameters")
+    assert sorted(adapter["target_parameters"]) == ["experts.down_proj", "experts.gate_up_proj"]  # peft.experts=lora
 
 
 def test_gpt_oss_trains_with_4bit_expert_weights_and_its_biases_as_they_were(models, tmp_path, trained_model):

@@ -1,8 +1,8 @@
 """A tiny MoE run with its experts in 4 bits (quant.experts=4bit, the default) keeps what a run promises
 after training: stopped by SIGTERM it resumes to the very adapter of a run never stopped; merged, its
-experts are the dequantized 4-bit weights training computed with, its linears hold the LoRA update, the
-files have the base checkpoint's layout (names, shapes, the run's dtype) and plain transformers loads
-them; the merged logits match the 4-bit base + adapter; generate answers alike from the run dir and the
+experts are the dequantized 4-bit weights training computed with plus their LoRA update (peft.experts=lora,
+the default), its linears hold theirs, the files have the base checkpoint's layout (names, shapes, the
+run's dtype) and plain transformers loads them; the merged logits match the 4-bit base + adapter; generate answers alike from the run dir and the
 merged dir. Models (helpers_models.py): random Qwen3-MoE and gpt-oss (biased, transposed experts, no
 layout conversion), and a Mixtral built from the shipped tiny Llama (a layout transformers converts while
 loading; it writes text where a random MoE greedily answers EOS).
@@ -86,24 +86,44 @@ def test_a_merged_moe_has_its_bases_checkpoint_layout_and_loads_in_plain_transfo
         assert all(p.is_floating_point() for p in model.parameters())
 
 
-def test_merged_experts_are_the_dequantized_4bit_experts_training_computed_with(merged_runs, tmp_path):
+def _expert_updates(stack) -> dict[str, torch.Tensor]:
+    """{expert weight name: its LoRA update}, by peft's own get_delta_weight, of a loaded run stack."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    updates = {}
+    for name, module in stack.get_base_model().named_modules():
+        if isinstance(module, ParamWrapper):
+            key = f"{name.replace('.base_layer', '')}.{module.parameter_name}"
+            updates[key] = module.get_delta_weight("default").float()
+    return updates
+
+
+def test_merged_experts_are_the_dequantized_4bit_experts_training_computed_with_their_update(merged_runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from qlora_recipes.outputs.rundir import load_run_config
+    from qlora_recipes.outputs.rundir import load_run_config, load_stack
 
     for family, (run_dir, _) in merged_runs.items():
-        trained = loading.load_model(load_run_config(run_dir), tmp_path)  # the 4-bit base as the run loaded it
+        stack = load_stack(load_run_config(run_dir), run_dir)  # the 4-bit base as the run loaded it + adapter
+        updates = _expert_updates(stack)
         merged = AutoModelForCausalLM.from_pretrained(str(run_dir / "merged"), dtype=torch.float32)
         params = {
-            n: p for n, p in trained.named_parameters() if moe_experts.is_4bit(p) and len(p.quant_state.shape) == 3
+            n.replace(".base_layer", ""): p
+            for n, p in stack.get_base_model().named_parameters()
+            if moe_experts.is_4bit(p) and len(p.quant_state.shape) == 3
         }
-        assert len(params) == 4, family
+        assert len(params) == 4 and sorted(updates) == sorted(params), family
         for name, packed in params.items():
-            assert torch.equal(merged.get_parameter(name), moe_experts.dequantized(packed, torch.float32)), name
+            assert updates[name].abs().max() > 0, name  # trained: B moved from its zero init
+            expected = moe_experts.dequantized(packed, torch.float32) + updates[name]
+            torch.testing.assert_close(merged.get_parameter(name), expected, rtol=0, atol=1e-6, msg=name)
+        trained = stack.get_base_model()
         biases = [n for n, _ in trained.named_parameters() if "experts" in n and n.endswith("_bias")]
         assert len(biases) == (4 if family == "gpt_oss" else 0)
         for name in biases:
-            assert torch.equal(merged.get_parameter(name), trained.get_parameter(name).float()), name
+            assert torch.equal(
+                merged.get_parameter(name.replace(".base_layer", "")), trained.get_parameter(name).float()
+            )
 
 
 def test_a_merged_moe_matches_its_4bit_base_plus_adapter(merged_runs):

@@ -149,7 +149,7 @@ def test_a_bad_quant_experts_value_is_refused_naming_the_key_and_its_choices():
     assert "quant.experts" in str(info.value) and "16bit" in str(info.value) and "\n" not in str(info.value)
 
 
-def test_default_lora_on_an_moe_model_targets_its_linears_not_its_experts():
+def test_all_linear_on_an_moe_model_is_spelled_out_as_its_linears():
     import transformers
     from transformers import AutoModelForCausalLM
 

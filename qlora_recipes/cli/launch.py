@@ -18,6 +18,7 @@ node with MASTER_ADDR and NODE_RANK set. `--cpu` starts the same ranks on this m
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -84,6 +85,8 @@ def launch(recipe: str, overrides: list[str], dry_run: bool, cpu: bool = False, 
         plan = planner.plan(cfg, gpus=[] if cpu else (gpus_here or None), world_size=ws)
         planner.refuse_unless_fits(plan, force=cfg.force)
     cmd = dist.launch_command(cfg, recipe, overrides)
+    if not dry_run and ranks > 1:
+        _check_before_ranks(cfg, cmd, ranks)
     print(("CUDA_VISIBLE_DEVICES= " if cpu else "") + " ".join(cmd), flush=True)
     if dry_run:
         return 0
@@ -91,8 +94,53 @@ def launch(recipe: str, overrides: list[str], dry_run: bool, cpu: bool = False, 
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     launcher = f"python {prog}" if prog.endswith(".py") else prog
     os.environ[LAUNCH_ENV] = f"{launcher} --cpu" if cpu else launcher
-    os.execv(cmd[0], cmd)
-    return 0  # not reached
+    if ranks <= 1:
+        os.execv(cmd[0], cmd)
+    from ..run.ranks import start
+
+    return start(cmd)  # a failed rank: its own line and exit code, not the launcher's report
+
+
+def _run_dir(cmd: list[str]) -> Path | None:
+    """The run dir the command gives its ranks (hydra.run.dir), when it is a plain path."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    given = [a for a in cmd if a.lstrip("+").startswith("hydra.run.dir=")]
+    value = OverridesParser.create().parse_override(given[-1].lstrip("+")).value() if given else None
+    return Path(value) if isinstance(value, str) and "${" not in value else None
+
+
+def _check_before_ranks(cfg, cmd: list[str], ranks: int) -> None:
+    """What every rank checks before it loads anything, checked once here, before any rank starts
+    (one line, exit 2): the data files, the model dir, a run already in the run dir, and the
+    checkpoint a resume continues (trained on as many ranks). The ranks check it all again."""
+    from ..data.readers import check_data_sources
+    from ..model.check import check_hub_model, validate_model
+    from ..run.resume import AlreadyComplete, resume_checkpoint
+    from ..run.reuse import ASIDE, refuse_silent_reuse
+
+    check_data_sources(cfg.data)
+    check_hub_model(cfg.model)
+    validate_model(cfg)
+    run_dir = _run_dir(cmd)
+    if run_dir is None or not run_dir.is_dir() or (run_dir / ASIDE).exists():  # an interrupted overwrite: rank 0's
+        return
+    refuse_silent_reuse(cfg, run_dir)
+    before = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(ranks)  # the ranks' own, which a resume checks its checkpoint against
+    notes = logging.getLogger(resume_checkpoint.__module__)
+    level = notes.level
+    notes.setLevel(logging.ERROR)  # its notes (a checkpoint skipped): rank 0 says them
+    try:
+        resume_checkpoint(cfg, run_dir)
+    except AlreadyComplete:
+        pass  # the ranks say so and end at once
+    finally:
+        notes.setLevel(level)
+        if before is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = before
 
 
 @quiet_when_the_reader_goes()

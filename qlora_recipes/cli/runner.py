@@ -38,6 +38,10 @@ def _exit(message: str, code: int):
         for sig in interrupts.STOP_SIGNALS:  # one signal, one line: the exit is not interrupted again
             signal.signal(sig, signal.SIG_IGN)
     sys.stdout.flush()
+    if code == 2 and message.startswith("error: "):  # the same mistake in every rank: rank 0 says it
+        from ..run.ranks import echoes_rank_zero
+
+        message = "" if echoes_rank_zero(message) else message
     if message:  # none: another rank says it (a stop of several ranks is one line)
         print(message, file=sys.stderr, flush=True)
     sys.exit(code)

@@ -5,7 +5,6 @@ else trainer.epochs over a local data.path's rows) the expected wall time.
 
 from __future__ import annotations
 
-import copy
 import csv
 import json
 import math
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..config.gpus import Gpu, known_names
 from ..config.loader import precision_for
-from . import timing
+from . import fastest, timing
 from .seqlen import is_auto, with_seq_len
 from .sharded import SHARDED
 from .spec import spec_from_cfg
@@ -51,19 +50,14 @@ def time_section(cfg: TrainConfig, plan: dict, cards: list[Gpu | None], gpus: li
 
 
 def _as_planned(cfg: TrainConfig, plan: dict) -> TrainConfig:
-    """cfg with what the plan resolved of its `auto` values (trainer.seq_len's cap, and any other trainer
-    size given as a word) as the plan made them."""
+    """cfg with its `auto` values as the plan resolved them: trainer.seq_len's cap, and the checkpointed
+    layers, micro-batch and grad_accum of trainer.gradient_checkpointing / micro_batch_size=auto."""
     if is_auto(cfg):
         cfg = with_seq_len(cfg, int(plan["seq_len_auto"]["cap"]))
-    words = [
-        k
-        for k in ("micro_batch_size", "grad_accum", "gradient_checkpointing")
-        if isinstance(getattr(cfg.trainer, k), str)
-    ]
-    if words:
-        cfg = copy.deepcopy(cfg)
-        for key in words:
-            setattr(cfg.trainer, key, plan["stack"][key])
+    auto = plan.get("batch_auto")
+    if auto:
+        keys = ("trainer.gradient_checkpointing", "trainer.micro_batch_size", "trainer.grad_accum")
+        cfg = fastest.with_batch(cfg, *(auto[k] for k in keys))
     return cfg
 
 

@@ -130,6 +130,14 @@ def _layers(st: StackSpec) -> _Layers:
     return out
 
 
+def recompute_share(st: StackSpec) -> float:
+    """The share of decoder layers checkpointing recomputes: all, none, or trainer.gradient_checkpointing=N's."""
+    if not st.checkpointing:
+        return 0.0
+    layers = st.fig.num_layers
+    return 1.0 if st.ckpt_layers is None else min(layers, max(0, st.ckpt_layers)) / layers
+
+
 def _expert_share(st: StackSpec) -> float:
     fig = st.fig
     return fig.experts_per_token / fig.num_experts if fig.num_experts else 1.0
@@ -153,13 +161,14 @@ def micro_batch_work(st: StackSpec) -> Work:
     """The work of one micro-batch's forward and backward on one rank."""
     fig = st.fig
     rows, n = (1, st.train_rows * st.seq_len) if st.padding_free else (st.train_rows, st.seq_len)
-    forwards = 1 + (1 if st.checkpointing else 0)  # the recompute is another forward
-    forwards += (1 if st.reference in ("adapter_off", "init_adapter") else 0) + (1 if st.kl_batch else 0)
+    extra = (1 if st.reference in ("adapter_off", "init_adapter") else 0) + (1 if st.kl_batch else 0)
+    share = recompute_share(st)
+    forwards = 1 + share + extra  # the recompute is another forward (of the checkpointed layers)
     lay = _layers(st)
     head = 2 * fig.vocab_size * fig.hidden_size * rows * (n - 1)
     matmul = 2 * lay.active * rows * n * (forwards + 1)  # + the backward's input gradient
     matmul += 2 * lay.lora * rows * n * (forwards + 2)  # the backward: input and weight gradients
-    head_passes = 3 + forwards - (1 + st.checkpointing)  # forward, backward's tile recompute, input gradient
+    head_passes = 3 + extra  # forward, backward's tile recompute, input gradient; + the no-grad forwards'
     matmul += head * head_passes
     attention = _attention_flops(st, rows, n) * (forwards + 2.5)
     flash = packed = 0.0
@@ -179,8 +188,8 @@ def micro_batch_work(st: StackSpec) -> Work:
     saved = sum(layer_saved_bytes(st, bb, st.train_rows) for blk, bb in block_bytes(st) if blk.is_layer)
     link = 0.0
     if st.activation_offloading:  # each kept layer input to host RAM and back
-        kept = rows * n * fig.hidden_size * st.frozen_bytes if st.checkpointing else saved / fig.num_layers
-        link = 2 * kept * fig.num_layers
+        inputs = rows * n * fig.hidden_size * st.frozen_bytes * fig.num_layers  # a checkpointed layer's
+        link = 2 * (share * inputs + (1 - share) * saved)
     layer_ops = LAYER_OPS + lay.linears + lay.adapted / fig.num_layers
     return Work(
         matmul_flops=matmul,
@@ -201,7 +210,7 @@ def step_seconds(st: StackSpec, gpu: Gpu, offloaded_bytes: int = 0, sharded: boo
     whose ranks all-gather the (quantized) weights in every pass."""
     w = micro_batch_work(st)
     peak, bw = gpu.tflops_16bit * 1e12, gpu.memory_tb_s * 1e12 * BANDWIDTH_EFFICIENCY
-    passes = 1 + (1 if st.checkpointing else 0) + 1
+    passes = 2 + recompute_share(st)
     compute = (
         w.matmul_flops / (peak * MATMUL_EFFICIENCY)
         + w.attention_flops / (peak * ATTENTION_EFFICIENCY)

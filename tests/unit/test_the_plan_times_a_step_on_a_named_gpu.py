@@ -170,3 +170,19 @@ def test_offloaded_layers_cost_their_host_link_and_mixed_cards_get_no_time():
     assert link > offloaded["terms_s"]["matmul_and_attention"]  # the layers on disk and in RAM, every pass
     mixed = timeplan.time_section(cfg, plan, [gpus.card("RTX-4090"), None], sizes * 2)
     assert "differ" in mixed["omitted"] and timeplan.time_lines(mixed)[0].startswith("time: not estimated")
+
+
+def test_partly_checkpointed_and_auto_batches_are_timed_as_planned():
+    base = ("model=llama3.1-8b", "trainer=standard", "data.metric=null", "trainer.micro_batch_size=1")
+    flops = [
+        timing.micro_batch_work(
+            spec_from_cfg(compose_cfg(*base, f"trainer.gradient_checkpointing={v}"), 1)
+        ).matmul_flops
+        for v in ("false", "16", "true")
+    ]
+    assert flops[0] < flops[1] < flops[2]  # the first 16 of 32 layers recompute
+    cfg = compose_cfg(*base[:3], "trainer.gradient_checkpointing=auto", "trainer.micro_batch_size=auto")
+    sizes = devices.parse_gpus("H100")
+    plan = planner.plan(cfg, gpus=sizes, host_ram=256 * GiB)
+    section = timeplan.time_section(cfg, plan, [gpus.card("H100")], sizes)
+    assert section["tokens_per_s"] * section["s_per_step"] == pytest.approx(plan["tokens_per_step"])

@@ -105,7 +105,9 @@ def summary_rows(out: dict) -> list[tuple[str, str]]:
     if out.get("eval_exact_match") is not None:
         before, after = out.get("eval_exact_match_before"), out["eval_exact_match"]
         rows.append(("exact match", f"{_num(before, 3)} -> {_num(after, 3)}"))
-    rows.append(("tokens/s", _num(out.get("tokens_per_s"), 3)))
+    efficiency = out.get("token_efficiency")  # real / computed tokens: padded slots are computed too
+    shown = f"  (token efficiency {efficiency:.2f}: real / computed tokens)" if efficiency is not None else ""
+    rows.append(("tokens/s", _num(out.get("tokens_per_s"), 3) + shown))
     ratio = f", measured/planned {out['plan_ratio']:.2f}" if out.get("plan_ratio") else ""
     peak = f"{_num(out.get('planned_peak_gib'), 3)} GiB planned, {_num(out.get('peak_mem_gib'), 3)} GiB measured"
     rows.append(("peak memory", f"{peak}  ({out.get('peak_quantity', 'peak')}{ratio})"))

@@ -24,6 +24,8 @@ from omegaconf import OmegaConf
 from ..errors import UserError
 from ..invocation import command
 from ..resources import shipped_path
+from .attention import AUTO
+from .attention import pick as pick_attention
 from .fields import is_section
 from .model_dir import from_config_json
 from .schema import MODEL_FIGURES, TrainConfig
@@ -107,6 +109,11 @@ def to_typed(cfg: DictConfig) -> TrainConfig:
     except OmegaConfBaseException as err:
         raise UserError(one_line(err)) from None
     typed.model = from_config_json(typed.model)  # a model dir's own family and figures, as config.yaml records
+    if typed.quant.storage_dtype is None:  # null: the default, as conf/dist/*.yaml would set it
+        sharded = typed.dist.strategy in ("fsdp", "zero3") and typed.quant.method in ("nf4", "fp4")
+        typed.quant.storage_dtype = str(typed.precision.dtype) if sharded else "uint8"
+    if typed.model.attn_implementation == AUTO:  # after the family is known: config/attention.py
+        typed.model.attn_implementation = pick_attention(typed)
     return typed
 
 

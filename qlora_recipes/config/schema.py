@@ -66,10 +66,13 @@ SCHEDULERS = (
     "greedy",
 )
 # transformers 5.23 attention implementations (ALL_ATTENTION_FUNCTIONS and eager), each also with the
-# old `paged|` prefix; `org/name` is a hub kernel, which only loading can check.
+# old `paged|` prefix; `org/name` is a hub kernel, which only loading can check. auto and sdpa_varlen are
+# ours (config/attention.py).
 ATTENTION = (
+    "auto",
     "eager",
     "sdpa",
+    "sdpa_varlen",  # ours: model/packed_attention.py
     "flex_attention",
     "flash_attention_2",
     "flash_attention_3",
@@ -101,7 +104,12 @@ class ModelConfig:
     max_position_embeddings: int = option(4096, "the model's context length", range=">= 1")
     trust_remote_code: bool = option(False, "run the model repo's own code (transformers trust_remote_code)")
     revision: str | None = option(None, "a hub branch, tag or commit; null: main")
-    attn_implementation: str = option("sdpa", "transformers' attention implementation (or a hub kernel, org/name)")
+    # auto is resolved when the config is typed (config/attention.py): sdpa_varlen for padding-free batches
+    attn_implementation: str = option(
+        "auto",
+        "transformers' attention implementation (or a hub kernel, org/name); auto: sdpa, or for padding-free / "
+        "best-fit packed batches flash_attention_2 where flash-attn is installed, else sdpa_varlen (no dense mask)",
+    )
     # Any, not a typed dict: OmegaConf cannot merge a command line's {...} into a null or struct dict
     rope_scaling: Any = option(
         None,

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ..config.schema import DistConfig, ModelConfig, OffloadConfig, TrainConfig, mlp_tile
+from ..config.attention import AUTO, VARLEN, why_picked
+from ..config.schema import DistConfig, ModelConfig, OffloadConfig, TrainConfig, mlp_tile, padding_free_on
 from ..errors import UserError
 from ..families import traits
 from ..units import torch_dtype
@@ -146,6 +147,7 @@ def attention_for(model: ModelConfig) -> str:
     """The attention implementation to load with: model.attn_implementation, except that the sdpa
     default becomes eager for a family that has no sdpa path (logged)."""
     requested = str(model.attn_implementation)
+    requested = "sdpa" if requested == AUTO else requested  # a config not typed by config/loader.to_typed
     if requested != "sdpa":
         return requested
     cls = _model_class(model)
@@ -160,6 +162,17 @@ def attention_for(model: ModelConfig) -> str:
         )
         return "eager"
     return requested
+
+
+def _packed_attention(cfg: TrainConfig, attn: str) -> None:
+    """Register sdpa_varlen with transformers when it runs, and say in one line how a padding-free
+    run keeps its packed sequences apart."""
+    if attn == VARLEN:
+        from .packed_attention import register
+
+        register()
+    if padding_free_on(cfg.data):
+        log.info("attention: %s for padding-free micro-batches (%s)", attn, why_picked(attn))
 
 
 def _attention_error(err: Exception) -> bool:
@@ -182,6 +195,7 @@ def load_model(cfg: TrainConfig, run_dir: Path, max_memory: dict | None = None):
     from transformers import AutoModelForCausalLM
 
     attn = attention_for(cfg.model)
+    _packed_attention(cfg, attn)
     planned_map, budgets = _planned_placement(cfg, max_memory)
     quantization = bnb_config(cfg.quant, cfg.offload, cfg.model)
     if quantization is not None and bitsandbytes_saved(cfg.model.name_or_path, cfg.model.revision):

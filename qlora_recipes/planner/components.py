@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from ..config.attention import unmasked_packing
 from ..errors import UserError
 from ..units import dtype_bytes
 from .constants import (
@@ -374,8 +375,8 @@ def attention_rows(st: StackSpec, b: int) -> tuple[int, int]:
 
 def sdpa_masked(st: StackSpec, b: int) -> bool:
     """SDPA gets a mask (and K/V repeated to all heads, no native GQA): padding at b > 1, or
-    padding-free's block-diagonal mask; flash kernels take cu_seq_lens instead."""
-    return "flash" not in st.attn if st.padding_free else b > 1
+    padding-free's block-diagonal mask; flash kernels and sdpa_varlen take cu_seq_lens instead."""
+    return not unmasked_packing(st.attn) if st.padding_free else b > 1
 
 
 def act_dtypes(st: StackSpec, on_cpu: bool) -> tuple[int, int, int]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..config.attention import unmasked_packing
 from ..config.objectives import OBJECTIVES
 from ..config.schema import mlp_tile, padding_free_on
 from ..errors import UserError
@@ -232,7 +233,7 @@ def data_note(st: StackSpec) -> str | None:
     fill = "packing fills them from the data" if st.packing else "padding-free without packing holds fewer"
     mask = ""
     if st.padding_free:
-        flat = "no mask (flash kernels read cu_seq_lens)" if "flash" in st.attn else "a mask over that one row"
+        flat = f"no mask ({st.attn} reads cu_seq_lens)" if unmasked_packing(st.attn) else "a mask over that one row"
         mask = f"; padding-free: one flat row of micro_batch_size x seq_len tokens, {flat}"
     return (
         f"data: planned at micro_batch_size x seq_len = {st.micro_batch * st.seq_len:,} tokens per micro-batch, "

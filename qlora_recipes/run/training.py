@@ -28,6 +28,7 @@ from ..config.objectives import OBJECTIVES
 from ..config.schema import TrainConfig
 from ..console import next_commands, print_stack, print_summary, shown_path
 from ..data.readers import check_data_sources
+from ..data.token_count import count_train_tokens, efficiency_figures
 from ..errors import UserError
 from ..integrations import cluster, hub, trackers
 from ..interrupts import sigint_deferred
@@ -283,6 +284,7 @@ def _fit(
             **extra,
         )
         trainer_args.offload_context(trainer, c.trainer)
+        trainer.token_count = count_train_tokens(trainer)  # metrics.json's token_efficiency
         trainer.adapter_sha256_step0 = dist.sync_adapters(model)  # every rank starts from rank 0's adapters
         if c.objective.name != "sft" and trainer_eval is not None and not before:
             log.info("evaluation before training: %d eval rows", len(eval_ds))
@@ -384,6 +386,7 @@ def _run_figures(fitted: _Fitted, plan: dict, resume_from: str | None) -> dict:
         "train_loss_mean": fitted.result.training_loss,
         "train_losses": loss_curve,  # every logged training loss, in order
         "tokens_per_s": tokens / fitted.seconds if fitted.seconds > 0 else None,
+        **efficiency_figures(getattr(fitted.trainer, "token_count", None)),
         "device": loading.device_name(),
         "steps": fitted.trainer.state.global_step,
         "micro_batch_size": fitted.cfg.trainer.micro_batch_size,

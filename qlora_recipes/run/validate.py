@@ -12,6 +12,7 @@ import re
 import shlex
 from collections.abc import Mapping
 
+from ..config.attention import VARLEN, varlen_blocker
 from ..config.checks import check_stack
 from ..config.schema import ATTENTION, FSDP_STATE_DICT_TYPES, OPTIMIZERS, SCHEDULERS, TrainConfig, padding_free_on  # noqa: F401 - the valid sets, named here too
 from ..errors import UserError
@@ -164,15 +165,34 @@ def check_environment(environ: Mapping[str, str] = os.environ) -> None:
 
 
 # Attention implementations that keep the flattened sequences of a padding-free row apart: flash
-# kernels read the collator's cu_seq_lens; for these, transformers' create_causal_mask builds a
-# block-diagonal mask from position_ids (masking_utils.find_packed_sequence_indices; training only:
-# TRL's compute_loss passes use_cache=False and no attention_mask).
-POSITION_IDS_MASKED = ("sdpa", "eager", "flex_attention")
+# kernels and sdpa_varlen (model/packed_attention.py) read the collator's cu_seq_lens; for sdpa, eager and
+# flex, transformers' create_causal_mask builds a block-diagonal mask from position_ids
+# (masking_utils.find_packed_sequence_indices; training only: TRL's compute_loss passes use_cache=False
+# and no attention_mask). config/attention.py says which auto picks.
+POSITION_IDS_MASKED = ("sdpa", "eager", "flex_attention", VARLEN)
+
+
+def _check_attention(cfg: TrainConfig, gpu_available: bool) -> None:
+    """Attention the run could not train with: flex without a GPU (torch 2.13 has no flex backward on a
+    CPU), sdpa_varlen for a family whose attention it does not apply."""
+    attn = str(cfg.model.attn_implementation)
+    if attn == "flex_attention" and not gpu_available:
+        raise UserError(
+            "model.attn_implementation=flex_attention needs a CUDA GPU to train (torch has no flex attention "
+            "backward on a CPU); use model.attn_implementation=auto here"
+        )
+    blocker = varlen_blocker(cfg.model.architecture) if attn == VARLEN else None
+    if blocker:
+        raise UserError(
+            f"model.attn_implementation={VARLEN}: {cfg.model.architecture} {blocker}, which {VARLEN} does not "
+            "apply; use model.attn_implementation=auto"
+        )
 
 
 def _check_padding_free(cfg: TrainConfig, gpu_available: bool) -> None:
     """data.padding_free / packing: what TRL 1.16 and the attention backend can train correctly."""
     d, attn = cfg.data, str(cfg.model.attn_implementation)
+    _check_attention(cfg, gpu_available)
     if d.padding_free and not d.packing:
         # SFTTrainer.__init__ raises: without packing max_length (= trainer.seq_len) is not enforced
         raise UserError(
@@ -185,13 +205,13 @@ def _check_padding_free(cfg: TrainConfig, gpu_available: bool) -> None:
     if "flash" in attn:
         if not gpu_available:
             raise UserError(
-                f"{why}: model.attn_implementation={attn} needs a CUDA GPU; use model.attn_implementation=sdpa "
-                "here (transformers masks the packed sequences apart from their position_ids)"
+                f"{why}: model.attn_implementation={attn} needs a CUDA GPU; use model.attn_implementation=auto "
+                f"here ({VARLEN}: each packed sequence apart, no dense mask)"
             )
     elif attn not in POSITION_IDS_MASKED:
         raise UserError(
             f"{why}: model.attn_implementation={attn} does not keep packed sequences apart (they would attend "
-            "to each other); use model.attn_implementation=flash_attention_2 (GPU) or sdpa"
+            f"to each other); use model.attn_implementation=auto ({VARLEN}, or flash_attention_2 where installed)"
         )
 
 

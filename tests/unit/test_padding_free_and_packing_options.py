@@ -44,14 +44,26 @@ def test_runnable_combinations_validate(overrides):
             ("data.packing=true", "model.attn_implementation=flash_attention_2"),
             False,
             "data.packing_strategy=bfd: model.attn_implementation=flash_attention_2 needs a CUDA GPU; use "
-            "model.attn_implementation=sdpa here (transformers masks the packed sequences apart from their "
-            "position_ids)",
+            "model.attn_implementation=auto here (sdpa_varlen: each packed sequence apart, no dense mask)",
         ),
         (
             ("data.packing=true", "data.padding_free=true", "model.attn_implementation=paged|sdpa"),
             True,
             "data.padding_free: model.attn_implementation=paged|sdpa does not keep packed sequences apart (they "
-            "would attend to each other); use model.attn_implementation=flash_attention_2 (GPU) or sdpa",
+            "would attend to each other); use model.attn_implementation=auto (sdpa_varlen, or flash_attention_2 "
+            "where installed)",
+        ),
+        (
+            ("data.packing=true", "model.attn_implementation=flex_attention"),
+            False,
+            "model.attn_implementation=flex_attention needs a CUDA GPU to train (torch has no flex attention "
+            "backward on a CPU); use model.attn_implementation=auto here",
+        ),
+        (
+            ("model=gpt-oss-20b", "data.packing=true", "model.attn_implementation=sdpa_varlen"),
+            True,
+            "model.attn_implementation=sdpa_varlen: gpt_oss has attention sinks, which sdpa_varlen does not "
+            "apply; use model.attn_implementation=auto",
         ),
     ],
 )
@@ -103,3 +115,36 @@ def test_padding_free_on_eager_plans_the_flat_rows_mask():
     assert attention_rows(padded, b) == (b, s) and attention_rows(flat, b) == (1, b * s)
     assert shared_per_device_bytes(flat, b, True) > shared_per_device_bytes(padded, b, True)
     assert "one flat row" in [n for n in _plan("data.packing=true")["notes"] if n.startswith("data:")][0]
+
+
+@pytest.mark.parametrize(
+    "overrides, picked",
+    [
+        ((), "sdpa"),
+        (("data.packing=true", "data.packing_strategy=wrapped"), "sdpa"),  # not padding-free: rows, no position_ids
+        (("data.packing=true",), "sdpa_varlen"),  # bfd: TRL trains it padding-free
+        (("data.packing=true", "data.padding_free=true", "data.packing_strategy=wrapped"), "sdpa_varlen"),
+        (("data.packing=true", "model.attn_implementation=sdpa"), "sdpa"),  # the user's choice stands
+        (("data.packing=true", "model.attn_implementation=eager"), "eager"),
+        (("model=gpt-oss-20b", "data.packing=true", "model.attn_implementation=auto"), "sdpa"),  # sinks: eager
+    ],
+)
+def test_auto_attention_picks_the_unmasked_path_for_padding_free_batches(overrides, picked):
+    assert compose_cfg(*overrides).model.attn_implementation == picked
+
+
+def test_padding_free_plans_no_mask_on_the_varlen_path():
+    """sdpa_varlen: no [n, n] mask, and K/V not repeated to every head (SDPA's native GQA)."""
+    from qlora_recipes.planner.components import sdpa_masked, shared_per_device_bytes
+    from qlora_recipes.planner.spec import spec_from_cfg
+
+    flat = ("data.packing=true", "trainer.seq_len=64")
+    varlen = spec_from_cfg(compose_cfg(*flat), 1)
+    dense = spec_from_cfg(compose_cfg(*flat, "model.attn_implementation=sdpa"), 1)
+    b = varlen.micro_batch
+    assert (varlen.attn, dense.attn) == ("sdpa_varlen", "sdpa")
+    assert sdpa_masked(dense, b) and not sdpa_masked(varlen, b)
+    n = b * varlen.seq_len
+    assert shared_per_device_bytes(dense, b, True) - shared_per_device_bytes(varlen, b, True) == n * n
+    note = [n for n in _plan(*flat)["notes"] if n.startswith("data:")][0]
+    assert "no mask (sdpa_varlen reads cu_seq_lens)" in note

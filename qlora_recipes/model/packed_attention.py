@@ -1,0 +1,102 @@
+"""sdpa_varlen: packed (padding-free) sequences through torch's SDPA one sequence at a time, no dense mask.
+
+transformers' sdpa path masks the sequences of a padding-free row apart with a dense [n, n] block-diagonal
+mask (masking_utils.sdpa_mask), so every attention computes all n^2 pairs of the flat row and SDPA drops to
+a masked kernel. Here the mask interface returns no mask for such a row and the attention cuts the row at
+the collator's cu_seq_lens (TRL's DataCollatorForLanguageModeling, padding_free), else where position_ids
+restart: each sequence gets causal SDPA of its own (native GQA, flash/efficient kernels on a GPU), and
+the work is the sum of the sequences' squares. A padded batch, a cache (generation) or a 2-D padding mask
+go through transformers' own sdpa unchanged. A sliding-window layer gets the window inside each sequence.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+from ..config.attention import VARLEN
+
+_registered = False
+
+
+def register() -> None:
+    """Make `sdpa_varlen` an attn_implementation transformers can load (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN, varlen_mask)
+    _registered = True
+
+
+def varlen_mask(*args, attention_mask=None, q_length=None, kv_length=None, **kwargs):
+    """No mask for a row without padding whose queries see exactly its keys (training, packed or not):
+    the attention applies causality, the sequences' bounds and any window itself. Anything else
+    (padding, a cache) gets sdpa's mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None and q_length == kv_length and not kwargs.get("q_offset") and not kwargs.get("kv_offset"):
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, q_length=q_length, kv_length=kv_length, **kwargs)
+
+
+def sequence_bounds(n: int, batch: int, cu_seq_lens=None, position_ids=None) -> list[list[int]]:
+    """Per row of the batch, the offsets where its sequences start, and n at the end: TRL's cu_seq_lens
+    for its one flat row, else the restarts of position_ids (a host sync), else the whole row."""
+    if cu_seq_lens is not None and batch == 1:
+        return [[int(x) for x in cu_seq_lens.tolist()]]
+    if position_ids is None:
+        return [[0, n]] * batch
+    pos = position_ids.expand(batch, -1)
+    rows = []
+    for row in pos:
+        starts = (row[1:] != row[:-1] + 1).nonzero().flatten() + 1
+        rows.append([0, *starts.tolist(), n])
+    return rows
+
+
+def _window_mask(length: int, window: int, device):
+    """Causal within `window` keys (transformers' sliding_window_overlay: kv > q - window)."""
+    import torch
+
+    i = torch.arange(length, device=device)
+    diff = i[:, None] - i[None, :]
+    return (diff >= 0) & (diff < window)
+
+
+def varlen_attention_forward(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, sliding_window=None, **kwargs
+):
+    """transformers' attention interface: query [b, h, n, d], key/value [b, kv_h, n, d] -> ([b, n, h, d], None)."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    n = query.shape[2]
+    if attention_mask is not None or key.shape[2] != n or n == 1:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    drop = dropout if module.training else 0.0
+    bounds = sequence_bounds(n, query.shape[0], kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"))
+    rows = []
+    for b, row_bounds in enumerate(bounds):
+        qkv = tuple(t[b : b + 1] for t in (query, key, value))
+        parts = [_sequence(qkv, start, end, drop, scaling, sliding_window) for start, end in pairwise(row_bounds)]
+        rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
+    out = torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _sequence(qkv, start: int, end: int, dropout: float, scaling, sliding_window):
+    """Causal SDPA over one packed sequence (native GQA; a window inside it when it is longer)."""
+    import torch.nn.functional as F
+
+    q, k, v = (t[:, :, start:end] for t in qkv)
+    windowed = sliding_window is not None and end - start > sliding_window
+    mask = _window_mask(end - start, sliding_window, q.device) if windowed else None
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=gqa
+    )

@@ -170,8 +170,11 @@ class QuantConfig:
     method: str = option("nf4", "how the base is quantized", choices=QUANT_METHODS)
     double_quant: bool = option(True, "quantize the 4-bit absmax constants too (QLoRA's double quantization)")
     compute_dtype: str = option("${precision.dtype}", "the dtype 4-bit matmuls compute in")
-    storage_dtype: str = option(
-        "uint8", "bnb_4bit_quant_storage; set to the FSDP dtype under FSDP", choices=STORAGE_DTYPES
+    storage_dtype: str | None = option(
+        "uint8",
+        "bnb_4bit_quant_storage; set to the FSDP dtype under FSDP (null: the default, uint8, or the compute "
+        "dtype under dist=fsdp|zero3)",
+        choices=STORAGE_DTYPES,
     )
     int8_threshold: float = option(6.0, "LLM.int8's outlier threshold", range=">= 0")
     skip_modules: list[str] = option(list, "modules left unquantized (llm_int8_skip_modules)")

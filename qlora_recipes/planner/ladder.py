@@ -1,7 +1,8 @@
 """The OOM ladder: when a plan leaves less than HEADROOM_TARGET headroom on a device, cumulative
 overrides, cheapest first (eval batch, frozen parts in the compute dtype, micro-batch,
-checkpointing, 8-bit optimizer, activation offloading, sequence length, rank, then CPU and disk
-offload), each re-planned, with the Hydra overrides that make the stack fit and what each costs in
+checkpointing (the fewest first layers, then all), 8-bit optimizer, activation offloading, the lean
+options - bf16 adapters, lean RMSNorms, embeddings in host RAM, tiled MLPs - and only then the quality
+cuts, sequence length and rank, then CPU and disk offload), each re-planned, with the Hydra overrides that make the stack fit and what each costs in
 speed or quality; for an FSDP plan, offloading the shards.
 """
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import devices as _dev
 from ..errors import UserError
+from ..families import traits
 from ..units import GiB
 from .components import attention_fix, eager
 from .constants import DEVICE_MAP_STRATEGIES, HEADROOM_TARGET, OPTIMIZERS
@@ -37,17 +39,47 @@ COSTS = {
         "unsloth); no slower, norms and the residual stream round to bf16/fp16: a small numeric change",
     ),
     "micro_batch": ("small", "same effective batch; lower GPU utilisation, ~5-20 % slower"),
-    "checkpointing": ("moderate", "recomputes each layer's forward in backward, ~20-35 % slower"),
+    "checkpointing": (
+        "moderate",
+        "recomputes the checkpointed layers' forward in backward: every layer 1.57x the step time of none "
+        "(H100, 8B NF4, 2,048 tokens: 0.756 vs 0.480 s/step, bench/results/nvidia-h100-80gb-hbm3-2026-11-26.md); "
+        "the first N layers only, about N/layers of that",
+    ),
     "optimizer": ("none", "8-bit paged AdamW: same speed, no quality loss (QLoRA paper)"),
     "activation_offload": (
         "small",
-        "checkpointed layer inputs go to pinned host RAM and back over PCIe, overlapped on a side stream",
+        "checkpointed layer inputs go to pinned host RAM and back over PCIe, overlapped on a side stream; with "
+        "bf16 frozen parts no slower (H100, 8B at 16k tokens: 4,190 vs 3,870 tokens/s, "
+        "bench/results/long-context-nvidia-h100-80gb-hbm3-2026-11-26.md)",
+    ),
+    "adapter_dtype": (
+        "none",
+        "adapters and their gradients in bf16, as the QLoRA paper and TRL train them: loss within 0.0002 on "
+        "average of fp32 adapters (bench/results/lean-effect-adapter-dtype-*.md)",
+    ),
+    "lean_rmsnorm": (
+        "small",
+        "RMSNorms keep their 16-bit input and recompute the fp32 pass in backward: the same gradients within "
+        "fp32 rounding, loss within 0.0001 on average (bench/results/lean-effect-lean-rmsnorm-*.md); an "
+        "elementwise pass per norm, not timed on a GPU",
+    ),
+    "host_embeddings": (
+        "small",
+        "the frozen input embeddings in host RAM, looked up there: a batch's rows cross PCIe per step (not "
+        "timed on a GPU)",
+    ),
+    "tiled_mlp": (
+        "moderate",
+        "each MLP runs over tiles and recomputes them in backward: one more MLP forward per step, about a sixth "
+        "of a checkpointed step (not timed on a GPU); the same loss within 0.0002 "
+        "(bench/results/lean-effect-tiled-mlp-*.md)",
     ),
     "seq_len": ("quality", "examples longer than the new length are truncated"),
     "rank": ("quality", "fewer adapter parameters"),
     "cpu_offload": ("large", "offloaded layers cross PCIe every step: several times slower"),
     "disk_offload": ("severe", "offloaded layers are read from disk every step: 10x or more slower"),
 }
+BF16_ADAPTER_OPTIMS = ("paged_adamw_8bit", "adamw_bnb_8bit", "adamw_8bit")  # config/checks.py's list
 LADDER_ORDER = (
     "attention",
     "frozen_dtype",
@@ -55,6 +87,10 @@ LADDER_ORDER = (
     "checkpointing",
     "optimizer",
     "activation_offload",
+    "adapter_dtype",
+    "lean_rmsnorm",
+    "host_embeddings",
+    "tiled_mlp",
     "seq_len",
     "rank",
     "cpu_offload",
@@ -93,8 +129,9 @@ def _candidates(kind: str, st: StackSpec, hw: _dev.Hardware, plan: dict) -> list
                 least = replace(st, activation_offloading=True, offload_stash=1)
                 out.append((least, {**on, "trainer.activation_offload_stash": 1}))
     elif kind == "checkpointing":
-        if not st.checkpointing:
-            out.append((replace(st, checkpointing=True), {"trainer.gradient_checkpointing": "true"}))
+        out += _checkpointing_candidates(st, hw)
+    elif kind in LEAN:
+        out += _lean_candidates(kind, st, hw)
     elif kind == "optimizer":
         if OPTIMIZERS[st.optim] in ("adam32_torch", "adam32_torch_fused", "adam32_bnb_paged"):
             if hw.has_gpu and st.device_map != "cpu":
@@ -122,6 +159,46 @@ def _candidates(kind: str, st: StackSpec, hw: _dev.Hardware, plan: dict) -> list
             out.append((replace(st, r=r, alpha=alpha), {"peft.r": r, "peft.alpha": alpha_v}))
             r //= 2
     return out
+
+
+def _checkpointing_candidates(st: StackSpec, hw: _dev.Hardware) -> list[tuple[StackSpec, dict[str, Any]]]:
+    """The fewest first decoder layers to checkpoint that fit with headroom (model/checkpointing.py), then all."""
+    layers = st.fig.num_layers
+    if st.checkpointing and st.ckpt_layers is None:
+        return []
+    every = (replace(st, checkpointing=True, ckpt_layers=None), {"trainer.gradient_checkpointing": "true"})
+    have = (st.ckpt_layers or 0) if st.checkpointing else 0
+
+    def kept_fit(k: int) -> bool:  # k layers left unchanged: not checkpointed
+        p = _try_plan(replace(st, checkpointing=True, ckpt_layers=layers - k), hw)
+        return p is not None and ok(p, False)
+
+    kept = _largest(1, layers - have - 1, kept_fit)
+    if kept is None:
+        return [every]
+    n = layers - kept
+    return [(replace(st, checkpointing=True, ckpt_layers=n), {"trainer.gradient_checkpointing": n}), every]
+
+
+LEAN = ("adapter_dtype", "lean_rmsnorm", "host_embeddings", "tiled_mlp")
+
+
+def _lean_candidates(kind: str, st: StackSpec, hw: _dev.Hardware) -> list[tuple[StackSpec, dict[str, Any]]]:
+    """The lean options where config/checks.py allows them (one process; bf16 adapters with the 8-bit
+    optimizers and LoRA; Llama's RMSNorm form; a dense MLP; untied, untrained embeddings on a GPU)."""
+    if st.world_size > 1:
+        return []
+    if kind == "adapter_dtype" and st.adapter_bytes == 4 and st.peft != "dora" and st.optim in BF16_ADAPTER_OPTIMS:
+        return [(replace(st, adapter_bytes=2), {"peft.adapter_dtype": "bfloat16"})]
+    if kind == "lean_rmsnorm" and not st.lean_norms and traits(st.fig.architecture).llama_rmsnorm:
+        return [(replace(st, lean_norms=True), {"trainer.lean_rmsnorm": "true"})]
+    trained = "embed" in " ".join(st.modules_to_save) + str(st.target_modules)
+    if kind == "host_embeddings" and hw.has_gpu and st.device_map is None and not st.embeddings_on_host:
+        if not st.fig.tie_embeddings and not trained:
+            return [(replace(st, embeddings_on_host=True), {"offload.embeddings": "true"})]
+    if kind == "tiled_mlp" and not st.mlp_tile and not st.fig.num_experts:
+        return [(replace(st, mlp_tile=max(1, st.fig.hidden_size)), {"trainer.tiled_mlp": "true"})]
+    return []
 
 
 def _longest_eager_fit(st: StackSpec, hw: _dev.Hardware, granularity: int = 64) -> int | None:

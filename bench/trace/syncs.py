@@ -61,6 +61,15 @@ JOB = [
 # Ours as it is, and with the adapters in bf16 as TRL and the baseline train them (peft.adapter_dtype):
 # fp32 adapters cost casts in every LoRA layer, and only those.
 VARIANTS = {"ours": [], "ours-bf16-adapters": ["peft.adapter_dtype=bfloat16"]}
+# Where ours' TrainingArguments may differ from the plain script's, and why; any other is a finding.
+RUN_PATHS = ("output_dir", "logging_dir", "run_name")  # each side's own run dir
+ARGS_DIFFER = {
+    "project": "the logger group's project (trackio)",
+    "logging_nan_inf_filter": "off: a NaN loss must show, not be averaged away (on, it costs 2 syncs per micro-batch)",
+    "num_train_epochs": "trainer.epochs; trainer.max_steps decides",
+    "per_device_eval_batch_size": "trainer.eval_batch_size (no evaluation here)",
+    "save_total_limit": "trainer.save_total_limit (no checkpoints here)",
+}
 SYNC_OPS = {
     "aten._local_scalar_dense.default",
     "aten.nonzero.default",
@@ -131,6 +140,7 @@ class StepWindow:
         self.mode = counting_mode()
         self.per_step: dict[int, dict] = {}
         self._step: int | None = None
+        self.args: dict = {}  # the trainer's TrainingArguments, as it trains
 
     def install(self) -> None:
         import torch
@@ -140,6 +150,7 @@ class StepWindow:
         train, fetch, log = Trainer.train, Trainer.get_batch_samples, Trainer._maybe_log_save_evaluate
 
         def counted_train(trainer, *args, **kwargs):
+            window.args = json.loads(json.dumps(trainer.args.to_dict(), default=str))
             with mode:
                 return train(trainer, *args, **kwargs)
 
@@ -212,7 +223,7 @@ def child(side: str, spec: dict) -> dict:
         from bench import baseline
 
         baseline.main(spec["baseline_argv"])
-    return {str(k): v for k, v in sorted(window.per_step.items())}
+    return {"steps": {str(k): v for k, v in sorted(window.per_step.items())}, "args": window.args}
 
 
 def _summary(per_step: dict) -> dict:
@@ -241,10 +252,11 @@ def _run_side(side: str, spec: dict, tmp: Path, timeout: float) -> dict:
     done = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0 or not out.is_file():
         raise RuntimeError(f"{side} failed (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    per_step = json.loads(out.read_text())
+    counted = json.loads(out.read_text())
+    per_step = counted["steps"]
     if len(per_step) != spec["steps"]:
         raise RuntimeError(f"{side}: counted steps {sorted(per_step)}, expected {spec['steps']} after {spec['warmup']}")
-    return _summary(per_step)
+    return {**_summary(per_step), "args": counted["args"]}
 
 
 def count(overrides: list[str], warmup: int = 2, steps: int = 2, variants=None, timeout: float = 900) -> dict:
@@ -263,7 +275,19 @@ def count(overrides: list[str], warmup: int = 2, steps: int = 2, variants=None, 
         for side, extra in {**variants, "baseline": []}.items():
             spec = {**common, "overrides": [*overrides, *extra, *total]}
             sides[side] = _run_side(side, spec, Path(tmp), timeout)
-    return {"sides": sides, "variants": variants, "logging_steps": int(cfg.trainer.logging_steps)}
+    return {
+        "sides": sides,
+        "variants": variants,
+        "logging_steps": int(cfg.trainer.logging_steps),
+        "args_differ": args_differ(sides["ours"]["args"], sides["baseline"]["args"]),
+    }
+
+
+def args_differ(ours: dict, base: dict) -> dict:
+    """The TrainingArguments ours trains with that the baseline's do not: {key: [ours, baseline]};
+    where each writes its files (its run dir) left out."""
+    keys = sorted((set(ours) | set(base)) - set(RUN_PATHS))
+    return {k: [ours.get(k), base.get(k)] for k in keys if ours.get(k) != base.get(k)}
 
 
 def markdown(results: dict) -> str:
@@ -298,6 +322,10 @@ def markdown(results: dict) -> str:
             counts = [s[key].get(op, 0) for s in sides.values()]
             if key == "sync_ops_per_step" or len(set(counts)) > 1:
                 lines.append(f"| `{op}` | " + " | ".join(f"{c:g}" for c in counts) + " |")
+    lines += ["", "TrainingArguments that differ (ours, baseline), and why:", "", "| key | ours | baseline | why |"]
+    lines.append("|---|---|---|---|")
+    for key, (o, b) in results["args_differ"].items():
+        lines.append(f"| `{key}` | `{o}` | `{b}` | {ARGS_DIFFER.get(key, '**no reason recorded**')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -25,7 +25,7 @@ register_schemas()
 _STARTED = time.perf_counter()
 _HARDWARE: dict = {}
 _RESULT: dict = {}
-USAGE = """usage: qlora plan [--gpus SIZES] [--host-ram SIZE] [--check] [GROUP=OPTION ...] [KEY=VALUE ...]
+USAGE = """usage: qlora plan [--gpus SIZES] [--host-ram SIZE] [--check] [--longest-seq|--fastest] [KEY=VALUE ...]
        (also: python scripts/plan.py ..., make plan ARGS='...', make plan-RECIPE)
 
   qlora plan recipe=llama2-70b-a100
@@ -36,7 +36,7 @@ FLAGS = """flags:
                    2xA100-40GB: plus a step's time); default: this machine's, else the recipe's hardware node
   --host-ram SIZE  host RAM to plan with, e.g. 256GiB (env QLORA_PLAN_HOST_RAM); default: this machine's
   --check          exit 1 when the plan does not fit (0 otherwise; 2 on bad input)
-  --longest-seq    also print the longest trainer.seq_len (a multiple of 64) at which the stack fits"""
+  --longest-seq    also print the longest trainer.seq_len that fits; --fastest: the fastest stack that fits"""
 DOC_SECTIONS = ("Planning a stack", "The groups and their options")  # pages: helptext.DOCS_PAGES
 
 
@@ -62,7 +62,7 @@ def parse_hardware_flags(argv: list[str]) -> dict:
     gpus = _take_flag(argv, "--gpus") or os.environ.get("QLORA_PLAN_GPUS")
     ram = _take_flag(argv, "--host-ram") or os.environ.get("QLORA_PLAN_HOST_RAM")
     out: dict = {}
-    for flag in ("--check", "--longest-seq"):
+    for flag in ("--check", "--longest-seq", "--fastest"):
         out[flag.strip("-").split("-")[0]] = flag in argv
         if flag in argv:
             argv.remove(flag)
@@ -144,6 +144,10 @@ def plan_and_print(composed: DictConfig) -> None:
         grpo = cfg.objective.name == "grpo" and longest  # its seq_len bounds the prompt
         sampled = f"; prompts, each completion up to {cfg.objective.max_completion_length} tokens more" if grpo else ""
         print(f"longest sequence that fits {planned_for}: {fit} (micro-batch {cfg.trainer.micro_batch_size}{sampled})")
+    if _HARDWARE["fastest"]:
+        found = planner.fastest_stack(cfg, gpus=gpus, host_ram=host_ram)
+        for line in planner.fastest.fastest_lines(found, planned_for, planner.model_figures(cfg.model).num_layers):
+            print(line)
 
 
 @quiet_when_the_reader_goes()

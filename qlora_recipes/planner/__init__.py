@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "DoesNotFit",
+    "fastest_stack",
     "loader_max_memory",
     "longest_seq_len",
     "measured_start",
@@ -145,6 +146,22 @@ def longest_seq_len(
 
 def _planner(gpus: list[int] | None, host_ram: int | None, world_size: int | None):
     return lambda c: plan(c, gpus, host_ram, world_size, ladder=False)
+
+
+def fastest_stack(cfg: TrainConfig, gpus: list[int] | None = None, host_ram: int | None = None):
+    """(overrides, relative step time, plan) of the fastest stack that fits (planner/fastest.py), or None."""
+    from ..config.checks import check_stack
+    from ..errors import UserError
+
+    def allowed(trial: TrainConfig) -> bool:
+        try:
+            check_stack(trial)
+            return True
+        except UserError:
+            return False
+
+    layers = model_figures(cfg.model).num_layers
+    return fastest.fastest_stack(cfg, _planner(gpus, host_ram, None), layers, allowed)
 
 
 def settle_batch(cfg: TrainConfig, first_plan: dict) -> TrainConfig:

@@ -127,3 +127,67 @@ def _mb_line(chosen: int, fit: int, rows: int) -> str:
         f"trainer.micro_batch_size=auto -> {chosen}: {fit} fits but does not divide {rows} rows per optimizer step; "
         f"the largest divisor below it {split}"
     )
+
+
+# --fastest: the options that cost speed but no quality beyond a rounding, cheapest first, with the step
+# time each adds (planner/ladder.py COSTS cites where each was measured): fp32 frozen parts and fp32
+# adapters cost memory, not speed, and the 16k H100 run with bf16 frozen parts was faster; the norm and
+# embedding passes are elementwise; a tiled MLP adds one more MLP forward, about a sixth of the step
+LEAN_STEPS = (
+    ("precision.upcast_frozen=false", 0.0),
+    ("peft.adapter_dtype=bfloat16", 0.0),
+    ("trainer.lean_rmsnorm=true", 0.02),
+    ("offload.embeddings=true", 0.02),
+    ("trainer.tiled_mlp=true", 1 / 6),
+)
+
+
+def step_time(checkpointed: bool | int, layers: int, lean: float) -> float:
+    """A stack's step time relative to the same stack without checkpointing or lean options."""
+    n = layers if checkpointed is True else int(checkpointed)
+    return (1 + RECOMPUTE_COST * n / layers) * (1 + lean)
+
+
+def fastest_stack(cfg: TrainConfig, plan_fn: Callable[[TrainConfig], dict], layers: int, allowed) -> tuple | None:
+    """(overrides, relative step time, plan) of the fastest stack that fits: both autos resolved over each
+    cumulative prefix of LEAN_STEPS that `allowed(cfg)` accepts (config/checks.py), the effective batch kept;
+    None when none fits."""
+    from ..config.loader import with_overrides
+
+    t = cfg.trainer
+    rows = int(t.grad_accum) * (1 if t.micro_batch_size == AUTO else int(t.micro_batch_size))
+    base = with_batch(cfg, AUTO, AUTO, rows)
+    best, lean, added = None, 0.0, []
+    for step, cost in ((None, 0.0), *LEAN_STEPS):
+        trial = base if step is None else with_overrides(base, [*added, step])
+        if step is not None and (not allowed(trial) or trial == with_overrides(base, added)):
+            continue  # refused for this stack, or already so
+        if step is not None:
+            added.append(step)
+            lean += cost
+        auto = resolve(trial, plan_fn, layers)
+        plan = plan_fn(with_batch(trial, auto.checkpointing, auto.micro, auto.accum))
+        if not fits_training(plan):
+            continue
+        time = step_time(auto.checkpointing, layers, lean)
+        if best is None or time < best[1] - 1e-9:
+            overrides = {**{k: v for k, v in (s.split("=", 1) for s in added)}, **auto.overrides()}
+            best = (overrides, time, plan)
+    return best
+
+
+def fastest_lines(found: tuple | None, planned_for: str, layers: int) -> list[str]:
+    """What `qlora plan --fastest` prints: the stack, its estimated step time, the line to paste."""
+    if found is None:
+        return [f"fastest stack that fits {planned_for}: none; not even every layer checkpointed, micro-batch 1 and "
+                "every lean option fit (see the ladder above)"]  # fmt: skip
+    overrides, time, plan = found
+    paste = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items())
+    gc = overrides["trainer.gradient_checkpointing"]
+    ckpt = {True: "every layer", False: "no layer"}.get(gc, f"the first {gc} of {layers} layers")
+    return [
+        f"fastest stack that fits {planned_for}: checkpointing {ckpt}, micro-batch "
+        f"{overrides['trainer.micro_batch_size']} x accumulation {overrides['trainer.grad_accum']}, peak "
+        f"{plan['peak_gib']:.2f} GiB; step time ~{time:.2f}x the same stack without checkpointing",
+        f"overrides: {paste}",
+    ]

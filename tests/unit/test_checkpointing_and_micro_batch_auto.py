@@ -54,7 +54,9 @@ def test_a_micro_batch_that_fits_but_does_not_divide_the_rows_is_one_line_and_th
 
 
 def test_both_auto_recompute_fewer_layers_before_a_larger_micro_batch():
-    cfg = compose_cfg(*EIGHT_B, "trainer.micro_batch_size=auto", "trainer.gradient_checkpointing=auto", "trainer.grad_accum=8")
+    cfg = compose_cfg(
+        *EIGHT_B, "trainer.micro_batch_size=auto", "trainer.gradient_checkpointing=auto", "trainer.grad_accum=8"
+    )
     p = _plan(cfg, 24)
     auto = p["batch_auto"]
     alone = _plan(compose_cfg(*EIGHT_B, "trainer.micro_batch_size=1", "trainer.gradient_checkpointing=auto"), 24)
@@ -63,7 +65,9 @@ def test_both_auto_recompute_fewer_layers_before_a_larger_micro_batch():
 
 
 def test_a_run_takes_the_resolved_values():
-    cfg = compose_cfg(*EIGHT_B, "trainer.micro_batch_size=auto", "trainer.gradient_checkpointing=auto", "trainer.grad_accum=8")
+    cfg = compose_cfg(
+        *EIGHT_B, "trainer.micro_batch_size=auto", "trainer.gradient_checkpointing=auto", "trainer.grad_accum=8"
+    )
     p = _plan(cfg, 24)
     settled = planner.settle_batch(cfg, p)
     t = settled.trainer
@@ -84,3 +88,28 @@ def test_a_micro_batch_that_is_no_count_is_one_line(overrides, words):
     with pytest.raises(UserError) as err:
         check_stack(compose_cfg(*overrides))
     assert words in str(err.value)
+
+
+def test_plan_fastest_prints_a_stack_that_fits_and_the_line_that_makes_it(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "qlora_recipes", "plan", "--fastest", *EIGHT_B, "--gpus", "8GB",
+         f"hydra.run.dir={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    head = next(x for x in lines if x.startswith("fastest stack that fits --gpus 7.6 GiB: checkpointing"))
+    overrides = next(x for x in lines if x.startswith("overrides: ")).split()[1:]
+    cfg = compose_cfg(*EIGHT_B, *overrides)
+    t = cfg.trainer
+    assert t.micro_batch_size * t.grad_accum == 16  # the recipe's 2 x 8 kept
+    assert not isinstance(t.gradient_checkpointing, bool) and 0 < t.gradient_checkpointing < 32
+    assert "trainer.seq_len" not in " ".join(overrides) and "offload.embeddings=true" in overrides
+    assert fits_training(_plan(cfg, 7.6)) and f"the first {t.gradient_checkpointing} of 32 layers" in head
+    # one checkpointed layer fewer, with the same options, does not fit
+    assert not fits_training(_plan(with_batch(cfg, t.gradient_checkpointing - 1), 7.6))

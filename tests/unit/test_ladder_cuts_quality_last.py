@@ -48,7 +48,12 @@ def test_the_ladder_checkpoints_the_fewest_first_layers_that_fit_before_all():
     rung = next(r for r in p["ladder"] if r["change"] == "checkpointing")
     n = int(rung["adds"].split("=")[1])
     assert 0 < n < 32 and rung["fits"]
-    fewer = compose_cfg("recipe=llama3.1-8b-24gb", "trainer.micro_batch_size=1", f"trainer.gradient_checkpointing={n - 1}")
-    assert planner.plan(fewer, gpus=[24 * GiB], host_ram=128 * GiB, world_size=1, ladder=False)["devices"][0][
-        "headroom_pct"
-    ] < rung["headroom_pct"]
+    fewer = compose_cfg(
+        "recipe=llama3.1-8b-24gb", "trainer.micro_batch_size=1", f"trainer.gradient_checkpointing={n - 1}"
+    )
+    assert (
+        planner.plan(fewer, gpus=[24 * GiB], host_ram=128 * GiB, world_size=1, ladder=False)["devices"][0][
+            "headroom_pct"
+        ]
+        < rung["headroom_pct"]
+    )

@@ -156,7 +156,7 @@ def declared_gpus(cfg: TrainConfig) -> list[int]:
 def declared_host_ram(cfg: TrainConfig) -> int | None:
     """Host RAM of one node in bytes, or None (the planner then uses this machine's)."""
     ram = cfg.hardware.host_ram_gib
-    return int(ram) * GiB if ram else None
+    return int(float(ram) * GiB) if ram else None
 
 
 def ranks(cfg: TrainConfig) -> int:

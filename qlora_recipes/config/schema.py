@@ -438,7 +438,9 @@ class HardwareConfig:
     gpu_memory_gib: float | None = option(None, "each GPU's memory in GiB", range="> 0|null")  # torch's total_memory
     nodes: int = option(1, "nodes", range=">= 1")
     # the plan assumes it for offload and FSDP loading; SLURM's mem
-    host_ram_gib: int | None = option(None, "host RAM in GiB", range="> 0|null")
+    host_ram_gib: float | None = option(
+        None, "host RAM in GiB; a run plans with the smaller of it and this machine's", range="> 0|null"
+    )
     # precision=auto reads it: planning for GPUs (this node's, or `qlora plan --gpus` with no such node:
     # true) it picks bf16 when true, fp16 when false; on a machine it never picks bf16 when false.
     bf16: bool = option(True, "False for pre-Ampere GPUs (T4, V100): precision must be fp16")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import data, interrupts, planner
+from ..config import devices
 from ..config.devices import precision_line
 from ..config.loader import to_yaml as config_yaml
 from ..config.objectives import OBJECTIVES
@@ -209,7 +210,8 @@ def _check_and_plan(cfg: TrainConfig, run_dir: Path, choices: dict | None, gpu: 
     validate_model(cfg)
     resume_from = resume_checkpoint(cfg, run_dir)  # checks the saved config first
     # one rank's share (WORLD_SIZE ranks): FSDP/ZeRO-3 on GPUs, every strategy on CPU ranks (gloo)
-    plan = planner.plan(cfg)
+    declared = devices.declared_host_ram(cfg)  # hardware.host_ram_gib: a budget below this machine's RAM
+    plan = planner.plan(cfg, host_ram=min(declared, devices.host_ram()) if declared else None)
     if not (plan["fits"] or cfg.force or (cfg.overwrite and held_run(run_dir))):  # a refused overwrite keeps all
         _write_run_files(cfg, run_dir, choices, plan, on_write)
     planner.refuse_unless_fits(plan, force=cfg.force)

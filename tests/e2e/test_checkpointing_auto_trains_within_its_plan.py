@@ -1,0 +1,34 @@
+"""trainer.gradient_checkpointing=auto on the tiny default under a host-RAM budget (hardware.host_ram_gib) that
+full activations do not fit but one checkpointed layer does: the run resolves it to the first layer of two,
+records that in config.yaml and plan.json, trains, and its measured peak (its own process) is within 10 % of
+its plan. Step times are the bench's (bench/trace, bench/README.md), never a test's."""
+
+import json
+
+import yaml
+from conftest import SMOKE, compose_cfg, train_py
+
+from qlora_recipes import planner
+
+GiB = 2**30
+STACK = (*SMOKE, "trainer.seq_len=256", "trainer.micro_batch_size=64", "trainer.grad_accum=1", "data.eval_fraction=0")
+
+
+def _peak(gc: str) -> int:
+    cfg = compose_cfg(*STACK, f"trainer.gradient_checkpointing={gc}")
+    return planner.plan(cfg, ladder=False)["devices"][0]["peak"]
+
+
+def test_checkpointing_auto_checkpoints_one_layer_under_a_budget_and_trains_within_its_plan(tmp_path):
+    one, none = _peak("1"), _peak("false")
+    assert one < none
+    budget = (one + none) / 2 / GiB  # one layer checkpointed fits, none does not
+    metrics, run_dir, out = train_py(
+        tmp_path / "run", *STACK, "trainer.gradient_checkpointing=auto", f"hardware.host_ram_gib={budget:.4f}"
+    )
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["trainer"]["gradient_checkpointing"] == 1
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["stack"]["gradient_checkpointing"] == 1
+    assert metrics["steps"] == 3
+    assert 0.9 <= metrics["peak_mem_gib"] / metrics["planned_peak_gib"] <= 1.1, metrics

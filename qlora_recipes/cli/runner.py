@@ -49,18 +49,34 @@ def _exit(message: str, code: int):
 
 def run(hydra_main: Callable[[], object]) -> None:
     """Run a Hydra command: a user's mistake is one `error:` line on stderr and exit 2, Ctrl-C one
-    line and exit 130 (the imports of the command's heavy modules belong inside `hydra_main`)."""
+    line and exit 130 (the imports of the command's heavy modules belong inside `hydra_main`); in a
+    sweep, the line says what the sweep kept and how to go on."""
     interrupts.install()
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing; also when set to 0
     try:
         _hydra_errors_as_user_errors(hydra_main)
     except Stop as stop:
-        _exit(stop.message, stop.code)
+        _exit(_sweep_stopped(stop.code) or stop.message, stop.code)
     except UserError as err:
         _exit(f"error: {err}", 2)
     except KeyboardInterrupt as err:
         signame = interrupts.signal_name(err)
-        _exit(interrupts.starting_line(signame), interrupts.exit_code(signame))
+        code = interrupts.exit_code(signame)
+        _exit(_sweep_stopped(code, signame) or interrupts.starting_line(signame), code)
+
+
+def _sweep_stopped(code: int, signame: str | None = None) -> str | None:
+    """The line for a stop signal to a sweep this process runs (a job's own line names that job
+    only; Ctrl-C outside a job is no "while starting"), else None."""
+    if code not in (130, 143):
+        return None
+    from ..integrations.sweep import started_sweep_dir, stopped_line
+
+    sweep_dir = started_sweep_dir()
+    if sweep_dir is None:
+        return None
+    signame = signame or ("SIGTERM" if code == 143 else "SIGINT")
+    return stopped_line(sweep_dir, f"stopped by {interrupts.described(signame)}")
 
 
 def _hydra_errors_as_user_errors(hydra_main: Callable[[], object]) -> None:

@@ -5,7 +5,8 @@ conf/hydra/sweeper/optuna_resumable.yaml (used by `+sweep=optuna`) stores the st
 study, so running the same command again opens the same study. `resume` prepares Hydra's Optuna
 sweeper for that: the trials already finished (complete, pruned, or failed as told by the sweeper)
 count towards `n_trials` and are not run again; a trial left running by the interruption is marked
-failed with the system attribute `interrupted` and not counted, so it is tried anew; new jobs are
+failed with the system attribute `interrupted` and not counted, and its parameters are enqueued, so
+the next trial runs them anew; new jobs are
 numbered after every trial so far (job dir N is trial N, none overwritten). A study records the stack
 it searches (`claim`: the sweep's command-line overrides and its search space); the same study name
 under another stack is refused in one line, so no trial of one stack is counted, or reported as the
@@ -56,14 +57,20 @@ def resume_state(storage, study_name: str) -> tuple[int, int]:
     from optuna.trial import TrialState
 
     try:
-        trials = optuna.load_study(study_name=study_name, storage=storage).get_trials(deepcopy=False)
+        study = optuna.load_study(study_name=study_name, storage=storage)
     except KeyError:  # optuna 2.10: no study of that name yet
         return 0, 0
+    trials = study.get_trials(deepcopy=False)
     for trial in trials:
         if trial.state in (TrialState.RUNNING, TrialState.WAITING):
             storage.set_trial_system_attr(trial._trial_id, INTERRUPTED, True)
             storage.set_trial_state(trial._trial_id, TrialState.FAIL)
-            log.warning("optuna: trial %d was cut off by an interruption; it is run again", trial.number)
+            params = trial.params or trial.system_attrs.get("fixed_params")  # WAITING: enqueued, never run
+            if params:  # first in line: study.ask takes an enqueued trial before it samples
+                study.enqueue_trial(params)
+            log.warning(
+                "optuna: trial %d was cut off by an interruption; its parameters are run again first", trial.number
+            )
     done = sum(counted(t) for t in optuna.load_study(study_name=study_name, storage=storage).trials)
     return done, len(trials)
 

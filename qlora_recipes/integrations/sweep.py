@@ -269,9 +269,26 @@ def started_sweep_dir() -> Path | None:
     return _STARTED[-1] if _STARTED else None
 
 
+def stopped_line(sweep_dir: Path, stopped: str) -> str:
+    """What a stop signal to a sweep kept and how to go on (`stopped`: "stopped by SIGINT (Ctrl-C)"):
+    the finished jobs; an Optuna study resumes with the same command (the cut-off trial first,
+    study.resume), other sweeps continue their stopped jobs with resume=auto."""
+    finished = sum(row["status"] == "ok" for row in collect(sweep_dir)) if sweep_dir.is_dir() else 0
+    kept = f"{stopped} during the sweep in {sweep_dir}: {finished} finished job(s) kept"
+    if (sweep_dir / "optuna.db").is_file():
+        return f"{kept}, the study in {sweep_dir / 'optuna.db'}; run the same command again to resume it (the cut-off trial is run anew)"
+    return f"{kept}; continue with the same command plus resume=auto (finished jobs are skipped, stopped ones resume)"
+
+
 class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        _STARTED.append(Path(str(config.hydra.sweep.dir)))
+        from .. import interrupts
+
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        _STARTED.append(sweep_dir)
+        # a stop signal while no job of this process holds anything (waiting on a job's process):
+        # what the sweep kept, not "while starting"
+        interrupts.install(lambda signame: stopped_line(sweep_dir, f"stopped by {interrupts.described(signame)}"))
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

@@ -95,7 +95,7 @@ def test_interrupted_optuna_study_resumes_where_it_stopped(tmp_path):
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     try:  # killed (SIGKILL: no cleanup at all) once trials 0 and 1 are done and trial 2 has started
         deadline = time.monotonic() + 900
-        while _trial_states(sweep) != ["COMPLETE", "COMPLETE", "RUNNING"]:
+        while _trial_states(sweep) != ["COMPLETE", "COMPLETE", "RUNNING"] or len(_trial_params(sweep).get(2, {})) < 3:
             assert first.poll() is None and time.monotonic() < deadline, _trial_states(sweep)
             time.sleep(0.1)
     finally:
@@ -108,9 +108,57 @@ def test_interrupted_optuna_study_resumes_where_it_stopped(tmp_path):
     assert _trial_states(sweep) == ["COMPLETE", "COMPLETE", "FAIL", "COMPLETE"]  # 3 counted: n_trials
     assert {n: (sweep / str(n) / "metrics.json").stat().st_mtime_ns for n in (0, 1)} == finished  # not re-run
     assert json.loads((sweep / "3" / "metrics.json").read_text())["status"] == "ok"  # trial 3 in job dir 3
+    assert _trial_params(sweep)[3] == _trial_params(sweep)[2]  # the cut-off trial's parameters, run anew
     best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     losses = [json.loads((sweep / str(n) / "metrics.json").read_text())["eval_loss"] for n in (0, 1, 3)]
     assert best["best_value"] == pytest.approx(min(losses))
+
+
+def _trial_params(sweep: Path) -> dict[int, dict[str, float]]:
+    """Each trial's parameters, read from the study's sqlite file."""
+    import sqlite3
+
+    query = "SELECT t.number, p.param_name, p.param_value FROM trial_params p JOIN trials t USING (trial_id)"
+    try:
+        with closing(sqlite3.connect(f"file:{sweep / 'optuna.db'}?mode=ro", uri=True)) as con:
+            rows = con.execute(query).fetchall()
+    except sqlite3.OperationalError:  # not there yet, or being created
+        return {}
+    out: dict[int, dict[str, float]] = {}
+    for number, name, value in rows:
+        out.setdefault(number, {})[name] = value
+    return out
+
+
+@pytest.mark.slow  # a trial and a half, then the cut-off trial again, each in a fresh process: ~3 min
+def test_ctrl_c_in_an_optuna_sweep_says_what_it_kept_and_the_cut_off_trial_runs_again(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", "+sweep=optuna", "hydra.sweeper.n_trials=2", *SMOKE, "trainer.max_steps=2",
+            f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    first = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=ENV, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    try:  # Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while trial 1 runs
+        deadline = time.monotonic() + 900
+        while _trial_states(sweep) != ["COMPLETE", "RUNNING"] or not (sweep / "1" / ".hydra").is_dir():
+            assert first.poll() is None and time.monotonic() < deadline, _trial_states(sweep)
+            time.sleep(0.1)
+        os.killpg(first.pid, signal.SIGINT)
+        out, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert first.returncode == 130, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("stopped by")]
+    assert lines == [
+        f"stopped by SIGINT (Ctrl-C) during the sweep in {sweep}: 1 finished job(s) kept, the study in "
+        f"{sweep / 'optuna.db'}; run the same command again to resume it (the cut-off trial is run anew)"
+    ], err[-3000:]
+    proc = run(*args)  # the same command again
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _trial_states(sweep) == ["COMPLETE", "FAIL", "COMPLETE"]
+    params = _trial_params(sweep)
+    assert params[2] == params[1] and set(params[1]) == {"optim.lr", "peft.r", "peft.dropout"}  # trial 1's, again
+    assert json.loads((sweep / "2" / "metrics.json").read_text())["status"] == "ok"
 
 
 def _long_rows(path: Path, rows: int = 64, letters: int = 120) -> Path:

@@ -76,7 +76,7 @@ def test_resumed_study_counts_finished_trials_and_reruns_a_cut_off_one(tmp_path)
         trial = earlier.ask()
         trial.suggest_float("x", 0.0, 1.0)
         earlier.tell(trial, value)
-    earlier.ask()  # trial 2: running when the sweep was killed
+    earlier.ask().suggest_float("x", 0.0, 1.0)  # trial 2: running when the sweep was killed
 
     def sweeper(name: str):
         return OptunaSweeperImpl(optuna.samplers.TPESampler(seed=0), "minimize", url, name, 5, 1, 1.0, None, None, None)
@@ -85,8 +85,11 @@ def test_resumed_study_counts_finished_trials_and_reruns_a_cut_off_one(tmp_path)
     study.resume(resumed)
     assert (resumed.n_trials, resumed.job_idx) == (3, 3)  # 2 of 5 done; the next job dir is trial 3's
     trials = optuna.load_study(study_name="s", storage=resumed.storage).trials
-    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "FAIL"]
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "FAIL", "WAITING"]
     assert trials[2].system_attrs == {study.INTERRUPTED: True} and not study.counted(trials[2])
+    # the cut-off trial's parameters come first, as trial 3 in job dir 3
+    again = optuna.load_study(study_name="s", storage=resumed.storage).ask()
+    assert again.number == resumed.job_idx and again.suggest_float("x", 0.0, 1.0) == trials[2].params["x"]
     # the seeded sampler got a new seed: it would otherwise propose trial 0's parameters again
     draws = [s._random_sampler._rng.uniform() for s in (resumed.sampler, optuna.samplers.TPESampler(seed=0))]
     assert draws[0] != draws[1]

@@ -10,6 +10,7 @@ repository and keeps its traceback.
 
 import argparse
 import os
+import re
 import signal
 import sys
 import threading
@@ -91,6 +92,8 @@ def _hydra_errors_as_user_errors(hydra_main: Callable[[], object]) -> None:
     except YAMLError as err:  # a recipe or option file that is not YAML
         raise UserError(f"not valid YAML: {one_line(err)}") from None
     except RuntimeError as err:
+        if type(err).__name__ == "UncompletedJobError":  # submitit: a job ended without a result
+            raise Stop(_job_without_result(err), 1) from None
         if 'Could not detect "srun"' not in str(err):
             raise
         # submitit's SLURM executor, started by hydra/launcher=slurm before any job
@@ -99,6 +102,23 @@ def _hydra_errors_as_user_errors(hydra_main: Callable[[], object]) -> None:
             "hydra/launcher=slurm submits jobs to a SLURM cluster, and there is none here (no `srun` on PATH): "
             "run the command on a SLURM login node, or use hydra/launcher=local to run the jobs on this machine"
         ) from None
+
+
+def _job_without_result(err: Exception) -> str:
+    """A sweep job whose submitit process ended without its result: most often a signal sent to the
+    job id submitit shows (under hydra/launcher=local its controller, which passes on SIGTERM only
+    and dies of USR2; its trainer then stops at a checkpoint, cluster.stop_with_local_controller)."""
+    from ..integrations.sweep import started_sweep_dir
+
+    job = re.search(r"Job (\S+)", str(err))
+    sweep = started_sweep_dir()
+    return (
+        f"error: sweep job {job.group(1) if job else '?'} ended without a result (signalled? its submitit process "
+        "passes on SIGTERM only); the jobs' checkpoints are kept"
+        + (f" in {sweep}" if sweep else "")
+        + ": continue with the same command plus resume=auto. To preempt a job by hand, send SIGTERM to the job id "
+        "submitit shows, or USR2 to the trainer (the pid in its job dir's run.lock)"
+    )
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -104,9 +104,10 @@ def _checked_train(composed: DictConfig, run_dir: Path, hydra_cfg, multirun: boo
             "`qlora launch RECIPE` or `torchrun --nproc_per_node N train.py ...`, or use dist=none"
         )
     if in_a_process_of_its_own(hydra_cfg, multirun):  # before TRL is imported: it imports every tracker installed
-        from ..integrations import trackers
+        from ..integrations import cluster, trackers
 
         trackers.leave_unused_unimported(cfg.logger)
+        cluster.stop_with_local_controller()  # a signal that ends the job's controller stops this run too
     from ..run.preemption import Preempted, RankLost
     from ..run.training import train
 

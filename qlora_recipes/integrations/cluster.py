@@ -55,6 +55,20 @@ def hand_over(handler, signame: str) -> None:
         log.warning("submitit did not requeue the job: %s", err)
 
 
+def stop_with_local_controller() -> None:
+    """In a job of submitit's local executor (hydra/launcher=local): the job id submitit shows is
+    its controller's pid, which passes SIGTERM on to this trainer but dies of any other signal
+    (USR2 included), which would leave this process training on, orphaned, while the sweep fails.
+    The kernel sends this process SIGTERM when the controller ends (PR_SET_PDEATHSIG): it saves a
+    checkpoint at that step and stops. Linux only; elsewhere nothing changes."""
+    if os.environ.get("SUBMITIT_EXECUTOR") != "local" or not os.path.exists("/proc/self"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1  # linux/prctl.h
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+
+
 def _resume_when_requeued(handler) -> None:
     """Add resume=auto to the overrides submitit requeues the job with. The job is Hydra's
     submitit launcher called with (overrides, ...); its `checkpoint` resubmits those same

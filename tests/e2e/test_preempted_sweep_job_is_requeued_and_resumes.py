@@ -36,3 +36,73 @@ def test_preempted_sweep_job_saves_is_requeued_and_resumes(tmp_path):
     assert "Caught signal SIGUSR2" in log and "checkpoint saved; submitit requeues" in log
     assert re.search(r"Requeued job \d+", log)
     assert log.index("checkpoint saved") < log.index("Requeued job")  # save first, then requeue
+
+
+@pytest.mark.slow  # one job, stopped after its first checkpoint: ~2 min on the shared 2-core machine
+def test_a_signal_to_the_job_id_submitit_shows_stops_its_trainer_and_the_sweep_in_one_line(tmp_path):
+    """Under hydra/launcher=local the job id submitit prints is its controller's pid, which dies of
+    USR2: the trainer under it saves a checkpoint and stops (it is not left training, orphaned), and
+    the sweep ends with one line saying how to go on, not submitit's UncompletedJobError."""
+    import signal
+    import time
+
+    sweep = tmp_path / "sweep"
+    sweeper = subprocess.Popen(
+        [sys.executable, "train.py", "-m", "hydra/launcher=local", *SMOKE, "trainer.max_steps=200",
+         "trainer.save_steps=1", f"hydra.sweep.dir={sweep}"],
+        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    job = sweep / "0"
+    try:
+        deadline = time.monotonic() + 600
+        while not (job / "checkpoints" / "checkpoint-1").is_dir():
+            assert sweeper.poll() is None and time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.2)
+        (controller,) = [int(p.name) for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]
+        os.kill(controller, signal.SIGUSR2)
+        out, err = sweeper.communicate(timeout=300)
+    finally:
+        if sweeper.poll() is None:
+            os.killpg(sweeper.pid, signal.SIGKILL)
+    assert sweeper.returncode == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert errors[0].startswith(f"error: sweep job {controller} ended without a result") and "resume=auto" in errors[0]
+    deadline = time.monotonic() + 120  # the trainer stops at a checkpoint instead of training on
+    while (job / "run.lock").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not (job / "run.lock").exists() and not (job / "adapter").exists()
+    log = next(sweep.glob(f".submitit/{controller}/*_0_log.out")).read_text()
+    assert "SIGTERM: checkpoint saved" in log, log[-3000:]  # at the step it was at, well before step 200
+
+
+@pytest.mark.slow  # one job started twice (requeue): ~3 min on the shared 2-core machine
+def test_sigterm_to_the_job_id_submitit_shows_is_passed_on_saved_requeued_and_resumed(tmp_path):
+    """The documented way to try a preemption on one machine: `kill -TERM JOBID` (the id submitit
+    shows under hydra/launcher=local) reaches the trainer, which saves, is requeued and finishes."""
+    import signal
+    import time
+
+    sweep = tmp_path / "sweep"
+    sweeper = subprocess.Popen(
+        [sys.executable, "train.py", "-m", "hydra/launcher=local", *SMOKE, "trainer.max_steps=6",
+         "trainer.save_steps=1", f"hydra.sweep.dir={sweep}"],
+        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    job = sweep / "0"
+    try:
+        deadline = time.monotonic() + 600
+        while not (job / "checkpoints" / "checkpoint-1").is_dir():
+            assert sweeper.poll() is None and time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.2)
+        (controller,) = [int(p.name) for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]
+        os.kill(controller, signal.SIGTERM)
+        _, err = sweeper.communicate(timeout=600)
+    finally:
+        if sweeper.poll() is None:
+            os.killpg(sweeper.pid, signal.SIGKILL)
+    assert sweeper.returncode == 0, err[-3000:]
+    metrics = json.loads((job / "metrics.json").read_text())
+    assert metrics["status"] == "ok" and metrics["steps"] == 6 and metrics["resumed_from"], metrics
+    log = next(sweep.glob(f".submitit/{controller}/*_0_log.out")).read_text()
+    assert "SIGTERM: checkpoint saved" in log and f"Requeued job {controller}" in log

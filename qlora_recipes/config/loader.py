@@ -112,9 +112,6 @@ def to_typed(cfg: DictConfig) -> TrainConfig:
     if typed.quant.storage_dtype is None:  # null: the default, as conf/dist/*.yaml would set it
         sharded = typed.dist.strategy in ("fsdp", "zero3") and typed.quant.method in ("nf4", "fp4")
         typed.quant.storage_dtype = str(typed.precision.dtype) if sharded else "uint8"
-    if typed.quant.storage_dtype is None:  # null: the default, as conf/dist/*.yaml would set it
-        sharded = typed.dist.strategy in ("fsdp", "zero3") and typed.quant.method in ("nf4", "fp4")
-        typed.quant.storage_dtype = str(typed.precision.dtype) if sharded else "uint8"
     if typed.model.attn_implementation == AUTO:  # after the family is known: config/attention.py
         typed.model.attn_implementation = pick_attention(typed)
     return typed

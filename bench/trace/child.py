@@ -31,7 +31,7 @@ def trace(spec: dict) -> dict:
     import torch
 
     from bench.trace import kernels, step
-    from bench.trace.model import four_bit_linears, make_trainable, materialize, meta_base
+    from bench.trace.model import experts_4bit, four_bit_linears, make_trainable, materialize, meta_base
     from bench.trace.tracker import PlanTracker
     from qlora_recipes.config.loader import load
 
@@ -39,6 +39,10 @@ def trace(spec: dict) -> dict:
     device = spec.get("device", "cuda")
     fake = bool(spec.get("fake", True))
     cfg = load(list(spec["overrides"]))
+    if device == "cuda":  # precision=auto as it picks for the GPUs a plan is made for, not for this CPU
+        from qlora_recipes.config.loader import precision_for
+
+        cfg = precision_for(cfg, [1])
     if cfg.trainer.seq_len == "auto":  # no data here: traced at what the plan plans auto at
         from qlora_recipes import planner
 
@@ -62,11 +66,12 @@ def trace(spec: dict) -> dict:
     offload_map = spec.get("offload_map")
     skeleton, quantizer = meta_base(cfg, spec.get("layers"), offload_map)
     linears = four_bit_linears(skeleton)
+    experts = experts_4bit(cfg, skeleton, here=not offload_map)  # as the loader, before the adapters
     model = make_trainable(cfg, skeleton, quantizer)
     with contextlib.ExitStack() as outer:
         for ctx in contexts:
             outer.enter_context(ctx)
-        model = materialize(model, linears, device)
+        model = materialize(model, linears, device, cfg.quant)
         tracker_ref: dict = {}
         _place_as_the_loader(cfg, model, offload_map, device, tracker_ref)
         built = time.perf_counter()
@@ -96,6 +101,7 @@ def trace(spec: dict) -> dict:
         "census": tracker.peak_census,
         "kernels": {"attention": attention, "ops": dict(kernels.GpuKernels.calls)},
         "params": params,
+        "experts_4bit_layers": experts,
         **info,
         "build_s": round(built - started, 2),
         "wall_s": round(time.perf_counter() - started, 2),
@@ -127,6 +133,8 @@ def _kernel_modes(cfg, spec: dict, fake: bool, device: str) -> list:
 
         packed_rows = padding_free_on(cfg.data) and int(cfg.trainer.micro_batch_size) > 1
         modes += [kernels.trl_offload_keys(), kernels.known_sequences(not packed_rows)]
+        if cfg.model.attn_implementation == "flex_attention":
+            modes.append(kernels.flex_uncompiled())
     if device == "cuda":
         modes.append(kernels.trl_triton_folds())
         # flash attention needs sm80+ (Ampere); a recipe declaring no bf16 (T4 / V100) runs the

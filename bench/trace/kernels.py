@@ -44,6 +44,7 @@ import contextlib
 from types import SimpleNamespace
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
@@ -139,6 +140,9 @@ class GpuKernels(TorchDispatchMode):
     replay's tensors while it runs."""
 
     calls: dict[str, int] = {}  # of the traced step (the last GpuKernels entered)
+    # flex attention (gpt-oss's sinks) is a higher-order op: passed on whole to the modes below, the
+    # fake mode's rule gives its outputs (and its backward's)
+    supports_higher_order_operators = True
 
     def __init__(self, tracker=None):
         super().__init__()
@@ -169,6 +173,12 @@ class GpuKernels(TorchDispatchMode):
         if func is aten._local_scalar_dense.default and BOOL_READS and args[0].dtype == torch.bool:
             self._count("bool read")
             return BOOL_READS[-1]
+        if func is aten.bincount.default and isinstance(args[0], FakeTensor):
+            # tokens per expert (model/moe_experts.routed_forward): every id is below minlength, the
+            # number of experts, so that is the length a GPU returns; the counts are data
+            self._count("bincount")
+            minlength = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+            return torch.zeros(max(int(minlength), 1), dtype=torch.long, device=args[0].device)
         if func is aten.nonzero.default:
             self._count("nonzero")
             return torch.empty((_true_count(args[0]), args[0].dim()), dtype=torch.long, device=args[0].device)
@@ -269,6 +279,28 @@ def known_sequences(one_per_row: bool):
         yield
     finally:
         masking_utils.find_packed_sequence_indices = saved
+
+
+@contextlib.contextmanager
+def flex_uncompiled():
+    """Flex attention (gpt-oss's recipe) without torch.compile: dynamo refuses to compile under the
+    tracer's dispatch modes, and the compiled kernel's tensors are its op's outputs, which the
+    uncompiled op gives as well (out and log-sum-exp forward, the q/k/v gradients backward, by the
+    fake mode's rules). transformers' compiled wrapper and its block mask's compile are both skipped."""
+    from torch.nn.attention import flex_attention as torch_flex
+    from transformers import masking_utils
+    from transformers.integrations import flex_attention as hf_flex
+
+    saved = (torch_flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG, hf_flex.WrappedFlexAttention.__call__)
+    saved_mask = masking_utils.create_block_mask
+    torch_flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    hf_flex.WrappedFlexAttention.__call__ = lambda self: torch_flex.flex_attention
+    masking_utils.create_block_mask = lambda *a, **kw: torch_flex.create_block_mask(*a, **{**kw, "_compile": False})
+    try:
+        yield
+    finally:
+        torch_flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG, hf_flex.WrappedFlexAttention.__call__ = saved
+        masking_utils.create_block_mask = saved_mask
 
 
 class _NoLaunch:

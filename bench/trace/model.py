@@ -18,6 +18,14 @@ the attributes a Params4bit has (`quant_state`, `quant_type`, `blocksize`, `comp
 prepare_model_for_kbit_training (which casts only fp16/bf16 tensors, never the uint8 data) read
 exactly those.
 
+MoE models (`quant.experts=4bit`): the fused 3-D expert weights are stored 4-bit by the loader's own
+`model/moe_experts` code before the model is prepared, as `load_model` does (`experts_4bit`: its
+`quantize_weight` and the 4-bit forward on the skeleton, so k-bit prep and peft see 4-bit experts), and
+quantized again on the fake device by `materialize` (`quantize_weight` once more). There a Params4bit
+cannot wrap the fake codes either, so a fake tensor whose class is named Params4bit stands in: the
+run's code tells 4-bit experts by that name (`moe_experts.is_4bit`). Their forward and backward are
+the loader's `_Experts4bit` (each layer's experts dequantized in the matmul, again in backward).
+
 `layers` builds a model with fewer decoder layers than the figures (a layer-sliced trace); the
 layers are identical, so bytes per layer scale exactly (`bench.trace.run` extrapolates and a test
 checks it against a full trace).
@@ -128,22 +136,103 @@ def meta_base(cfg: Any, layers: int | None = None, device_map: dict | None = Non
     return model, quantizer
 
 
-def materialize(model, linears: dict, device: str):
+def materialize(model, linears: dict, device: str, quant=None):
     """The prepared model on (fake) tensors of `device`: every tensor allocated, 4-bit weights
     quantized, tied weights tied again (call inside the FakeTensorMode). `linears`: the Params4bit
-    attributes of each Linear4bit, from `four_bit_linears` before the model was prepared."""
-    if not linears:
-        model.to_empty(device=device)
-    else:
+    attributes of each Linear4bit, from `four_bit_linears` before the model was prepared; `quant`:
+    the stack's quant group, for 4-bit fused experts (`experts_4bit`)."""
+    experts = _four_bit_experts(model) if quant is not None else []
+    shapes = [
+        (module._parameters[n].quant_state.shape, module._parameters[n].quant_state.dtype) for module, n in experts
+    ]
+    model.to_empty(device=device)
+    if linears:
         import bitsandbytes as bnb
 
-        model.to_empty(device=device)
         for module, attrs in linears.items():
             _quantize_linear(module, device, bnb, attrs)
+    if experts:
+        _requantize_experts(experts, shapes, quant, device)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if getattr(base.config, "tie_word_embeddings", False):
         base.tie_weights()
     return model
+
+
+def experts_4bit(cfg: Any, model, here: bool = True) -> int:
+    """What `moe_experts.quantize_experts` does while loading, on the skeleton (meta tensors, which it
+    leaves alone): each experts module's fused weights quantized by its `quantize_weight`, its class
+    given the 4-bit forward. `here` as the loader passes it (False where layers are offloaded). Returns
+    the experts modules quantized."""
+    from qlora_recipes.model import moe_experts
+
+    if not (moe_experts.applies(cfg.quant) and here):
+        return 0
+    done = 0
+    for module in list(model.modules()):
+        names = moe_experts.expert_weights(module)
+        kind = moe_experts._forward_kind(module) if names else None
+        if kind is None:
+            continue  # the loader keeps these in 16 bits too
+        for name in names:
+            moe_experts.quantize_weight(module, name, cfg.quant)
+        moe_experts._run_4bit(module, kind)
+        done += 1
+    return done
+
+
+def _four_bit_experts(model) -> list:
+    """(module, weight name) of every 4-bit fused expert weight (`experts_4bit`)."""
+    from qlora_recipes.model import moe_experts
+
+    return [
+        (module, name)
+        for module in model.modules()
+        for name, p in module._parameters.items()
+        if p is not None and p.dim() == 2 and moe_experts.is_4bit(p) and hasattr(module, "num_experts")
+    ]
+
+
+def _requantize_experts(experts: list, shapes: list, quant, device) -> None:
+    """The expert weights on the fake device: a dense weight of each one's shape and compute dtype,
+    stored by `moe_experts.quantize_weight` as loading does, its Params4bit a fake stand-in."""
+    import bitsandbytes as bnb
+    import torch
+
+    from qlora_recipes.model import moe_experts
+
+    real = bnb.nn.Params4bit
+    bnb.nn.Params4bit = _fake_params4bit
+    try:
+        for (module, name), (shape, dtype) in zip(experts, shapes, strict=True):
+            module._parameters[name] = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device), False)
+            moe_experts.quantize_weight(module, name, quant)
+    finally:
+        bnb.nn.Params4bit = real
+
+
+class _FakeParams4bit:
+    """Named Params4bit: see the module's docstring (made a FakeTensor subclass on first use)."""
+
+
+def _fake_params4bit(data, requires_grad=False, quant_state=None, **attrs):
+    """`bnb.nn.Params4bit(...)` on fake codes: a frozen fake parameter of the same storage size whose
+    class is named Params4bit, carrying the quant state and the other attributes."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+    cls = _FAKE_CLASS.setdefault("cls", type("Params4bit", (FakeTensor,), {}))
+    with unset_fake_temporarily():
+        elem = torch.empty(data.shape, dtype=data.dtype, device="meta")
+    weight = cls(data.fake_mode, elem, data.device, requires_grad=False)
+    weight._is_param = True
+    for name, value in attrs.items():
+        setattr(weight, name, value)
+    weight.quant_state = quant_state
+    return weight
+
+
+_FAKE_CLASS: dict = {}
 
 
 def four_bit_linears(model) -> dict:

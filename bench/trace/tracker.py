@@ -55,6 +55,8 @@ PHASE_COMPONENT = {
 
 
 class PlanTracker(MemTracker):
+    supports_higher_order_operators = True  # flex attention's op: its outputs are counted as any op's
+
     def __init__(self) -> None:
         super().__init__()
         self.phase = "load"

@@ -233,3 +233,61 @@ def test_embeddings_kept_in_host_ram_leave_the_gpu_and_the_step_still_runs():
     assert {"forward", "loss", "backward", "optimizer"} <= {k.split("|")[1] for k in r["phases"]}
     cmp = compare(r, plan, "cuda:0")
     assert 0.8 < cmp["traced_gib"] / cmp["planned_train_gib"] < 1.25, cmp
+
+
+# Qwen3-30B-A3B's figures shrunk to a tiny MoE: 2 layers of 8 experts (2 a token), 4-bit experts
+TINY_MOE = [
+    "model=qwen3-30b-a3b",
+    "model.hidden_size=128",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.head_dim=32",
+    "model.intermediate_size=256",
+    "model.vocab_size=1000",
+    "model.figures.num_experts=8",
+    "model.figures.num_experts_per_tok=2",
+    "model.figures.moe_intermediate_size=128",
+    "trainer.micro_batch_size=2",
+    "trainer.seq_len=64",
+    "precision=bf16",
+]
+
+
+@needs_fake_cuda
+def test_a_moe_traces_with_its_experts_stored_4bit_and_routed_on_the_fake_cuda_device():
+    """The loader's own expert quantization (model/moe_experts.py) on the skeleton and again on fake
+    tensors: the 4-bit row holds the experts as the plan does, and the routed experts' forward and
+    backward run (tokens per expert counted on the fake device)."""
+    from bench.trace.run import compare, plan_for, run_child
+
+    r = run_child({"overrides": TINY_MOE, "device": "cuda"})
+    dev = "cuda:0"
+    plan = plan_for(TINY_MOE, [24 * GiB])
+    assert r["experts_4bit_layers"] == 2
+    static, planned = r["static"][dev], plan["components"]
+    assert static["lora_weights"] == planned["lora_weights"][dev]
+    # the q/k norms' and router's small tensors each rounded up to the allocator's 512-byte blocks
+    assert 0 <= static["other_params"] - planned["other_params"][dev] < 512 * 4 * 2
+    weights = 4 * 2 + 2 * 2  # q/k/v/o and the two fused expert weights, per layer
+    assert 0 <= static["quantized_weights"] - planned["quantized_weights"][dev] < 6 * 512 * weights
+    assert r["kernels"]["ops"].get("bincount") == 2 * 2  # each layer's routing, forward and recompute
+    assert {"forward", "loss", "backward", "optimizer"} <= {k.split("|")[1] for k in r["phases"]}
+    cmp = compare(r, plan, dev)
+    assert 0.8 < cmp["traced_gib"] / cmp["planned_train_gib"] < 1.25, cmp
+
+
+def test_the_committed_traces_hold_the_moe_recipes_within_ten_percent():
+    """bench/results/planner-traced.json (`python -m bench trace --suite`): gpt-oss-20b on 16 GB and
+    Qwen3-30B-A3B on 24 GB traced within 10 % of their plans, their 4-bit rows (experts included) the
+    plan's."""
+    import json
+
+    from conftest import REPO
+
+    cases = {c["case"]: c for c in json.loads((REPO / "bench/results/planner-traced.json").read_text())["cases"]}
+    for recipe in ("gpt-oss-20b-16gb", "qwen3-30b-a3b-24gb"):
+        c = cases[f"recipe {recipe}"]
+        assert c["within"] and 0.9 <= c["ratio"] <= 1.1, c["case"]
+        row = c["components"]["quantized_weights"]
+        assert abs(row["traced_gib"] / row["planned_gib"] - 1) < 0.01, c["case"]

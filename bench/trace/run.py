@@ -147,9 +147,11 @@ def trace_stack(
     overrides: list[str], device: str = "cuda", layers: int | str | None = "auto", log_dir: Path | None = None, **extra
 ) -> dict:
     """Trace a stack: whole, or two layer slices extrapolated to the model's layers."""
+    from bench.trace.partial import partial_layers, resolved_overrides, trace_partial
     from qlora_recipes.config.loader import load
     from qlora_recipes.planner import model_figures
 
+    overrides = resolved_overrides(list(overrides))  # checkpointing / micro-batch auto: as the plan resolves them
     cfg = load(list(overrides))
     total_layers = model_figures(cfg.model).num_layers
     pair = (
@@ -163,7 +165,10 @@ def trace_stack(
     def log(tag: str) -> Path | None:
         return (log_dir / f"{tag}.log") if log_dir else None
 
-    if pair is None:
+    partial = partial_layers(cfg, total_layers) if pair is not None else None
+    if partial is not None:  # the first N layers checkpointed: two kinds of layer, three slices
+        result = trace_partial(base, partial, total_layers, log_dir)
+    elif pair is None:
         result = run_child(base, log("full"))
         result["layers"] = total_layers
         result["layers_traced"] = [result["layers_traced"]]

@@ -59,6 +59,19 @@ OBJECTIVE_CASES = {
 }
 
 
+# trainer.gradient_checkpointing=auto (the fewest first layers checkpointed that fit) and, with it,
+# trainer.micro_batch_size=auto over 16 rows a step, on the 8B and 70B recipes (bench/trace/partial.py)
+AUTO_BASES = ("llama3.1-8b-24gb", "llama3.1-70b-48gb")
+AUTO_CASES = {
+    "trainer.gradient_checkpointing=auto": ["trainer.gradient_checkpointing=auto"],
+    "trainer.gradient_checkpointing=auto, trainer.micro_batch_size=auto": [
+        "trainer.gradient_checkpointing=auto",
+        "trainer.micro_batch_size=auto",
+        "trainer.grad_accum=16",
+    ],
+}
+
+
 class NotTraceable(Exception):
     """A case whose real code path cannot run a training step (recorded with the reason)."""
 
@@ -96,6 +109,9 @@ def cases() -> list[dict]:
                 "overrides": ["recipe=llama3.1-8b-24gb", *LONG, "trainer.tiled_mlp=true", f"trainer.seq_len={seq}"],
             }
         )
+    for base in AUTO_BASES:
+        for name, extra in AUTO_CASES.items():
+            out.append({"case": f"{base} + {name}", "kind": "auto", "overrides": [f"recipe={base}", *extra]})
     for name, extra in OBJECTIVE_CASES.items():
         case = {
             "case": f"llama3.1-8b-24gb + {name}",

@@ -78,3 +78,17 @@ def test_the_plan_counts_inputs_for_the_checkpointed_layers_and_whole_layers_for
 def test_a_checkpointing_value_that_is_no_count_is_one_line(value):
     with pytest.raises(UserError, match=f"trainer.gradient_checkpointing={value} must be true, false, a number"):
         check_stack(compose_cfg(f"trainer.gradient_checkpointing={value}"))
+
+
+def test_the_trace_of_a_partial_n_combines_its_three_slices_affinely_in_both_kinds_of_layer():
+    from bench.trace.partial import SLICES, combine
+
+    def slice_result(ckpt: int, kept: int) -> dict:  # 100 a checkpointed layer, 1000 a kept one, 5 fixed
+        total = 5 + 100 * ckpt + 1000 * kept
+        comps = {"activations": 100 * ckpt + 1000 * kept, "quantized_weights": 5}
+        return {"phases": {"cuda:0|backward": {"total": total, "components": comps}}, "static": {"cuda:0": {}}}
+
+    (c0, k0), layers, n = SLICES[0], 32, 14
+    got = combine(*(slice_result(c, k) for c, k in SLICES), n - c0, layers - n - k0)
+    assert got["peak"]["cuda:0"] == 5 + 100 * n + 1000 * (layers - n)
+    assert got["peak_components"]["cuda:0"]["activations"] == 100 * n + 1000 * (layers - n)

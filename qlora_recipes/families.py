@@ -3,11 +3,11 @@
 A family is transformers' `model_type` (conf/model's `architecture`, a config.json's `model_type`; a
 multimodal checkpoint's text model answers to both, gemma3 and gemma3_text). Adding one is one entry
 in FAMILIES: the traits below where it differs from Llama's, as transformers 5.23 builds it. `known`
-families are Llama-shaped (q/k/v/o and gate/up/down projections, RMSNorms, rotary embeddings) and the
-planner inventories them from their figures (planner/figures.py); the others it sizes from the model
-transformers builds on the meta device, until the planner learns their layers (the traits after
-`known` say what it would have to count). On the floor: the config checks, model/ and planner/ all
-ask it, and it imports nothing heavy (the planner's one-device path never imports torch).
+families the planner inventories from their figures (planner/layers.py, planner/family_layers.py: Llama's
+layer plus what the traits after `known` add); the others it sizes from the model transformers builds on
+the meta device (a multimodal checkpoint whose causal-LM class loads its vision tower too, a family not
+in the table). On the floor: the config checks, model/ and planner/ all ask it, and it imports nothing
+heavy (the planner's one-device path never imports torch).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ class FamilyTraits:
     # its RMSNorm is weight * normed.to(dtype) in LlamaRMSNorm's own code (model/lean_rmsnorm.py patches
     # those); Gemma's and Qwen3.5's are (1 + weight) in fp32, gpt-oss's and Gemma 4's weight the fp32 value
     llama_rmsnorm: bool = True
-    known: bool = True  # inventoried from its figures without torch (planner/layers.py)
-    # What a Llama-shaped inventory lacks (data for the planner; none of it is counted yet):
+    known: bool = True  # inventoried from its figures without torch (planner/layers.py, family_layers.py)
+    # What a Llama-shaped layer lacks, each counted by the planner's inventory and activations:
     qk_norm: bool = False  # a norm over each head's q and k (a weight of head_dim each; Llama 4's has none)
     local_attention: str = ""  # "sliding": some layers attend within a window; "chunked": within fixed chunks
     nope_layers: bool = False  # some layers apply no rotary embedding (every 4th in SmolLM3 and Llama 4)
@@ -52,7 +52,6 @@ _QWEN3 = FamilyTraits(config_biases=True, qk_norm=True)
 _QWEN3_5 = FamilyTraits(
     config_biases=True,
     llama_rmsnorm=False,
-    known=False,
     qk_norm=True,
     attn_output_gate=True,
     linear_attention=True,
@@ -67,11 +66,10 @@ _GEMMA3 = FamilyTraits(
     qk_norm=True,
     local_attention="sliding",
 )
-_GEMMA4 = FamilyTraits(**{**vars(_GEMMA3), "per_layer_embeddings": True, "known": False})
+_GEMMA4 = FamilyTraits(**{**vars(_GEMMA3), "per_layer_embeddings": True})
 _LLAMA4 = FamilyTraits(
     config_biases=True,
     llama_rmsnorm=False,
-    known=False,
     qk_norm=True,
     local_attention="chunked",
     nope_layers=True,
@@ -104,7 +102,7 @@ FAMILIES: dict[str, FamilyTraits] = {
     # the multimodal checkpoint loads its vision tower too, which the figures do not describe: its meta model
     "gemma3": FamilyTraits(**{**vars(_GEMMA3), "known": False}),
     "gemma3_text": _GEMMA3,
-    "gemma4": _GEMMA4,
+    "gemma4": FamilyTraits(**{**vars(_GEMMA4), "known": False}),  # its vision and audio towers too
     "gemma4_text": _GEMMA4,
     "gpt_oss": FamilyTraits(
         attention="eager",

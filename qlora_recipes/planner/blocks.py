@@ -32,3 +32,8 @@ class Block:
     tied_to: str | None = None  # lm_head of a tied model: its weight is the embedding's
     # fused 3-D MoE expert weights (full name, numel): NF4/FP4 under quant.experts=4bit (model/moe_experts.py)
     experts: tuple[tuple[str, int], ...] = ()
+    # what a decoder layer mixes tokens with: its layer type ("full_attention", "sliding_attention",
+    # "chunked_attention", "linear_attention": Qwen3.5's Gated DeltaNet); "" where the family has one kind
+    mixer: str = ""
+    head_dim: int = 0  # its attention's head_dim and kv heads where they are not the model's (Gemma 4's global layers)
+    kv_heads: int = 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from ..config.attention import unmasked_packing
 from ..errors import UserError
 from ..units import dtype_bytes
+from . import family_layers, linear_attention
 from .constants import (
     BNB_4BIT_BLOCKSIZE,
     BNB_4BIT_CODE_ELEMENTS,
@@ -140,6 +141,9 @@ class BlockBytes:
     mlp_dora_in: int = 0
     placed_bytes: int = 0  # what the loader counts when placing (quantized at 0.5/1 byte/elem)
     max_cast: int = 0  # load bytes of its largest tensor that k-bit prep upcasts (0: none is)
+    mixer: str = ""  # a decoder layer's token mixer (Block.mixer): "linear_attention" is a Gated DeltaNet
+    head_dim: int = 0  # its attention's head_dim and kv heads (0: the model's)
+    kv_heads: int = 0
 
 
 def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
@@ -154,7 +158,7 @@ def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
     mts = st.modules_to_save
     out = []
     for blk in blocks:
-        bb = BlockBytes()
+        bb = BlockBytes(mixer=blk.mixer, head_dim=blk.head_dim, kv_heads=blk.kv_heads)
         for lin in blk.linears:
             n = lin.numel
             bb.params_total += n + (lin.out_features if lin.bias else 0)
@@ -180,7 +184,7 @@ def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
                 r = st.r
                 bb.lora_tensors += [(r, lin.in_features), (lin.out_features, r)]
                 bb.lora_in += lin.in_features
-                in_mlp = ".mlp." in lin.name
+                in_mlp = ".mlp." in lin.name or ".feed_forward." in lin.name  # Llama 4's
                 bb.mlp_lora_in += lin.in_features if in_mlp else 0
                 if st.peft == "dora":
                     bb.lora_tensors.append((lin.out_features,))
@@ -425,13 +429,17 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
     """
     fig, s = st.fig, st.seq_len
     c, r, mask = act_dtypes(st, on_cpu)
-    h, a, d = fig.hidden_size, fig.num_heads, fig.head_dim
-    qd, kvd = a * d, fig.num_kv_heads * d
-    per_token = norms_saved_per_token(st, r)
-    if eager(st):
+    h, a, d, kv = fig.hidden_size, fig.num_heads, bb.head_dim or fig.head_dim, bb.kv_heads or fig.num_kv_heads
+    qd, kvd = a * d, kv * d
+    per_token = norms_saved_per_token(st, r) + family_layers.saved_per_token(fig, bb.mixer, qd, kvd, r)
+    mixer = 0
+    if bb.mixer == "linear_attention":  # a Gated DeltaNet in place of attention (planner/linear_attention.py)
+        rows, n = attention_rows(st, b)
+        mixer = linear_attention.saved_bytes(fig, rows, n, c, r, on_cpu)
+    elif eager(st):
         per_token += 3 * c * qd
     else:
-        kv_saved = 2 * qd if fig.num_kv_heads < a and sdpa_masked(st, b) else 2 * kvd
+        kv_saved = 2 * qd if kv < a and sdpa_masked(st, b) else 2 * kvd
         per_token += c * (2 * qd + kv_saved) + 4 * a
     per_token += (c + (mask if st.lora_dropout > 0 else 0)) * (bb.lora_in - bb.mlp_lora_in)
     per_token += 2 * c * (bb.dora_out - bb.mlp_dora_out)
@@ -443,7 +451,7 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
         # DoRA with dropout recomputes the base output as F.linear(dropout(x), dequantized W):
         # that matmul keeps the c-byte input and the whole dequantized weight of each linear
         total += b * s * c * (bb.dora_in - bb.mlp_dora_in) + c * bb.dora_weight
-    return total + eager_scores_bytes(st, b, on_cpu)
+    return total + mixer + (0 if bb.mixer == "linear_attention" else eager_scores_bytes(st, b, on_cpu))
 
 
 def norms_saved_per_token(st: StackSpec, r: int) -> int:
@@ -474,7 +482,7 @@ def mlp_saved_per_token(st: StackSpec, bb: BlockBytes, on_cpu: bool = False) -> 
     fig = st.fig
     per_token = 3 * r * fig.active_intermediate + (c + (mask if st.lora_dropout > 0 else 0)) * bb.mlp_lora_in
     if fig.num_experts:  # the routed rows' weighted outputs (k x h) and the router's fp32 logits and probs
-        per_token += fig.experts_per_token * fig.hidden_size * r + 8 * fig.num_experts
+        per_token += fig.routed_rows * fig.hidden_size * r + 8 * fig.num_experts
     if bb.expert_lora_in:  # expert LoRA, per routed row and weight: its input, x@A over all experts, the mask
         ranks = fig.num_experts * st.expert_r
         per_token += fig.experts_per_token * (c * bb.expert_lora_in + 2 * (2 * c + 1) * ranks)
@@ -514,6 +522,9 @@ def backward_working_bytes(st: StackSpec, b: int, on_cpu: bool = False, bb: Bloc
     if not on_cpu and not st.quantized and r < 4:
         widest = _widest_lora_input(st)
         w = max(w, b * s * (r + 4 + (4 if st.lora_dropout > 0 else 0)) * widest)
+    if bb is not None and bb.mixer == "linear_attention":  # its kernel's backward transients beside them
+        rows, n = attention_rows(st, b)
+        w += linear_attention.working_bytes(fig, rows, n, act_dtypes(st, on_cpu)[0], on_cpu)
     return w
 
 
@@ -534,9 +545,9 @@ def shared_per_device_bytes(st: StackSpec, b: int, on_cpu: bool = False) -> int:
     rope = 2 * (b * st.seq_len if st.padding_free else st.seq_len) * st.fig.head_dim * r
     if eager(st):  # a float mask in inputs_embeds' dtype (masking_utils.create_causal_mask): the residual's
         mask = rows * n * n * r
-    else:
-        mask = rows * n * n if sdpa_masked(st, b) else 0
-    return rope + mask
+    else:  # Llama 4's chunked layers take a bool mask whatever the batch
+        mask = rows * n * n if sdpa_masked(st, b) or st.fig.traits.local_attention == "chunked" else 0
+    return rope + mask + family_layers.shared_bytes(st.fig, b * st.seq_len, r)
 
 
 def offloaded_activations(st: StackSpec, per_layer: list[int]) -> tuple[int, int]:
@@ -575,6 +586,8 @@ def eval_layer_bytes(st: StackSpec, b: int, on_cpu: bool = False, s: int | None 
     h, f, a, d = fig.hidden_size, fig.active_intermediate, fig.num_heads, fig.head_dim
     mlp = min(b * s, st.mlp_tile) if st.mlp_tile else b * s  # trainer.tiled_mlp: one tile's intermediates
     w = b * s * (2 * r * h + 4 * h + c * (4 * a * d)) + mlp * 3 * r * f
+    if fig.linear_v_heads:  # a Gated DeltaNet layer's kernel where it holds more than attention
+        w += max(0, linear_attention.forward_bytes(fig, b, s, c, on_cpu) - b * s * c * 4 * a * d)
     if eager(st):
         rows, n = attention_rows(st, b) if s == st.seq_len and autocast else (b, s)  # generation: padded
         w += rows * a * n * n * (4 + c)

@@ -22,6 +22,7 @@ from ..families import KNOWN_ARCHITECTURES, FamilyTraits, traits
 from ..model.checkpoint import hub_config_json, local_dir, read_config
 from ..units import torch_dtype
 from .blocks import Block, Linear
+from .family_layers import config_keys
 from .layers import analytic_inventory, family_figures
 
 if TYPE_CHECKING:
@@ -56,6 +57,25 @@ class Figures:
     shared_expert_intermediate: int = 0
     layer_types: tuple[str, ...] = ()
     sliding_window: int = 0
+    rotary_fraction: float = 1.0  # the part of head_dim that rotates (Qwen3.5's partial_rotary_factor)
+    # Qwen3.5's Gated DeltaNet layers: key and value heads, their widths, the causal conv's kernel
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv_kernel: int = 0
+    # Gemma 4: per-layer input embeddings (width per layer, vocab), its global layers' head_dim and kv
+    # heads, the last layers that reuse earlier ones' k/v, keys as values, double-wide MLPs where shared
+    per_layer_input: int = 0
+    per_layer_vocab: int = 0
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    kv_shared_layers: int = 0
+    k_eq_v: bool = False
+    double_wide_mlp: bool = False
+    # Llama 4: which layers are MoE (the others a dense MLP of dense_intermediate)
+    moe_layers: tuple[int, ...] = ()
+    dense_intermediate: int = 0
 
     @property
     def traits(self) -> FamilyTraits:
@@ -66,8 +86,14 @@ class Figures:
         """The MLP width one token runs through: an MoE layer's top-k experts (and its shared expert),
         else the dense intermediate size; what the activation terms count per token."""
         if self.num_experts:
-            return self.experts_per_token * self.expert_intermediate + self.shared_expert_intermediate
+            return self.routed_rows * self.expert_intermediate + self.shared_expert_intermediate
         return self.intermediate_size
+
+    @property
+    def routed_rows(self) -> int:
+        """The expert rows a token makes: its top-k; Llama 4's experts run every token through every expert
+        (a batched matmul over E copies of the tokens, the scores outside the top-k zero)."""
+        return self.num_experts if self.traits.router == "sigmoid" else self.experts_per_token
 
 
 _FIGURE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
@@ -145,6 +171,7 @@ def _entry_hint(repo: str) -> str:
 
 _COMPARED = _FIGURE_FIELDS + ("architecture", "tie_embeddings", "max_position_embeddings", "num_experts")
 _COMPARED += ("experts_per_token", "expert_intermediate", "shared_expert_intermediate", "sliding_window")
+_COMPARED += ("linear_v_heads", "linear_k_heads", "per_layer_input", "global_head_dim", "dense_intermediate")
 
 
 def _refuse_contradiction(entry: Figures, real: Figures, repo: str) -> None:
@@ -189,8 +216,10 @@ def _yaml_figures(model: ModelConfig, name: Any, trust: bool) -> Figures:
 
 def _entry_keys(model: ModelConfig) -> dict[str, Any]:
     """A conf/model entry's config.json keys for the family's own layers: model.figures, over its
-    intermediate_size (gpt-oss's config names the experts' width so)."""
-    return {"intermediate_size": int(model.intermediate_size), **dict(given(model, "figures") or {})}
+    intermediate_size (gpt-oss's config names the experts' width so) and its layers (the default layer
+    patterns count them)."""
+    own = {"intermediate_size": int(model.intermediate_size), "num_hidden_layers": int(model.num_layers)}
+    return {**own, **dict(given(model, "figures") or {})}
 
 
 def _figures_from_config_json(path: Path, trust: bool, source: str | None = None) -> Figures:
@@ -201,7 +230,8 @@ def _figures_from_config_json(path: Path, trust: bool, source: str | None = None
     hidden = cj.get("hidden_size", cj.get("n_embd"))
     layers = cj.get("num_hidden_layers", cj.get("n_layer"))
     heads = cj.get("num_attention_heads", cj.get("n_head"))
-    inter = cj.get("intermediate_size", cj.get("n_inner"))
+    # Qwen3.5-MoE's config has no dense intermediate_size: its experts' width stands in (no layer uses it)
+    inter = cj.get("intermediate_size", cj.get("n_inner")) or cj.get("moe_intermediate_size")
     vocab = cj.get("vocab_size")
     missing = [
         k
@@ -309,6 +339,12 @@ def hf_config(fig: Figures):
         if fig.num_experts:  # both families' names: a config class keeps the one it reads
             kwargs.update(num_experts=fig.num_experts, num_local_experts=fig.num_experts)
             kwargs.update(num_experts_per_tok=fig.experts_per_token, moe_intermediate_size=fig.expert_intermediate)
+        kwargs.update(config_keys(fig))
+        config = AutoConfig.for_model(fig.architecture)
+        if "text_config" in (
+            getattr(config, "sub_configs", None) or {}
+        ):  # multimodal: the figures are its text model's
+            return AutoConfig.for_model(fig.architecture, text_config=kwargs)
         return AutoConfig.for_model(fig.architecture, **kwargs)
     except (ValueError, KeyError, OSError) as e:
         raise UserError(
@@ -361,7 +397,7 @@ def _block_from_module(name: str, module, tied: dict, is_layer: bool, torch) -> 
     linear_params = set()
     for sub_name, sub in module.named_modules():
         full = prefix + sub_name if sub_name else name
-        if isinstance(sub, torch.nn.Linear):
+        if type(sub) is torch.nn.Linear:  # what bitsandbytes replaces (Llama 4's router subclass stays)
             linears.append(Linear(full, sub.in_features, sub.out_features, sub.bias is not None))
             linear_params.add(f"{full}.weight")
             if sub.bias is not None:

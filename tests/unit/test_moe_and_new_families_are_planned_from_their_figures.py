@@ -13,7 +13,8 @@ from qlora_recipes.families import traits
 from qlora_recipes.planner import figures
 
 GiB = 2**30
-FAMILIES = ("qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "smollm3")
+FAMILIES = ("qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "smollm3", "qwen3_5_text", "qwen3_5_moe_text")
+FAMILIES += ("gemma4_text", "llama4_text")
 
 
 def _summary(blocks):
@@ -81,3 +82,122 @@ def test_an_moe_entry_without_its_expert_figures_is_one_line():
 
     with pytest.raises(UserError, match=r"model.figures.*num_experts"):
         _plan("model=qwen3-30b-a3b", "model.figures=null", gpus="24GB")
+
+
+_VARIANTS = {
+    # Gemma 4 as its larger checkpoints are built: global layers with their own head_dim and kv heads, keys
+    # as values there, the last layers reusing earlier k/v with double-wide MLPs, an MoE block beside the MLP
+    "gemma4_text": {
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "global_head_dim": 32,
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True,
+        "num_kv_shared_layers": 2,
+        "use_double_wide_mlp": True,
+        "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": 50,
+        "enable_moe_block": True,
+        "num_experts": 4,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 32,
+    },
+    # Llama 4 as Maverick interleaves it: dense layers (intermediate_size_mlp) between the MoE ones
+    "llama4_text": {
+        "interleave_moe_layer_step": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 1,
+        "intermediate_size_mlp": 96,
+    },
+    # Qwen3.5 by its config class's defaults: every 4th layer full attention, its linear heads' defaults
+    "qwen3_5_moe_text": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "qwen3_5_text": {"full_attention_interval": 2},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(_VARIANTS))
+def test_a_config_json_of_the_new_families_is_inventoried_as_transformers_builds_it(tmp_path, model_type):
+    """A config.json as the hub serves it (keys left out take their config class's defaults): the figure
+    inventory is the module tree transformers builds from it."""
+    import json
+
+    from helpers_families import COMMON
+
+    cfg = {**COMMON, "num_hidden_layers": 4, "model_type": model_type, **_VARIANTS[model_type]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    fig = figures._figures_from_config_json(tmp_path, trust=False)
+    assert _summary(figures._analytic_inventory(fig)) == _summary(figures._meta_inventory(fig))
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_dir(tmp_path_factory):
+    """A tiny Qwen3.5 of two Gated DeltaNet layers and a gated full-attention one, wide enough that its
+    activations are not all rounding."""
+    import shutil
+
+    import torch
+    import transformers
+    from helpers_families import COMMON, TINY, tiny_config
+
+    out = tmp_path_factory.mktemp("qwen3_5")
+    layers = {"layer_types": ["linear_attention", "linear_attention", "full_attention"], "num_hidden_layers": 3}
+    cfg = tiny_config("qwen3_5_text").to_dict() | {**COMMON, **layers, "hidden_size": 128, "vocab_size": 1000}
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.Qwen3_5TextConfig(**cfg)).save_pretrained(str(out))
+    for f in [*TINY.glob("tokenizer*"), TINY / "chat_template.jinja"]:
+        shutil.copy(f, out)
+    return out
+
+
+@pytest.mark.parametrize("b,s", [(2, 128), (1, 100)])  # two whole chunks per row; one padded chunk
+def test_gated_deltanet_and_gated_attention_keep_what_autograd_keeps_on_cpu(qwen3_5_dir, b, s):
+    """What autograd keeps for a Gated DeltaNet layer (the torch chunked kernel, its conv, its gated norm)
+    and for a full-attention layer with its output gate (NF4 base, LoRA with dropout, fp32 as this CPU
+    computes), against layer_saved_bytes: the attention terms alone planned 0.57 of the DeltaNet's."""
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from qlora_recipes.planner import components
+    from qlora_recipes.planner.spec import spec_from_cfg
+
+    overrides = ("quant=nf4", "peft=lora", "peft.r=16", "peft.dropout=0.05", f"trainer.micro_batch_size={b}")
+    cfg = compose_cfg("precision=fp32", f"model.name_or_path={qwen3_5_dir}", *overrides, f"trainer.seq_len={s}")
+    st = spec_from_cfg(cfg, world_size=1)
+    planned = {blk.name: bb for blk, bb in components.block_bytes(st)}
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(qwen3_5_dir), quantization_config=bnb, dtype=torch.float32)
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    model.train()
+    ids = torch.randint(4, 1000, (b, s), generator=torch.Generator().manual_seed(0))
+    for i, mixer in ((1, "linear_attention"), (2, "full_attention")):
+        bb = planned[f"model.layers.{i}"]
+        assert bb.mixer == mixer
+        measured = _kept_by_layer(model, model.base_model.model.model.layers[i], ids)
+        assert components.layer_saved_bytes(st, bb, b, on_cpu=True) == pytest.approx(measured, rel=0.08)
+
+
+def _kept_by_layer(model, layer, ids) -> int:
+    """Bytes of the tensors autograd keeps alive from `layer`'s forward (parameters aside)."""
+    import weakref
+
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    inside, kept = [False], []
+
+    def pack(t):
+        if inside[0] and t.untyped_storage().data_ptr() not in params:
+            kept.append((weakref.ref(t), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+        return t
+
+    hooks = [layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))]
+    hooks.append(layer.register_forward_hook(lambda *_: inside.__setitem__(0, False)))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids=ids, labels=ids)
+    measured = sum({ptr: n for ref, ptr, n in kept if ref() is not None}.values())
+    for hook in hooks:
+        hook.remove()
+    del out
+    return measured

@@ -1,7 +1,7 @@
 """Each family's traits in qlora_recipes/families.py are what transformers 5.23 builds for it: a tiny model
 of every family (tests/helpers_families.py) on the meta device shows its attention support, its tied
 embeddings default, its norms, biases, experts, sinks, linear-attention layers and per-layer embeddings,
-and `known` families have nothing a Llama-shaped inventory lacks but qk-norm weights."""
+and `known` families have no part beyond what their traits name (the planner inventories those)."""
 
 import pytest
 from helpers_families import FAMILY_CONFIGS, tiny_config
@@ -60,12 +60,12 @@ LLAMA_LAYER = {
 
 
 @pytest.mark.parametrize("model_type", sorted(set(KNOWN_ARCHITECTURES) & set(FAMILY_CONFIGS)))
-def test_known_families_are_llama_shaped(model_type):
-    """What the planner inventories from figures alone: a layer of Llama's parts (Gemma's four norms
-    beside them) and what planner/layers.py adds for the traits (q/k norms, sinks, a router and fused
-    experts), nothing else (Qwen3.5's linear attention would be missed: it is not known)."""
+def test_known_families_have_only_the_parts_their_traits_name(model_type):
+    """What the planner inventories from figures alone (planner/layers.py, family_layers.py): a layer of
+    Llama's parts (Gemma's four norms beside them) and what each trait adds (q/k norms, sinks, routers and
+    fused experts, shared experts, Gated DeltaNet layers, per-layer inputs), nothing else."""
     t, model = traits(model_type), _meta(model_type)
-    layer = {n.split("layers.0.", 1)[1] for n, _ in model.named_parameters() if ".layers.0." in n}
+    layer = {n.split(".layers.", 1)[1].split(".", 1)[1] for n, _ in model.named_parameters() if ".layers." in n}
     allowed = set(LLAMA_LAYER)
     if t.sandwich_norms:
         allowed |= {"pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"}
@@ -73,11 +73,24 @@ def test_known_families_are_llama_shaped(model_type):
         allowed |= {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
     if t.attention_sinks:
         allowed.add("self_attn.sinks")
+    mlp = "feed_forward" if t.router == "sigmoid" else "mlp"  # Llama 4's
     if t.moe:
-        allowed |= {f"mlp.experts.{w}{b}" for w in ("gate_up_proj", "down_proj") for b in ("", "_bias")}
-        allowed |= {"mlp.gate.weight", "mlp.router.weight", "mlp.router.bias"}
+        allowed |= {f"{mlp}.experts.{w}{b}" for w in ("gate_up_proj", "down_proj") for b in ("", "_bias")}
+        allowed |= {"mlp.gate.weight", "mlp.router.weight", "mlp.router.bias", "feed_forward.router.weight"}
+    if t.shared_experts:
+        allowed |= {f"{mlp}.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")}
+        allowed |= {"mlp.shared_expert_gate.weight"} if mlp == "mlp" else set()
+    if t.router == "sigmoid":  # Llama 4's dense layers name their MLP feed_forward too
+        allowed |= {f"feed_forward.{p}_proj.weight" for p in ("gate", "up", "down")}
+    if t.linear_attention:
+        own = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "out_proj.weight")
+        allowed |= {f"linear_attn.{p}" for p in (*own, "conv1d.weight", "dt_bias", "A_log", "norm.weight")}
+    if t.per_layer_embeddings:
+        own = ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm")
+        allowed |= {f"{p}.weight" for p in own}
     assert layer <= allowed, layer - allowed
-    assert not (t.linear_attention or t.per_layer_embeddings or t.attn_output_gate)
+    q = [m for n, m in model.named_modules() if n.endswith("self_attn.q_proj")][0]
+    assert (q.out_features == 2 * model.config.num_attention_heads * model.config.head_dim) is t.attn_output_gate
 
 
 def test_the_default_lora_skips_a_linear_whose_forward_is_its_own():

@@ -26,6 +26,7 @@ from typing import Any
 from bench import REPO
 from bench.machine import busy_cpu_seconds, load_average
 from bench.stats import median, ratio, steady_step_s
+from qlora_recipes.config.attention import VARLEN
 from qlora_recipes.units import PRECISION_DTYPE, GiB
 
 
@@ -188,6 +189,7 @@ def read_ours(run_dir: Path, child: dict, warmup: int, gpu: bool) -> dict:
     rec.update(
         _trained(m),
         tokens_per_s=m.get("tokens_per_s"),
+        token_efficiency=m.get("token_efficiency"),  # real / computed tokens (padded slots computed)
         micro_batch_size=m.get("micro_batch_size"),
         grad_accum=m.get("grad_accum"),
     )
@@ -228,6 +230,7 @@ SUMMARY_KEYS = (
     "s_per_step",
     "tokens_per_s",
     "tokens_per_s_steady",
+    "token_efficiency",
     "peak_gib",
     "peak_rss_gib",
     "peak_allocated_gib",
@@ -292,7 +295,8 @@ def baseline_argv(cfg: Any, out_dir: Path, metrics_path: Path) -> list[str]:
         "--alpha": p.alpha,
         "--dropout": p.dropout,
         "--target-modules": targets,
-        "--attn": cfg.model.attn_implementation,
+        # plain TRL has no sdpa_varlen (ours, registered by our loader): its packed rows take sdpa's mask
+        "--attn": "sdpa" if cfg.model.attn_implementation == VARLEN else cfg.model.attn_implementation,
         "--seed": cfg.seed,
         "--logging-steps": cfg.trainer.logging_steps,
     }

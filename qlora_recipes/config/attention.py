@@ -60,11 +60,29 @@ def pick(cfg: TrainConfig) -> str:
     """What model.attn_implementation=auto runs for this stack (any other value is kept as given)."""
     from .schema import padding_free_on
 
-    if not padding_free_on(cfg.data):
+    return pick_for(cfg.model.architecture, padding_free_on(cfg.data))
+
+
+def pick_for(architecture: str, padding_free: bool) -> str:
+    if not padding_free:
         return "sdpa"  # the loader turns it into eager for a family without an sdpa path
     if flash_installed():
         return "flash_attention_2"
-    return "sdpa" if varlen_blocker(cfg.model.architecture) else VARLEN
+    return "sdpa" if varlen_blocker(architecture) else VARLEN
+
+
+# The schema's default: `${auto_attention:...}` resolves with the rest of the composed config, so the
+# config.yaml a run writes and the config Hydra composed say the same; `auto` typed on the command line
+# is picked when the config is typed (config/loader.to_typed), after a model dir's family is known.
+DEFAULT = "${auto_attention:${model.architecture},${data.packing},${data.packing_strategy},${data.padding_free}}"
+
+
+def auto_attention(architecture: str, packing: bool, strategy: str, padding_free: bool) -> str:
+    """The `${auto_attention:...}` resolver of the schema's default."""
+    from .schema import padding_free_on
+
+    data = {"packing": packing, "packing_strategy": strategy, "padding_free": padding_free}
+    return pick_for(str(architecture), padding_free_on(data))
 
 
 def why_picked(attn: str) -> str:

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from ..errors import UserError
 from ..invocation import command
 from ..resources import shipped_path
-from .attention import AUTO
+from .attention import AUTO, auto_attention
 from .attention import pick as pick_attention
 from .fields import is_section
 from .model_dir import from_config_json
@@ -46,6 +46,8 @@ def register_schemas() -> None:
         OmegaConf.register_new_resolver("by_objective", by_objective)
     if not OmegaConf.has_resolver("if_data_path"):
         OmegaConf.register_new_resolver("if_data_path", if_data_path)
+    if not OmegaConf.has_resolver("auto_attention"):  # the schema's model.attn_implementation default
+        OmegaConf.register_new_resolver("auto_attention", auto_attention)
     if not OmegaConf.has_resolver("auto_precision"):  # conf/precision/auto.yaml: this machine's pick
         from .devices import auto_precision_value
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from .attention import DEFAULT as ATTENTION_DEFAULT
 from .fields import option
 from .objectives import BUILTIN_REWARDS, DPO_LOSS_TYPES, OBJECTIVES
 
@@ -104,9 +105,9 @@ class ModelConfig:
     max_position_embeddings: int = option(4096, "the model's context length", range=">= 1")
     trust_remote_code: bool = option(False, "run the model repo's own code (transformers trust_remote_code)")
     revision: str | None = option(None, "a hub branch, tag or commit; null: main")
-    # auto is resolved when the config is typed (config/attention.py): sdpa_varlen for padding-free batches
+    # config/attention.py: the default resolves to sdpa, or sdpa_varlen / flash for padding-free batches
     attn_implementation: str = option(
-        "auto",
+        ATTENTION_DEFAULT,
         "transformers' attention implementation (or a hub kernel, org/name); auto: sdpa, or for padding-free / "
         "best-fit packed batches flash_attention_2 where flash-attn is installed, else sdpa_varlen (no dense mask)",
     )

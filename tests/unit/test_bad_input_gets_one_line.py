@@ -701,7 +701,8 @@ def test_the_valid_sets_are_the_libraries_own():
 
     assert set(SCHEDULERS) == {s.value for s in SchedulerType}
     assert set(OPTIMIZERS) == {n for n in PLANNED if n in {o.value for o in OptimizerNames}}
-    assert set(ATTENTION) == {"eager", *ALL_ATTENTION_FUNCTIONS.keys()}
+    # plus ours: auto (config/attention.py) and sdpa_varlen (registered with transformers when it loads)
+    assert set(ATTENTION) == {"eager", "auto", "sdpa_varlen", *ALL_ATTENTION_FUNCTIONS.keys()}
 
 
 def test_warmup_ratio_and_steps_reach_the_trainer_as_themselves(tmp_path):

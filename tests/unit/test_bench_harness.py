@@ -144,6 +144,7 @@ def test_baseline_argv_is_the_same_job(tmp_path):
     assert args["--quant"] == "fp4" and args["--r"] == "8" and float(args["--lr"]) == cfg.optim.lr
     assert args["--model"] == cfg.model.name_or_path and args["--data"] == cfg.data.path
     assert "--no-gradient-checkpointing" in argv and "--packing" in argv
+    assert cfg.model.attn_implementation == "sdpa_varlen" and args["--attn"] == "sdpa"  # plain TRL has no varlen
     with pytest.raises(ValueError):
         runner.baseline_argv(compose_cfg("peft=dora"), tmp_path, tmp_path / "m.json")
 

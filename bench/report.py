@@ -66,6 +66,20 @@ def _stack_rows(stacks: list[dict], gpu: bool) -> list[str]:
     return lines
 
 
+def _efficiency_rows(stacks: list[dict]) -> list[str]:
+    """Token efficiency of our runs that report it: real tokens / computed tokens (padded slots computed)."""
+    shown = [
+        (s["name"], s["ours"]["token_efficiency"]) for s in stacks if (s.get("ours") or {}).get("token_efficiency")
+    ]
+    if not shown:
+        return []
+    return [
+        "",
+        "Token efficiency (ours; real / computed tokens, padded slots computed): "
+        + ", ".join(f"{name} {value:.2f}" for name, value in shown),
+    ]
+
+
 def _ratio_rows(stacks: list[dict]) -> list[str]:
     with_base = [s for s in stacks if s.get("ratios")]
     if not with_base:
@@ -170,7 +184,7 @@ def render_markdown(res: Mapping[str, Any]) -> str:
     lines = _header(res)
     stacks = res.get("stacks", [])
     if stacks:
-        lines += ["", *_stack_rows(stacks, gpu), *_ratio_rows(stacks)]
+        lines += ["", *_stack_rows(stacks, gpu), *_efficiency_rows(stacks), *_ratio_rows(stacks)]
     lines += _timing_rows(res.get("timings", []))
     for sec in res.get("slope", []):
         lines += _slope_rows(sec)

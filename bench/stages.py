@@ -1,4 +1,4 @@
-"""The GPU suite's stages (the CPU suite has none): `stacks` (named stacks on one random-weight model,
+"""The suites' stages (the CPU suite's: packing, a `stacks` stage): `stacks` (named stacks on one random-weight model,
 e.g. the 8B shape's baseline comparison and speed options), `slope` (the 70B shape at a few depths,
 peak and seconds/step per layer fitted and extrapolated to the full depth beside the planner's plan)
 and `prequantized` (the full-depth model from a pre-quantized NF4 checkpoint written layer by layer).
@@ -33,12 +33,13 @@ def plan_for(b: Any, overrides: list[str]) -> dict | None:
 def stage_stacks(b: Any, key: str, st: dict) -> None:
     option, fig = b.assets.model_fig(st["model"])
     path = b.assets.build_model(option, fig)
-    seq = b.assets.job_seq_len()
+    seq = int(st.get("seq_len", b.assets.job_seq_len()))  # a stage may train longer rows than the job
+    longer = [f"trainer.seq_len={seq}"] if "seq_len" in st else []
     for s in expand_stacks(st.get("stacks", [])):
         if not b.settings.selected(s["name"]):
             continue
         data = b.assets.stage_data(s, fig["vocab_size"], seq, b.settings.steps)
-        ov = [*b.assets.model_overrides(option, fig, path), f"data.path={data}", *s.get("overrides", [])]
+        ov = [*b.assets.model_overrides(option, fig, path), f"data.path={data}", *longer, *s.get("overrides", [])]
         b.measure.stack(
             s["name"],
             ov,

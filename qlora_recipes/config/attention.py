@@ -14,12 +14,8 @@ planner's one-device path imports this): flash-attn is looked for, torch only im
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING
 
 from ..families import traits
-
-if TYPE_CHECKING:
-    from .schema import TrainConfig
 
 AUTO = "auto"
 VARLEN = "sdpa_varlen"  # model/packed_attention.py registers it with transformers
@@ -56,14 +52,8 @@ def flash_installed() -> bool:
     return torch.cuda.is_available()
 
 
-def pick(cfg: TrainConfig) -> str:
-    """What model.attn_implementation=auto runs for this stack (any other value is kept as given)."""
-    from .schema import padding_free_on
-
-    return pick_for(cfg.model.architecture, padding_free_on(cfg.data))
-
-
 def pick_for(architecture: str, padding_free: bool) -> str:
+    """What model.attn_implementation=auto runs for a family, padding-free (schema.padding_free_on) or not."""
     if not padding_free:
         return "sdpa"  # the loader turns it into eager for a family without an sdpa path
     if flash_installed():
@@ -73,16 +63,9 @@ def pick_for(architecture: str, padding_free: bool) -> str:
 
 # The schema's default: `${auto_attention:...}` resolves with the rest of the composed config, so the
 # config.yaml a run writes and the config Hydra composed say the same; `auto` typed on the command line
-# is picked when the config is typed (config/loader.to_typed), after a model dir's family is known.
+# is picked when the config is typed (config/loader.to_typed), after a model dir's family is known. The
+# resolver (loader.auto_attention) lives beside the schema it reads.
 DEFAULT = "${auto_attention:${model.architecture},${data.packing},${data.packing_strategy},${data.padding_free}}"
-
-
-def auto_attention(architecture: str, packing: bool, strategy: str, padding_free: bool) -> str:
-    """The `${auto_attention:...}` resolver of the schema's default."""
-    from .schema import padding_free_on
-
-    data = {"packing": packing, "packing_strategy": strategy, "padding_free": padding_free}
-    return pick_for(str(architecture), padding_free_on(data))
 
 
 def why_picked(attn: str) -> str:

@@ -24,11 +24,10 @@ from omegaconf import OmegaConf
 from ..errors import UserError
 from ..invocation import command
 from ..resources import shipped_path
-from .attention import AUTO, auto_attention
-from .attention import pick as pick_attention
+from .attention import AUTO, pick_for
 from .fields import is_section
 from .model_dir import from_config_json
-from .schema import MODEL_FIGURES, TrainConfig
+from .schema import MODEL_FIGURES, TrainConfig, padding_free_on
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -52,6 +51,12 @@ def register_schemas() -> None:
         from .devices import auto_precision_value
 
         OmegaConf.register_new_resolver("auto_precision", auto_precision_value)
+
+
+def auto_attention(architecture: str, packing: bool, strategy: str, padding_free: bool) -> str:
+    """The `${auto_attention:...}` resolver of the schema's model.attn_implementation default."""
+    data = {"packing": packing, "packing_strategy": strategy, "padding_free": padding_free}
+    return pick_for(str(architecture), padding_free_on(data))
 
 
 def if_data_path(path: str, value: Any, otherwise: Any = None, *, _parent_: Any) -> Any:
@@ -115,7 +120,7 @@ def to_typed(cfg: DictConfig) -> TrainConfig:
         sharded = typed.dist.strategy in ("fsdp", "zero3") and typed.quant.method in ("nf4", "fp4")
         typed.quant.storage_dtype = str(typed.precision.dtype) if sharded else "uint8"
     if typed.model.attn_implementation == AUTO:  # after the family is known: config/attention.py
-        typed.model.attn_implementation = pick_attention(typed)
+        typed.model.attn_implementation = pick_for(typed.model.architecture, padding_free_on(typed.data))
     return typed
 
 

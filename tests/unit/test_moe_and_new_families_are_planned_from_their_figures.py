@@ -201,3 +201,18 @@ def _kept_by_layer(model, layer, ids) -> int:
         hook.remove()
     del out
     return measured
+
+
+@pytest.mark.parametrize(
+    "entry,published",
+    [("qwen3.5-27b", 27e9), ("qwen3.5-35b-a3b", 35e9), ("gemma4-31b", 31e9), ("llama4-scout-17b-16e", 109e9)],
+)
+def test_the_new_families_entries_are_planned_from_their_figures(no_meta_model, entry, published):
+    """Each new conf/model entry is planned without a meta model, to within 3 % of the parameters its name
+    publishes (the vision towers of these multimodal checkpoints are the rest)."""
+    plan = _plan(f"model={entry}", "trainer=standard", "trainer.seq_len=2048", gpus="80GB")
+    assert plan["fits"] and plan["counts"]["params_total"] == pytest.approx(published, rel=0.03)
+    fig = figures.model_figures(compose_cfg(f"model={entry}").model)
+    mixers = [b.mixer for b in figures._analytic_inventory(fig) if b.is_layer]
+    if traits(fig.architecture).linear_attention:  # 3 of 4 layers Gated DeltaNet
+        assert mixers.count("linear_attention") == 3 * len(mixers) // 4

@@ -316,6 +316,7 @@ class TrainerConfig:
         True,
         "recompute activations in backward instead of keeping them: true (every decoder layer), false, N (the "
         "first N decoder layers; the rest keep theirs), auto (the fewest layers that fit the card)",
+        resume_safe=True,  # where activations wait for backward, not what is trained
     )
     checkpointing_mode: str = option(
         "non_reentrant", "torch's checkpoint variant", choices=("non_reentrant", "reentrant")

@@ -59,6 +59,8 @@ def stack_changes(saved: TrainConfig, current: TrainConfig, dropped: Sequence[st
         changed.remove("data.format")  # an older run saved the format it detected; auto detects it again
     if "trainer.seq_len" in changed and b.get("trainer.seq_len") == "auto":
         changed.remove("trainer.seq_len")  # the run saved what auto resolved to; the same data resolves it again
+    if b.get("trainer.micro_batch_size") == "auto":  # auto splits grad_accum's rows; the run saved its split
+        b["trainer.micro_batch_size"] = 1
     batch_keys = {"trainer.micro_batch_size", "trainer.grad_accum"}
     same_effective = a.get("trainer.micro_batch_size", 0) * a.get("trainer.grad_accum", 0) == b.get(
         "trainer.micro_batch_size", 0

@@ -113,3 +113,17 @@ def test_plan_fastest_prints_a_stack_that_fits_and_the_line_that_makes_it(tmp_pa
     assert fits_training(_plan(cfg, 7.6)) and f"the first {t.gradient_checkpointing} of 32 layers" in head
     # one checkpointed layer fewer, with the same options, does not fit
     assert not fits_training(_plan(with_batch(cfg, t.gradient_checkpointing - 1), 7.6))
+
+
+def test_a_run_resolved_from_the_autos_resumes_with_the_same_autos():
+    from qlora_recipes.run.resume import stack_changes
+
+    saved = compose_cfg(
+        *EIGHT_B, "trainer.gradient_checkpointing=14", "trainer.micro_batch_size=2", "trainer.grad_accum=8"
+    )
+    again = compose_cfg(
+        *EIGHT_B, "trainer.gradient_checkpointing=auto", "trainer.micro_batch_size=auto", "trainer.grad_accum=16"
+    )
+    assert stack_changes(saved, again) == []
+    other = compose_cfg(*EIGHT_B, "trainer.micro_batch_size=auto", "trainer.grad_accum=8")  # 8 rows a step, not 16
+    assert stack_changes(saved, other) == ["trainer.micro_batch_size"]

@@ -42,7 +42,30 @@ MODELS = {
     "llama-300m": ("llama", 1024, 16, 16, 8, 2816, 32000, False),
     "llama-600m": ("llama", 1536, 16, 12, 4, 4096, 32000, False),
     "qwen2-500m": ("qwen2", 896, 24, 14, 2, 4864, 151936, True),  # Qwen2.5-0.5B's shape
+    # one model of each further family the planner knows, through the first stack only (FAMILY_MODELS)
+    "qwen3-50m": ("qwen3", 512, 8, 8, 4, 1376, 32000, False),
+    "qwen3-moe-60m": ("qwen3_moe", 512, 4, 8, 4, 1376, 32000, False),
+    "gpt-oss-60m": ("gpt_oss", 512, 4, 8, 4, 512, 32000, False),
+    "gemma3-50m": ("gemma3_text", 512, 8, 8, 4, 1376, 32000, True),
+    "smollm3-50m": ("smollm3", 512, 8, 8, 4, 1376, 32000, True),
 }
+# What those configs set beyond the shape: head_dim where the class's default is not hidden / heads,
+# the experts (Qwen3-MoE: 16 of 256-wide, 4 a token; gpt-oss: 8 of 512-wide, 2 a token, attention sinks
+# and bias, a sliding layer beside each full one) and Gemma 3's local layers
+FAMILY_CONFIG = {
+    "qwen3-50m": {"head_dim": 64},
+    "qwen3-moe-60m": {"head_dim": 64, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256},
+    "gpt-oss-60m": {
+        "head_dim": 64,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+    },
+    "gemma3-50m": {"head_dim": 64, "sliding_window": 128},
+    "smollm3-50m": {},
+}
+FAMILY_MODELS = tuple(FAMILY_CONFIG)
 
 # The stacks every model runs: (name, overrides). Batch x seq is per model size (below).
 STACKS = [
@@ -80,11 +103,13 @@ def cases() -> list[dict]:
     out = []
     for model in MODELS:
         shapes = shapes_for(model)
-        for stack, overrides in STACKS:
+        for stack, overrides in STACKS[:1] if model in FAMILY_MODELS else STACKS:
             shape = "long" if "+shape=long" in overrides else "default"
             b, s = shapes[shape]
             ov = [o for o in overrides if not o.startswith("+shape=")]
             ov += [f"trainer.micro_batch_size={b}", f"trainer.seq_len={s}"]
+            if model in FAMILY_MODELS:  # fp32: a CPU without native bf16 emulates its matmuls (minutes a step)
+                ov.append("precision=fp32")
             out.append({"name": f"{model}/{stack}", "model": model, "stack": stack, "overrides": ov})
     for stack, overrides, models, data in OBJECTIVE_STACKS:
         for model in models:
@@ -140,13 +165,25 @@ def preference_pairs(model_dir: Path) -> Path:
     return out
 
 
+CONFIG_CLASSES = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "gpt_oss": "GptOssConfig",
+    "gemma3_text": "Gemma3TextConfig",
+    "smollm3": "SmolLM3Config",
+}
+
+
 def model_config(name: str):
     """The transformers config of MODELS[name] (bf16, the word-level tokenizer's special ids)."""
-    from transformers import LlamaConfig, Qwen2Config
+    import transformers
 
     fam, h, layers, heads, kv, ffn, vocab, tied = MODELS[name]
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[fam]
+    config_class = getattr(transformers, CONFIG_CLASSES[fam])
     return config_class(
+        **FAMILY_CONFIG.get(name, {}),
         vocab_size=vocab,
         hidden_size=h,
         intermediate_size=ffn,

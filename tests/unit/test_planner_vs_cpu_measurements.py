@@ -22,9 +22,9 @@ def test_the_suite_spans_sizes_families_and_stacks():
     cases = planner_cpu.cases()
     assert len(cases) >= 30
     families = {planner_cpu.MODELS[c["model"]][0] for c in cases}
-    assert families >= {"llama", "qwen2"}
+    assert families >= {"llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "smollm3"}
     per_model = {m: [c for c in cases if c["model"] == m] for m in planner_cpu.MODELS}
-    assert all(len(v) >= 6 for v in per_model.values())
+    assert all(len(v) >= 6 for m, v in per_model.items() if m not in planner_cpu.FAMILY_MODELS)
     joined = [" ".join(c["overrides"]) for c in cases]
     for knob in ("quant=fp4", "quant=int8", "quant=none", "optim=adamw", "optim=adamw8bit",
                  "gradient_checkpointing=false", "upcast_frozen=false", "eval_fraction=0.1"):  # fmt: skip
@@ -68,3 +68,15 @@ def test_each_objective_is_measured_on_two_models(results):
         measured = [e for e in results["cases"] if e["name"].endswith(f"/nf4-{name}")]
         assert {e["model"] for e in measured} == {"llama-50m", "llama-300m"}, name
         assert all(e["within"] for e in measured), name
+
+
+def test_each_family_the_planner_knows_is_measured_within_10_percent(results):
+    """Qwen3, Qwen3-MoE (4-bit experts), gpt-oss, Gemma 3's text model and SmolLM3: a ~50 M model of
+    each through the first stack, its peak RSS within 10 % of its plan."""
+    from qlora_recipes.families import KNOWN_ARCHITECTURES
+
+    measured = {e["model"]: e for e in results["cases"] if e["model"] in planner_cpu.FAMILY_MODELS}
+    assert set(measured) == set(planner_cpu.FAMILY_MODELS)
+    for name, e in measured.items():
+        assert planner_cpu.MODELS[name][0] in KNOWN_ARCHITECTURES, name
+        assert e["status"] == "ok" and abs(e["ratio"] - 1) <= 0.10, e

@@ -46,7 +46,9 @@ LEAN_OPTIONS = (
 )
 UNSLOTH_8B = "https://unsloth.ai/docs/basics/unsloth-benchmarks"
 UNSLOTH_70B = "https://unsloth.ai/blog/llama3-3"
-# (model option, card GB, unsloth's longest context, its source)
+UNSLOTH_GPT_OSS = "https://unsloth.ai/docs/models/gpt-oss-how-to-run-and-fine-tune/long-context-gpt-oss-training"
+# (model option, card GB, unsloth's longest context, its source); None where unsloth publishes no figure
+# for the card (the MoE cases: the cards of our recipes, and 80 GB)
 UNSLOTH = (
     ("llama3.1-8b", 8, 2972, UNSLOTH_8B),
     ("llama3.1-8b", 12, 21848, UNSLOTH_8B),
@@ -57,12 +59,18 @@ UNSLOTH = (
     ("llama3.1-8b", 80, 342733, UNSLOTH_8B),
     ("llama3.1-70b", 48, 12106, UNSLOTH_70B),  # measured on Llama-3.3-70B: the same shape
     ("llama3.1-70b", 80, 89389, UNSLOTH_70B),
+    ("gpt-oss-20b", 16, None, None),  # recipes/gpt-oss-20b-16gb.yaml's card
+    ("gpt-oss-20b", 80, 81000, UNSLOTH_GPT_OSS),
+    ("qwen3-30b-a3b", 24, None, None),  # recipes/qwen3-30b-a3b-24gb.yaml's card
+    ("qwen3-30b-a3b", 80, None, None),
 )
 SOURCE_NOTE = {
     UNSLOTH_8B: "unsloth docs, Unsloth Benchmarks: 'Llama 3.1 (8B) max. context length' (Llama 3.1 8B Instruct, "
     "4-bit QLoRA on all linear layers, rank 32, batch 1, sequences padded to length)",
     UNSLOTH_70B: "unsloth blog, Llama 3.3: 'Llama 3.3 (70B) max. context length' (80GB A100, 4-bit QLoRA on all "
     "linear layers, rank 32, batch 1, sequences padded to length)",
+    UNSLOTH_GPT_OSS: "unsloth docs, Long Context gpt-oss Training: 'a single 80GB VRAM H100 can handle up to 81K "
+    "context length with QLoRA' (gpt-oss-20b, Unsloth Flex Attention; rank and batch not stated)",
 }
 # Per case, what the length asks for beyond the lean options: RoPE scaling where unsloth's figure or
 # ours is past Llama-3.1's 131,072 positions (yarn x4: 524,288), and pageable host copies where pinned ones,
@@ -80,12 +88,29 @@ CASE_OPTIONS = {
     ("llama3.1-70b", 48): ("trainer.tiled_mlp_tile=1024", "peft.adapter_dtype=bfloat16"),
     ("llama3.1-70b", 80): (PAGEABLE,),
 }
+# gpt-oss trains with flex attention, as its recipe does (eager keeps seq^2 scores per layer; sdpa has no
+# sinks); Qwen3-30B-A3B past its 40,960 positions with YaRN x4 (163,840), the scaling its model card gives
+FLEX = "model.attn_implementation=flex_attention"
+CASE_OPTIONS.update(
+    {
+        ("gpt-oss-20b", 16): (FLEX,),
+        ("gpt-oss-20b", 80): (FLEX,),
+        ("qwen3-30b-a3b", 80): (ROPE_X4,),
+    }
+)
+# Lean options a model's family refuses (config checks): MoE MLPs are routed experts, not one MLP to
+# tile; gpt-oss's RMSNorm is not Llama's form
+NOT_FOR = {
+    "gpt-oss-20b": ("trainer.tiled_mlp=true", "trainer.lean_rmsnorm=true"),
+    "qwen3-30b-a3b": ("trainer.tiled_mlp=true",),
+}
 PRINTED = re.compile(r"longest sequence that fits .*: (?:trainer\.seq_len=(\d+)|none)")
 
 
 def overrides(model: str, card_gb: int, extra: tuple[str, ...] = ()) -> list[str]:
     """The stack of one case: unsloth's settings, our lean options, the case's own and any extra ones."""
-    return [f"model={model}", *UNSLOTH_SETTINGS, *LEAN_OPTIONS, *CASE_OPTIONS.get((model, card_gb), ()), *extra]
+    lean = [o for o in LEAN_OPTIONS if o not in NOT_FOR.get(model, ())]
+    return [f"model={model}", *UNSLOTH_SETTINGS, *lean, *CASE_OPTIONS.get((model, card_gb), ()), *extra]
 
 
 def command(model: str, card_gb: int, extra: tuple[str, ...] = ()) -> str:
@@ -182,7 +207,7 @@ def measure(case: dict, trace: bool, previous: dict | None) -> dict:
         return {**out, "traced_gib": None}
     out.update(planned(case, seq))
     out["capped_by_positions"] = seq == _positions(case)
-    out["vs_unsloth"] = round(seq / case["unsloth_seq"], 3)
+    out["vs_unsloth"] = round(seq / case["unsloth_seq"], 3) if case["unsloth_seq"] else None
     keep = previous and previous.get("longest_seq") == seq and previous.get("command") == case["command"]
     if trace:
         out.update(traced(case, seq))
@@ -210,6 +235,10 @@ def _positions(case: dict) -> int:
     return positions(compose(case["overrides"]).model)
 
 
+def _seq(n: int | None) -> str:
+    return f"{n:,}" if n else "–"  # unsloth publishes no figure for the card
+
+
 def render(doc: dict) -> str:
     """The markdown table of a results document."""
     lines = [
@@ -232,7 +261,9 @@ def render(doc: dict) -> str:
             else "not traced"
         )
         ratio = f"{c['vs_unsloth']:.2f}" if c.get("vs_unsloth") else "-"
-        lines.append(f"| {c['model']} | {c['card_gb']} GB | {ours} | {c['unsloth_seq']:,} | {ratio} | {plan} | {tr} |")
+        lines.append(
+            f"| {c['model']} | {c['card_gb']} GB | {ours} | {_seq(c['unsloth_seq'])} | {ratio} | {plan} | {tr} |"
+        )
     lines += ["", "Commands (each prints its `longest_seq`):", ""]
     lines += [f"- {c['model']} {c['card_gb']} GB: `{c['command']}`" for c in doc["cases"]]
     lines += ["", "Sources of unsloth's figures:", ""]
@@ -314,7 +345,7 @@ def compact(doc: dict) -> str:
         lines += [
             f"| {model} | " + " | ".join(f"{c['card_gb']} GB" for c in cs) + " |",
             "|---|" + "---:|" * len(cs),
-            "| unsloth | " + " | ".join(f"{c['unsloth_seq']:,}" for c in cs) + " |",
+            "| unsloth | " + " | ".join(_seq(c["unsloth_seq"]) for c in cs) + " |",
             "| ours | "
             + " | ".join(
                 (f"{c['longest_seq']:,}" if c["longest_seq"] else "none")
@@ -329,8 +360,11 @@ def compact(doc: dict) -> str:
         "[bench/results/longest-context.md](bench/results/longest-context.md) (unsloth's settings: 4-bit, LoRA r=32 "
         f"on all 7 linears, no LoRA dropout, batch 1; plus `{' '.join(doc['lean_options'])}`; past 131,072 tokens "
         f"`{ROPE_X4}`, on 80 GB `{PAGEABLE}`, and on 70B at 48 GB "
-        f"`{' '.join(CASE_OPTIONS[('llama3.1-70b', 48)])}`); * the model's positions. "
-        f"Unsloth: [docs]({UNSLOTH_8B}) (8B), [Llama 3.3 blog]({UNSLOTH_70B}) (70B, Llama-3.3 shape)."
+        f"`{' '.join(CASE_OPTIONS[('llama3.1-70b', 48)])}`; the MoE models without the lean options their family "
+        f"refuses (no MLP tiling of routed experts, gpt-oss without lean_rmsnorm), gpt-oss with `{FLEX}`, "
+        f"Qwen3-30B-A3B past its 40,960 positions `{ROPE_X4}`); * the model's positions. "
+        f"Unsloth: [docs]({UNSLOTH_8B}) (8B), [Llama 3.3 blog]({UNSLOTH_70B}) (70B, Llama-3.3 shape), "
+        f"[gpt-oss docs]({UNSLOTH_GPT_OSS}) (gpt-oss-20b, 80 GB); – none published for the card."
     )
     return "\n".join(lines)
 

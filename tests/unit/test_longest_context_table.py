@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 
-from bench.longest_context import CASE_OPTIONS, LEAN_OPTIONS, RESULTS, ROPE_X4, cases, command, run_command
+from bench.longest_context import CASE_OPTIONS, LEAN_OPTIONS, NOT_FOR, RESULTS, ROPE_X4, cases, command, run_command
 
 RECORDED = json.loads(RESULTS.read_text())
 
@@ -18,31 +18,48 @@ def test_the_table_has_a_case_per_card_of_unsloths_table_with_its_source():
     assert got == {("llama3.1-8b", gb) for gb in (8, 12, 16, 24, 40, 48, 80)} | {
         ("llama3.1-70b", 48),
         ("llama3.1-70b", 80),
+        ("gpt-oss-20b", 16),
+        ("gpt-oss-20b", 80),
+        ("qwen3-30b-a3b", 24),
+        ("qwen3-30b-a3b", 80),
     }
     for c in RECORDED["cases"]:
-        assert c["source"].startswith("https://unsloth.ai/")
+        assert (c["unsloth_seq"] is None) == (c["source"] is None), c["command"]  # a figure has its source
+        assert c["source"] is None or c["source"].startswith("https://unsloth.ai/")
         assert c["command"] == command(c["model"], c["card_gb"]), "regenerate: python -m bench longest-context"
         assert c["planned_gib"] <= c["budget_gib"]
 
 
 def test_every_case_is_at_least_unsloths_length_and_traced_within_ten_percent_of_its_plan():
     for c in RECORDED["cases"]:
-        assert c["longest_seq"] >= c["unsloth_seq"], c["command"]
+        assert c["longest_seq"] >= (c["unsloth_seq"] or 0), c["command"]
+        if c["capped_by_positions"]:
+            # the model's positions, not the card, bound it (the MoE models on 80 GB): the traced peak with
+            # the plan's untraced terms (CUDA context, allocator reserve) must still fit the card
+            untraced = c["planned_gib"] - c["planned_allocated_gib"]
+            assert c["traced_gib"] + untraced <= c["budget_gib"], c["command"]
+            continue
         assert 0.9 <= c["traced_over_planned_train"] <= 1.1, c["command"]
 
 
 def test_an_extra_override_reaches_every_command_after_the_lean_and_the_cases_own_options():
     for case in cases(("trainer.example=true",)):
         own = CASE_OPTIONS.get((case["model"], case["card_gb"]), ())
-        assert shlex.join([*LEAN_OPTIONS, *own, "trainer.example=true"]) in case["command"]
+        lean = [o for o in LEAN_OPTIONS if o not in NOT_FOR.get(case["model"], ())]  # what its family refuses out
+        assert shlex.join([*lean, *own, "trainer.example=true"]) in case["command"]
         assert "peft.r=32" in case["command"] and "--host-ram 128GB" in case["command"]
 
 
 def test_the_cases_past_the_models_positions_scale_rope_and_say_so():
+    from bench.longest_context import _positions, overrides
+
     for c in RECORDED["cases"]:
         scaled = ROPE_X4 in CASE_OPTIONS.get((c["model"], c["card_gb"]), ())
-        assert scaled == (max(c["unsloth_seq"], c["longest_seq"]) > 131_072), c["command"]
-        assert not c["capped_by_positions"], c  # a length the model's positions cut is not a memory figure
+        native = _positions({"overrides": [o for o in overrides(c["model"], c["card_gb"]) if o != ROPE_X4]})
+        assert scaled == (max(c["unsloth_seq"] or 0, c["longest_seq"]) > native), c["command"]
+        # a length the model's positions cut is no memory figure: only where the card holds more (the
+        # MoE models on 80 GB: gpt-oss's 131,072 positions, Qwen3-30B-A3B's 40,960 with YaRN x4)
+        assert not c["capped_by_positions"] or c["planned_gib"] < c["budget_gib"] - 1, c
 
 
 @pytest.mark.parametrize("key", [("llama3.1-8b", 24), ("llama3.1-70b", 80)])

@@ -33,20 +33,11 @@ def trace(spec: dict) -> dict:
     from bench.trace import kernels, step
     from bench.trace.model import experts_4bit, four_bit_linears, make_trainable, materialize, meta_base
     from bench.trace.tracker import PlanTracker
-    from qlora_recipes.config.loader import load
 
     started = time.perf_counter()
     device = spec.get("device", "cuda")
     fake = bool(spec.get("fake", True))
-    cfg = load(list(spec["overrides"]))
-    if device == "cuda":  # precision=auto as it picks for the GPUs a plan is made for, not for this CPU
-        from qlora_recipes.config.loader import precision_for
-
-        cfg = precision_for(cfg, [1])
-    if cfg.trainer.seq_len == "auto":  # no data here: traced at what the plan plans auto at
-        from qlora_recipes import planner
-
-        cfg.trainer.seq_len = planner.plan(cfg)["stack"]["seq_len"]
+    cfg = _stack(spec["overrides"], device)
     torch.manual_seed(0)
     import bitsandbytes.functional as bnbf
 
@@ -107,6 +98,20 @@ def trace(spec: dict) -> dict:
         "wall_s": round(time.perf_counter() - started, 2),
         "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
     }
+
+
+def _stack(overrides: list[str], device: str):
+    """The stack's config as the traced device runs it."""
+    from qlora_recipes.config.loader import load, precision_for
+
+    cfg = load(list(overrides))
+    if device == "cuda":  # precision=auto as it picks for the GPUs a plan is made for, not for this CPU
+        cfg = precision_for(cfg, [1])
+    if cfg.trainer.seq_len == "auto":  # no data here: traced at what the plan plans auto at
+        from qlora_recipes import planner
+
+        cfg.trainer.seq_len = planner.plan(cfg)["stack"]["seq_len"]
+    return cfg
 
 
 def _place_as_the_loader(cfg, model, offload_map, device: str, tracker_ref: dict) -> None:

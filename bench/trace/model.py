@@ -113,6 +113,7 @@ def meta_base(cfg: Any, layers: int | None = None, device_map: dict | None = Non
     import torch
     from transformers import AutoModelForCausalLM
 
+    from qlora_recipes.config.attention import VARLEN
     from qlora_recipes.model.hf_configs import bnb_config
     from qlora_recipes.units import torch_dtype
 
@@ -121,10 +122,16 @@ def meta_base(cfg: Any, layers: int | None = None, device_map: dict | None = Non
     qconf = bnb_config(cfg.quant, cfg.offload, cfg.model)
     if qconf is not None and qconf.load_in_8bit:
         raise NotImplementedError("quant=int8 is not traced (LLM.int8 keeps outlier columns chosen from the data)")
+    attn = cfg.model.attn_implementation or "sdpa"
+    if attn == VARLEN:  # a padding-free stack's pick, as the loader registers it
+        from qlora_recipes.model import packed_attention
+
+        packed_attention.register()
+        # fake tensors hold no sequence bounds to read: one causal call per row allocates what the
+        # row's per-sequence calls allocate together
+        packed_attention.sequence_bounds = lambda n, batch, *args: [[0, n]] * batch
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation=cfg.model.attn_implementation or "sdpa"
-        )
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     quantizer = None
     if qconf is not None:
         from transformers.quantizers.auto import AutoHfQuantizer

@@ -89,7 +89,7 @@ def parse_gpu_cards(text: str) -> list[tuple[int, Gpu | None]]:
         part = part.strip()
         count = 1
         m = re.match(r"^(\d+)\s*[xX*]\s*(\S.*)$", part)
-        if m:
+        if m and not re.fullmatch(r"[0-9.]+\s*[A-Za-z]{1,3}", part):  # "80XB" is a bad size, not 80 of "B"
             count, part = int(m.group(1)), m.group(2)
             if not 1 <= count <= MAX_GPUS:
                 raise UserError(

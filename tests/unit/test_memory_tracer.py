@@ -16,6 +16,7 @@ from qlora_recipes.units import GiB
 
 SMALL = [  # a small Llama (yaml figures: the name is no local dir), 6 layers, GQA, 2 x 256 tokens
     "model.name_or_path=trace-test-llama",
+    "model.hub_id=trace-test-llama",  # the figures below are this name's: no config.json is looked up
     "model.hidden_size=256",
     "model.num_layers=6",
     "model.num_heads=4",
@@ -203,6 +204,16 @@ def test_small_model_trace_agrees_with_its_plan():
     assert abs(cmp["traced_gib"] / cmp["planned_train_gib"] - 1) <= 0.10, cmp
     for phase, row in cmp["phases"].items():
         assert abs(row["traced_gib"] / row["planned_gib"] - 1) <= 0.10, (phase, row)
+
+
+@pytest.mark.slow
+@needs_fake_cuda
+def test_a_padding_free_stack_traces_through_sdpa_varlen_within_its_plan():
+    from bench.trace.run import compare, plan_for, trace_stack
+
+    packed = [*SMALL, "data.packing=true", "data.padding_free=true"]  # auto attention: sdpa_varlen here
+    cmp = compare(trace_stack(packed), plan_for(packed, [24 * GiB]), "cuda:0")
+    assert abs(cmp["traced_gib"] / cmp["planned_train_gib"] - 1) <= 0.10, cmp
 
 
 @pytest.mark.slow

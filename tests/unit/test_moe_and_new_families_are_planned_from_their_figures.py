@@ -58,7 +58,9 @@ def test_gpt_oss_20b_fits_16gb_and_qwen3_30b_a3b_fits_24gb_from_their_figures(no
     oss = _plan("recipe=gpt-oss-20b-16gb", "trainer.seq_len=2048", gpus="16GB")
     qwen = _plan("model=qwen3-30b-a3b", "trainer=standard", "trainer.seq_len=2048", gpus="24GB")
     assert oss["fits"] and qwen["fits"]
-    assert oss["peak_allocated_gib"] < 12.8 / 1.024**3 * 1.05  # unsloth's 12.8 GB, within 5 %
+    # the recipe trains the experts too (as unsloth does): their A/B on top of the linears' adapters
+    linears_only = _plan("recipe=gpt-oss-20b-16gb", "trainer.seq_len=2048", "peft.experts=none", gpus="16GB")
+    assert oss["counts"]["trainable_params"] > linears_only["counts"]["trainable_params"]
     # every expert weight is 4-bit: the quantized params are the experts plus the attention linears
     assert oss["counts"]["params_quantized"] > 0.95 * (oss["counts"]["params_total"] - 2 * 201088 * 2880)
 

@@ -60,6 +60,29 @@ def train_smoke(run_dir: Path, *overrides: str) -> tuple[dict, Path]:
     return train(compose_cfg(*SMOKE, *overrides), run_dir), run_dir
 
 
+def generate_alike(folders, prompt: str = "dcba") -> list[dict]:
+    """`qlora generate FOLDER PROMPT --jsonl` from each folder at once (run dirs, merged dirs): each
+    answer's JSON line, after checking it exited 0 with no traceback."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "qlora_recipes", "generate", str(folder), prompt, "--jsonl"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for folder in folders
+    ]
+    answers = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+        answers.append(json.loads(stdout.strip().splitlines()[-1]))
+    return answers
+
+
 @pytest.fixture
 def smoke_run(tmp_path: Path):
     """`smoke_run(*overrides)`: train SMOKE plus overrides in this process into tmp_path/run."""

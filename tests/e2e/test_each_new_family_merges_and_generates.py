@@ -5,13 +5,8 @@ check passing (the merged logits against the 4-bit base + adapter), and `qlora g
 from the run dir and the merged dir. The MoE families have their own file
 (test_moe_runs_resume_merge_and_generate.py, and expert LoRA's)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-from conftest import REPO, train_smoke
+from conftest import generate_alike, train_smoke
 from helpers_families import build_family
 
 # ~40 s each on 2 cores: the Gated DeltaNet family in the default run, the others with the slow ones
@@ -19,28 +14,6 @@ FAMILIES = [
     "qwen3_5_text",
     *(pytest.param(f, marks=pytest.mark.slow) for f in ("qwen3", "gemma3_text", "gemma4_text", "smollm3")),
 ]
-
-
-def _generate(folders) -> list[dict]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "qlora_recipes", "generate", str(folder), "dcba", "--jsonl"],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for folder in folders
-    ]
-    answers = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-3000:]
-        assert "Traceback" not in stderr, stderr[-3000:]
-        answers.append(json.loads(stdout.strip().splitlines()[-1]))
-    return answers
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -56,5 +29,5 @@ def test_a_new_family_merges_with_its_quality_check_and_generates_alike_merged(t
     assert check["vs_base_plus_adapter"]["max_abs_diff"] < 1e-3, check
     # the adapter moved the logits far more than the merge's rounding did: a lost update would show
     assert check["adapter_effect"]["max_abs_diff"] > 10 * check["vs_base_plus_adapter"]["max_abs_diff"], check
-    from_run, from_merged = _generate([run_dir, run_dir / "merged"])
+    from_run, from_merged = generate_alike([run_dir, run_dir / "merged"])
     assert from_run == from_merged and from_run["prompt"] == "dcba", (from_run, from_merged)

@@ -12,14 +12,11 @@ base + adapter, max |dlogit| 9e-6 (Mixtral, logit absmax 13.8) and 2e-7 (gpt-oss
 adapter's own effect on the logits max ~0.4 to ~1.8."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SMOKE, resumed_as_if_never_stopped, train_smoke
+from conftest import SMOKE, generate_alike, resumed_as_if_never_stopped, train_smoke
 from helpers_models import build_mixtral_from_tiny, build_moe
 from safetensors import safe_open
 
@@ -139,22 +136,6 @@ def test_a_merged_moe_matches_its_4bit_base_plus_adapter(merged_runs):
 
 def test_qlora_generate_answers_alike_from_the_moe_run_and_its_merged_dir(merged_runs):
     run_dir, _ = merged_runs["mixtral"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "qlora_recipes", "generate", str(folder), "dcba", "--jsonl"],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for folder in (run_dir, run_dir / "merged")
-    ]
-    answers = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-3000:]
-        answers.append(json.loads(stdout.strip().splitlines()[-1]))
+    answers = generate_alike([run_dir, run_dir / "merged"])
     assert answers[0] == answers[1] and answers[0]["prompt"] == "dcba"
     assert answers[0]["generation"].strip(), answers  # text: the model built from the tiny Llama writes some

@@ -46,24 +46,8 @@ def test_a_signal_to_the_job_id_submitit_shows_stops_its_trainer_and_the_sweep_i
     import signal
     import time
 
-    sweep = tmp_path / "sweep"
-    sweeper = subprocess.Popen(
-        [sys.executable, "train.py", "-m", "hydra/launcher=local", *SMOKE, "trainer.max_steps=200",
-         "trainer.save_steps=1", f"hydra.sweep.dir={sweep}"],
-        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    job = sweep / "0"
-    try:
-        deadline = time.monotonic() + 600
-        while not (job / "checkpoints" / "checkpoint-1").is_dir():
-            assert sweeper.poll() is None and time.monotonic() < deadline, "the job did not start training"
-            time.sleep(0.2)
-        (controller,) = [int(p.name) for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]
-        os.kill(controller, signal.SIGUSR2)
-        out, err = sweeper.communicate(timeout=300)
-    finally:
-        if sweeper.poll() is None:
-            os.killpg(sweeper.pid, signal.SIGKILL)
+    sweeper, err, job, controller = _signal_the_controller(tmp_path, 200, signal.SIGUSR2)
+    sweep = job.parent
     assert sweeper.returncode == 1, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
@@ -81,11 +65,24 @@ def test_sigterm_to_the_job_id_submitit_shows_is_passed_on_saved_requeued_and_re
     """The documented way to try a preemption on one machine: `kill -TERM JOBID` (the id submitit
     shows under hydra/launcher=local) reaches the trainer, which saves, is requeued and finishes."""
     import signal
+
+    sweeper, err, job, controller = _signal_the_controller(tmp_path, 6, signal.SIGTERM)
+    assert sweeper.returncode == 0, err[-3000:]
+    metrics = json.loads((job / "metrics.json").read_text())
+    assert metrics["status"] == "ok" and metrics["steps"] == 6 and metrics["resumed_from"], metrics
+    log = next(job.parent.glob(f".submitit/{controller}/*_0_log.out")).read_text()
+    assert "SIGTERM: checkpoint saved" in log and f"Requeued job {controller}" in log
+
+
+def _signal_the_controller(tmp_path, max_steps: int, sig) -> tuple:
+    """A one-job local sweep signalled, at its first checkpoint, through the job id submitit shows (its
+    controller): (the sweep process, its stderr, the job dir, the controller's pid)."""
+    import signal
     import time
 
     sweep = tmp_path / "sweep"
     sweeper = subprocess.Popen(
-        [sys.executable, "train.py", "-m", "hydra/launcher=local", *SMOKE, "trainer.max_steps=6",
+        [sys.executable, "train.py", "-m", "hydra/launcher=local", *SMOKE, f"trainer.max_steps={max_steps}",
          "trainer.save_steps=1", f"hydra.sweep.dir={sweep}"],
         cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
@@ -96,13 +93,9 @@ def test_sigterm_to_the_job_id_submitit_shows_is_passed_on_saved_requeued_and_re
             assert sweeper.poll() is None and time.monotonic() < deadline, "the job did not start training"
             time.sleep(0.2)
         (controller,) = [int(p.name) for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]
-        os.kill(controller, signal.SIGTERM)
+        os.kill(controller, sig)
         _, err = sweeper.communicate(timeout=600)
     finally:
         if sweeper.poll() is None:
             os.killpg(sweeper.pid, signal.SIGKILL)
-    assert sweeper.returncode == 0, err[-3000:]
-    metrics = json.loads((job / "metrics.json").read_text())
-    assert metrics["status"] == "ok" and metrics["steps"] == 6 and metrics["resumed_from"], metrics
-    log = next(sweep.glob(f".submitit/{controller}/*_0_log.out")).read_text()
-    assert "SIGTERM: checkpoint saved" in log and f"Requeued job {controller}" in log
+    return sweeper, err, job, controller

@@ -95,7 +95,7 @@ $(addprefix plan-,$(RECIPES)): plan-%: $(VENV)/.installed
 llama70b-a100: llama2-70b-a100
 plan-llama70b-a100: plan-llama2-70b-a100
 
-.PHONY: bench-cpu bench-gpu bench-planner-cpu bench-planner-sharded
+.PHONY: bench-cpu bench-gpu bench-gpu-check bench-planner-cpu bench-planner-sharded
 
 bench-cpu: $(VENV)/.installed ## the CPU benchmark suite (ours vs the plain baseline, planner error); writes bench/results/
 	$(PY) -m bench cpu $(ARGS)
@@ -108,3 +108,6 @@ bench-planner-sharded: $(VENV)/.installed ## per-rank plan vs each rank's peak R
 
 bench-gpu: $(VENV)/.installed ## the GPU benchmark suite on the GPU here (8B and 70B shapes); writes bench/results/
 	$(PY) -m bench gpu $(ARGS)
+
+bench-gpu-check: $(VENV)/.installed ## the GPU check of everything pending, one device call per part (ARGS='--part 1'); writes bench/results/
+	$(PY) -m bench gpu-check $(ARGS)

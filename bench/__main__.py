@@ -4,6 +4,7 @@
     python -m bench gpu                    # the GPU suite (make bench-gpu), every stage
     python -m bench gpu --stages 8b,slope  # some stages: 8b, slope, full, seq
     python -m bench gpu --shrink           # the GPU suite's code path on a CPU, small shapes
+    python -m bench gpu-check --part 1     # one GPU check for everything pending, one 10-minute call per part
     python -m bench smoke                  # 3 steps of the harness itself (the tests run it)
     python -m bench report bench/results/X.json   # re-render X.md and bench/README.md
     python -m bench trace recipe=NAME      # traced memory of a stack on fake tensors (no GPU needed)
@@ -41,6 +42,7 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("suite", help="cpu, gpu, smoke, a suite .yaml, or `report FILE.json ...`")
     p.add_argument("files", nargs="*", help="for report: results JSON files")
     p.add_argument("--stages", help="GPU suite: comma-separated stages (default: all, in order)")
+    p.add_argument("--part", type=int, help="gpu-check: the stages of one device call (1, 2, ...; default all)")
     p.add_argument("--shrink", action="store_true", help="small shapes on the CPU (the GPU suite's code path)")
     p.add_argument("--repeats", type=int, help="ours/baseline pairs per stack")
     p.add_argument("--steps", type=int, help="optimizer steps per training run")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from bench.gpu_check import stage_card_cases, stage_moe_slice
 from bench.machine import load_average
 from bench.measure import Measure
 from bench.models import Assets
@@ -16,6 +17,18 @@ from bench.seq_search import stage_seq_search
 from bench.stages import stage_long_context, stage_prequantized, stage_slope, stage_stacks
 from bench.suite import Settings, expand_stacks
 
+
+def _in_part(stages: dict, part: int | None) -> list[str]:
+    """The stages of one device call (a stage's `part`, 1 when it names none); every stage without --part."""
+    if part is None:
+        return list(stages)
+    picked = [k for k, st in stages.items() if int(st.get("part", 1)) == part]
+    if not picked:
+        parts = sorted({int(st.get("part", 1)) for st in stages.values()})
+        raise SystemExit(f"error: no stage in part {part}; this suite's parts are {', '.join(map(str, parts))}")
+    return picked
+
+
 # A stage's `kind` in the suite file -> the function that runs it.
 STAGES = {
     "stacks": stage_stacks,
@@ -23,12 +36,15 @@ STAGES = {
     "prequantized": stage_prequantized,
     "seq_search": stage_seq_search,
     "long_context": stage_long_context,
+    "card_cases": stage_card_cases,
+    "moe_slice": stage_moe_slice,
 }
 
 
 class Bench:
     def __init__(self, suite: dict, args: argparse.Namespace, command: str):
         self.settings = Settings(suite, args)
+        self.wanted = self._wanted()
         self.results = Results(self.settings, command)
         self.measure = Measure(self.settings, self.results)
         self.assets = Assets(self.settings)
@@ -55,22 +71,30 @@ class Bench:
         self._stages()
         self.results.finish()
 
-    def _stages(self) -> None:
+    def _wanted(self) -> list[str]:
+        """The stages to run (--stages, else --part's, else all), checked before anything is written."""
         s = self.settings
         stages = s.suite.get("stages", {})
-        wanted = s.args.stages.split(",") if s.args.stages else list(stages)
+        wanted = s.args.stages.split(",") if s.args.stages else _in_part(stages, getattr(s.args, "part", None))
         unknown = [w for w in wanted if w not in stages]
         if unknown:
             raise SystemExit(
                 f"error: no stage {unknown[0]!r} in suite {s.suite['name']}; choose from: {', '.join(stages)}"
             )
-        steps, warmup = s.steps, s.warmup
+        return wanted
+
+    def _stages(self) -> None:
+        s = self.settings
+        stages = s.suite.get("stages", {})
+        wanted = self.wanted
+        steps, warmup, log_steps = s.steps, s.warmup, s.memory_log_steps
         for key in wanted:
             st = stages[key]
             started = time.time()
             # a stage may run fewer steps (the 80-layer model, the sequence probes); --steps wins
             s.steps = s.args.steps or st.get("steps", steps)
             s.warmup = st.get("warmup_steps", warmup)
+            s.memory_log_steps = st.get("memory_log_steps", log_steps)
             print(f"[bench] stage {key} ({st['kind']})", flush=True)
             try:
                 STAGES[st["kind"]](self, key, st)

@@ -53,7 +53,7 @@ class Measure:
             # step-end times come from train.py's memory log (memory.jsonl); on a CPU every step's
             # TensorBoard scalars would cost ours time the baseline does not spend, so the CPU suite
             # logs every warm-up-many steps
-            f"trainer.memory_log_steps={self.s.suite.get('memory_log_steps', 1)}",
+            f"trainer.memory_log_steps={self.s.memory_log_steps}",
             "trainer.progress_bar=false",
         ]
 
@@ -67,19 +67,29 @@ class Measure:
         steps: int | None = None,
         warmup: int | None = None,
         record: bool = True,
+        launcher: tuple = (),
+        extra: dict | None = None,
     ) -> dict:
-        """Measure one stack (ours, and the baseline when asked); record it unless record=False."""
+        """Measure one stack (ours, and the baseline when asked); record it unless record=False.
+        `launcher`: a module that runs ours's train.py (`python -m MODULE ARGS train.py ...`, e.g. the
+        card-size cap of bench/card_check.py); `extra`: fields recorded in the entry."""
         steps, warmup = steps or self.s.steps, self.s.warmup if warmup is None else warmup
         kept = self.results.kept("stacks", name) if record else None
         if kept:
             return kept
-        entry: dict = {"name": name, "overrides": list(overrides), "steps": steps, "warmup_steps": warmup}
+        entry: dict = {
+            "name": name,
+            "overrides": list(overrides),
+            "steps": steps,
+            "warmup_steps": warmup,
+            **(extra or {}),
+        }
         full = self.child_overrides(overrides, steps)
         entry["train_py"] = "python train.py " + " ".join(full)
         cfg = self._compose_or_skip(entry, full, requires)
         if cfg is not None:
             self._plan(entry, cfg)
-            self._alternate(entry, cfg, full, baseline, repeats or self.s.repeats, warmup)
+            self._alternate(entry, cfg, full, baseline, repeats or self.s.repeats, warmup, launcher)
         if record:
             self.results.put("stacks", entry)
         if cfg is not None:
@@ -108,7 +118,9 @@ class Measure:
             entry["plan"] = None
             entry["plan_error"] = one_line(err)
 
-    def _alternate(self, entry: dict, cfg: Any, full: list[str], baseline: bool, repeats: int, warmup: int) -> None:
+    def _alternate(
+        self, entry: dict, cfg: Any, full: list[str], baseline: bool, repeats: int, warmup: int, launcher: tuple = ()
+    ) -> None:
         """Ours and the baseline alternated `repeats` times; medians, ratios and planner errors."""
         name, with_base = entry["name"], False
         if baseline:
@@ -119,7 +131,7 @@ class Measure:
                 entry["baseline"] = {"status": "skipped", "error": str(err)}
         ours_runs, base_runs = [], []
         for i in range(repeats):
-            ours_runs.append(self._run_ours(name, i, full, warmup))
+            ours_runs.append(self._run_ours(name, i, full, warmup, launcher))
             if with_base:
                 base_runs.append(self._run_baseline(name, i, cfg, warmup))
         entry["status"] = "ok"
@@ -150,10 +162,11 @@ class Measure:
             msg += f" | error: {o.get('error')}"
         print(msg, flush=True)
 
-    def _run_ours(self, name: str, i: int, full: list[str], warmup: int) -> dict:
+    def _run_ours(self, name: str, i: int, full: list[str], warmup: int, launcher: tuple = ()) -> dict:
         run_dir = self.s.work / name / f"ours-{i}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        argv = [sys.executable, str(REPO / "train.py"), *full, f"hydra.run.dir={run_dir}"]
+        prefix = ["-m", *launcher] if launcher else []
+        argv = [sys.executable, *prefix, str(REPO / "train.py"), *full, f"hydra.run.dir={run_dir}"]
         child = run_child(argv, self.s.work / name / f"ours-{i}.log", self.s.env, self.s.timeout)
         rec = read_ours(run_dir, child, warmup, self.s.gpu)
         tidy(run_dir)

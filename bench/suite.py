@@ -94,6 +94,7 @@ class Settings:
         self.gpu = self.device["kind"] == "cuda"
         self.steps = args.steps or suite.get("steps", 10)
         self.warmup = suite.get("warmup_steps", 2)
+        self.memory_log_steps = suite.get("memory_log_steps", 1)  # a stage may set its own
         self.repeats = args.repeats or suite.get("repeats", 1)
         self.timeout = args.timeout or suite.get("timeout_s", 1200)
         stamp = time.strftime("%Y%m%d-%H%M%S")

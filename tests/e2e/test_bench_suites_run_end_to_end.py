@@ -123,3 +123,53 @@ def test_every_gpu_suite_stage_runs_in_shrink_mode_on_cpu(tmp_path):
     assert seq["longest_seq"] in (64, 128, 192, 256) and seq["probes"] and seq["verified_full"] is True
     assert "Longest sequence" in md
     assert stacks["long-llama3.1-8b-8gb"]["ours"]["status"] == "ok"  # the recorded longest-context case, shrunk
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU check (bench/suites/gpu-check.yaml): every part's code path on the CPU
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_gpu_check_runs_every_part_in_shrink_mode_on_cpu(tmp_path):
+    _run_bench(
+        "gpu-check",
+        "--shrink",
+        *("--results-dir", str(tmp_path / "results"), "--work-dir", str(tmp_path / "work")),
+        *("--cache", str(tmp_path / "cache")),
+        timeout=2400,
+    )
+    [path] = (tmp_path / "results").glob("*-gpu-check-shrink.json")
+    res = json.loads(path.read_text())
+    assert not res.get("errors")
+    stacks = {s["name"]: s for s in res["stacks"]}
+    for s in stacks.values():
+        assert s["ours"]["status"] == "ok", (s["name"], s["ours"])
+    pair = stacks["8b-nf4-paged8bit-ckpt"]
+    assert pair["baseline"]["status"] == "ok" and pair["ratios"]["peak_gib"] > 0
+    assert "trainer.gradient_checkpointing=auto" in stacks["8b-ckpt-auto"]["train_py"]
+    assert stacks["8b-mixed-padding-free"]["ours"]["token_efficiency"] == pytest.approx(1.0)
+    moe = stacks["moe-gpt-oss-20b-16gb-L1"]
+    assert "recipe=gpt-oss-20b-16gb" in moe["train_py"] and moe["plan_error_pct"]["ours"]["headline"] is not None
+    # the two longest-context cases at 24 and 48 GB, each with expandable segments on and off
+    claimed = json.loads((REPO / "bench" / "results" / "longest-context.json").read_text())["cases"]
+    lengths = {c["card_gb"]: c["longest_seq"] for c in claimed if c["model"] == "llama3.1-8b"}
+    for card in (24, 48):
+        for mode, expandable in (("expandable", True), ("fixed", False)):
+            s = stacks[f"card-llama3.1-8b-{card}gb-{mode}"]
+            assert s["card_gb"] == card and s["claimed_seq"] == lengths[card] and s["seq_len"] == 128
+            assert s["expandable_segments"] is expandable and s["card_imposed"] is False
+            assert f"trainer.expandable_segments={str(expandable).lower()}" in s["train_py"]
+            log = tmp_path / "work" / s["name"] / "ours-0.log"
+            assert "the card's size is not imposed" in log.read_text()  # train.py ran under the cap's launcher
+
+
+def test_gpu_check_part_that_does_not_exist_is_named_with_the_parts_there_are(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "bench", "gpu-check", "--shrink", "--part", "9", "--results-dir", str(tmp_path / "r")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == "error: no stage in part 9; this suite's parts are 1, 2, 3, 4, 5"
+    assert not (tmp_path / "r").exists()  # refused before any results file is written

@@ -45,6 +45,9 @@ class FamilyTraits:
     # logits, softmax over them; a router bias), "sigmoid" (Llama 4: top-k logits through a sigmoid)
     router: str = ""
     shared_experts: bool = False  # a dense MLP every token takes beside the routed experts
+    # gpt-oss's experts clamp gate and up and gate with a sigmoid: autograd keeps 6 widths of the expert
+    # intermediate per routed row (gate_up, the clamped gate, its sigmoid, the glu, up + 1), not 3
+    clamped_glu: bool = False
     per_layer_embeddings: bool = False  # a second embedding table feeding each layer (Gemma 4's per-layer input)
 
 
@@ -112,6 +115,7 @@ FAMILIES: dict[str, FamilyTraits] = {
         attention_sinks=True,
         moe=True,
         router="topk_softmax",
+        clamped_glu=True,
     ),
     "llama4": _LLAMA4,
     "llama4_text": _LLAMA4,

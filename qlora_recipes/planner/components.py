@@ -483,6 +483,7 @@ def mlp_saved_per_token(st: StackSpec, bb: BlockBytes, on_cpu: bool = False) -> 
     per_token = 3 * r * fig.active_intermediate + (c + (mask if st.lora_dropout > 0 else 0)) * bb.mlp_lora_in
     if fig.num_experts:  # the routed rows' weighted outputs (k x h) and the router's fp32 logits and probs
         per_token += fig.routed_rows * fig.hidden_size * r + 8 * fig.num_experts
+        per_token += 3 * r * fig.routed_rows * fig.expert_intermediate * fig.traits.clamped_glu  # gpt-oss: 6 not 3
     if bb.expert_lora_in:  # expert LoRA, per routed row and weight: its input, x@A over all experts, the mask
         ranks = fig.num_experts * st.expert_r
         per_token += fig.experts_per_token * (c * bb.expert_lora_in + 2 * (2 * c + 1) * ranks)
@@ -516,6 +517,10 @@ def backward_working_bytes(st: StackSpec, b: int, on_cpu: bool = False, bb: Bloc
         norm_temps = 2 * h if st.lean_norms else 4 * 2 * h
         rest = b * s * (norm_temps + c * 2 * fig.num_heads * fig.head_dim)
         w = b * s * r * 2 * h + max(mlp, rest)
+    if fig.num_experts and fig.traits.router != "sigmoid" and not mlp_tiled(st, b):  # Llama 4's are batched
+        # moe_experts.routed_forward's top-k weights' product in backward: three h-wide routed-row tensors at
+        # once (output gradient scattered back, rows' gradient, their product with the rows), no dequantized weight
+        w = max(w, b * s * r * fig.hidden_size * (2 + 3 * fig.experts_per_token))
     if eager(st):
         rows, n = attention_rows(st, b)
         w += rows * fig.num_heads * n * n * 4  # fp32 gradient of the softmax

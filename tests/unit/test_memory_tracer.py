@@ -302,3 +302,18 @@ def test_the_committed_traces_hold_the_moe_recipes_within_ten_percent():
         assert c["within"] and 0.9 <= c["ratio"] <= 1.1, c["case"]
         row = c["components"]["quantized_weights"]
         assert abs(row["traced_gib"] / row["planned_gib"] - 1) < 0.01, c["case"]
+
+
+@needs_fake_cuda
+def test_a_moe_layers_backward_holds_the_top_k_weights_product_as_planned():
+    """Many routed rows a token (4 of 8 experts, narrow experts, 2,048 tokens): the layer backward's peak
+    is where the top-k weights' product runs backward, three routed-row gradients of the hidden width
+    beside the hidden-state ones (planner/components.py backward_working_bytes); its traced
+    phase peak is the plan's within 10 %."""
+    from bench.trace.run import compare, plan_for, run_child
+
+    overrides = [*TINY_MOE, "model.figures.num_experts_per_tok=4", "model.figures.moe_intermediate_size=32"]
+    overrides += ["trainer.micro_batch_size=1", "trainer.seq_len=2048"]
+    r = run_child({"overrides": overrides, "device": "cuda"})
+    row = compare(r, plan_for(overrides, [24 * GiB]), "cuda:0")["phases"]["train: layer backward"]
+    assert 0.9 <= row["traced_gib"] / row["planned_gib"] <= 1.1, row

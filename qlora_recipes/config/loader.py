@@ -14,6 +14,7 @@ adds the config-only checks (config/checks.py). Every error is one UserError lin
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,8 @@ def register_schemas() -> None:
         OmegaConf.register_new_resolver("by_objective", by_objective)
     if not OmegaConf.has_resolver("if_data_path"):
         OmegaConf.register_new_resolver("if_data_path", if_data_path)
+    if not OmegaConf.has_resolver("whole_gib"):  # conf/hydra/launcher/slurm.yaml: SLURM takes whole GB
+        OmegaConf.register_new_resolver("whole_gib", lambda gib: None if gib is None else math.ceil(float(gib)))
     if not OmegaConf.has_resolver("auto_attention"):  # the schema's model.attn_implementation default
         OmegaConf.register_new_resolver("auto_attention", auto_attention)
     if not OmegaConf.has_resolver("auto_precision"):  # conf/precision/auto.yaml: this machine's pick

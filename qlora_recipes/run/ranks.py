@@ -24,7 +24,9 @@ import time
 _AGENT_NOISE = ("failed (exitcode", "Sending process")
 _ERROR_KEY = "qlora_recipes/user_error/0"  # in the launcher's store: rank 0's line, for the others to compare
 _COUNT_KEY = "qlora_recipes/user_errors"  # how many other ranks met a user error
-_WAIT_S = 5  # how long another rank waits for rank 0's line before printing its own
+_WAIT_S = 30  # how long another rank waits for rank 0's line before printing its own: ranks reach
+# their checks seconds apart on a loaded machine (imports, a config compose each), and a rank that exits
+# first gets the others stopped by the launcher mid-check
 
 
 class _QuietAgent(logging.Filter):

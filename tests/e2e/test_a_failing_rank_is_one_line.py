@@ -74,4 +74,6 @@ def test_under_a_bare_torchrun_a_mistake_is_said_once_and_every_rank_exits_2(tmp
     code, out = _run(cmd, tmp_path)
     assert code != 0
     assert _errors(out) == ["error: trainer.max_steps and trainer.epochs are both <= 0: set one of them"], out[-3000:]
-    assert set(re.findall(r"exitcode\s*: (-?\d+) \(pid", out)) == {"2"}, out[-3000:]  # torchrun's report of the ranks
+    # torchrun's report of the ranks: each exits 2, unless torchrun stops it (SIGTERM) as the first one exits
+    codes = set(re.findall(r"exitcode\s*: (-?\d+) \(pid", out))
+    assert "2" in codes and codes <= {"2", "-15"}, out[-3000:]

@@ -52,6 +52,35 @@ def compose_hydra_cfg(*overrides: str):
 SMOKE = ("trainer=smoke", "data.metric=null")
 
 
+def run_job(cmd, *, timeout: float, merge_output: bool = False, **popen) -> subprocess.CompletedProcess:
+    """subprocess.run for a command that starts processes of its own. torchrun starts each rank in a
+    session of its own, so subprocess.run's timeout (which kills torchrun alone) would then wait for
+    ever on the pipes a hanging rank still holds; here every process under the command is killed and
+    the test fails naming the timeout, with the output so far."""
+    import psutil
+
+    errors = subprocess.STDOUT if merge_output else subprocess.PIPE
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True, **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            tree = []
+        for p in tree:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        out, err = proc.communicate(timeout=60)
+        pytest.fail(
+            f"{cmd if isinstance(cmd, str) else ' '.join(map(str, cmd))} ran past {timeout} s; every "
+            f"process under it was killed. Its output:\n{(out or '')[-3000:]}\n{(err or '')[-3000:]}"
+        )
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def train_smoke(run_dir: Path, *overrides: str) -> tuple[dict, Path]:
     """Train SMOKE plus these overrides in this process: (metrics, run_dir). For module-scoped runs
     that several tests share; a single test takes the `smoke_run` fixture."""

@@ -10,19 +10,18 @@ train.py` the ranks still say it once, and each exits 2 (torchrun's own report f
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SMOKE
+from conftest import REPO, SMOKE, run_job
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 RECIPE = ("llama3.1-70b-2x24gb", "model=tiny", "data=order", *SMOKE)  # FSDP on 2 ranks, started by accelerate
 
 
 def _run(cmd: list[str], cwd: Path) -> tuple[int, str]:
-    proc = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
+    proc = run_job(cmd, timeout=600, cwd=cwd, env=ENV)
     return proc.returncode, proc.stdout + proc.stderr
 
 

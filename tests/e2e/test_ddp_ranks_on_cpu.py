@@ -3,11 +3,10 @@ apart by torchrun agree on one run dir. FSDP and ZeRO-2/3 on CPU ranks: test_sha
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
-from conftest import REPO, SMOKE
+from conftest import REPO, SMOKE, run_job
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
@@ -22,10 +21,10 @@ def test_two_process_ddp_on_cpu_trains_with_ranks_in_step(tmp_path):
 
     from safetensors.torch import load_file
 
-    proc = subprocess.run(
+    proc = run_job(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(REPO / "train.py"), *SMOKE, f"hydra.run.dir={tmp_path}/run"],
-        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path, env=ENV, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / "run" / name).read_text()) for name in ("metrics.json", "metrics.rank1.json")]
@@ -54,10 +53,10 @@ def test_torchrun_ranks_started_seconds_apart_agree_on_one_run_dir(tmp_path):
     same hydra.run.dir although they start in different seconds."""
     script = tmp_path / "late_rank.py"
     script.write_text(_LATE_RANK)
-    proc = subprocess.run(
+    proc = run_job(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
          "trainer=smoke"],
-        cwd=tmp_path, env={**ENV, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env={**ENV, "PYTHONPATH": str(REPO)}, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("RUN_DIR")]
@@ -75,10 +74,10 @@ def test_plain_torchrun_train_writes_one_run_dir(tmp_path):
         "if os.environ['RANK'] == '1':\n    time.sleep(1.5)\n"
         "from qlora_recipes.cli import train\ntrain.run(sys.argv[1:], prog='train.py')\n"
     )
-    proc = subprocess.run(
+    proc = run_job(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
          *SMOKE],
-        cwd=tmp_path, env={**ENV, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900,
+        cwd=tmp_path, env={**ENV, "PYTHONPATH": str(REPO)}, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     run_dirs = [p for p in (tmp_path / "runs").glob("*/*") if p.is_dir()]

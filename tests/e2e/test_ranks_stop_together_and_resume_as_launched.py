@@ -10,13 +10,12 @@ in its own words and exits 1.)"""
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SMOKE, sample_subset
+from conftest import REPO, SMOKE, run_job, sample_subset
 
 ENV = {
     **os.environ,
@@ -30,19 +29,9 @@ STEPS = ("trainer.max_steps=6", "trainer.save_steps=2")
 
 
 def _launch(cmd: list[str] | str, cwd: Path, faults: str = "", timeout: int = 400) -> subprocess.CompletedProcess:
-    """Run the job in a session of its own, so that a hang past `timeout` is ended with every rank."""
+    """Run the job; a hang past `timeout` is ended with every rank (conftest.run_job)."""
     env = {**ENV, "QLORA_RECIPES_FAULTS": faults} if faults else ENV
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, shell=isinstance(cmd, str), text=True, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"the job hung past {timeout} s:\n{out[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    return run_job(cmd, timeout=timeout, merge_output=True, cwd=cwd, env=env, shell=isinstance(cmd, str))
 
 
 def _torchrun(run: Path, data: list[str], faults: str = "") -> subprocess.CompletedProcess:

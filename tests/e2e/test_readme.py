@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, compose_cfg, train_py
+from conftest import REPO, compose_cfg, run_job, train_py
 
 from qlora_recipes import planner
 from qlora_recipes.config import devices
@@ -279,13 +279,8 @@ class Sandbox:
         env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         before = self.run_dirs()
         try:
-            proc = subprocess.run(
-                ["bash", "-c", f"set -eo pipefail; {ACTIVATE}; {line}"],
-                cwd=self.root,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=how.timeout,
+            proc = run_job(
+                ["bash", "-c", f"set -eo pipefail; {ACTIVATE}; {line}"], timeout=how.timeout, cwd=self.root, env=env
             )
         finally:
             for name in how.files:

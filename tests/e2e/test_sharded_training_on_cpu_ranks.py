@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SMOKE
+from conftest import REPO, SMOKE, run_job
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(
@@ -59,7 +59,7 @@ def _torchrun(*args: str, nproc: int = 2) -> list[str]:
 
 def _run(cmd: list[str], cwd: Path, faults: str = "", timeout: int = 900) -> subprocess.CompletedProcess:
     env = {**ENV, "QLORA_RECIPES_FAULTS": faults} if faults else ENV
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_job(cmd, timeout=timeout, cwd=cwd, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return proc
 

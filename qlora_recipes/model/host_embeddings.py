@@ -11,6 +11,8 @@ the plan counts it in the load phase); the caller hands the freed block back to 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 
@@ -21,8 +23,14 @@ def keep_on_host(model, device: torch.device | str) -> int:
     moved = sum(p.numel() * p.element_size() for p in embeddings.parameters())
     moved += sum(b.numel() * b.element_size() for b in embeddings.buffers())
     _to_host(embeddings)
-    embeddings.register_forward_pre_hook(_ids_to_host)
-    embeddings.register_forward_hook(_rows_to(torch.device(device)))
+    embeddings.rows_device = torch.device(device)
+    # The model is moved whole after this: accelerate's prepare_model calls model.to(its device) on a
+    # 4-bit model loaded on one GPU (transformers 5 sets no hf_device_map for it), the Trainer on an
+    # unquantized one. Module.to reaches the table through its parents' _apply: its own keeps it here
+    # (a partial, not a bound method: the model still pickles and deep-copies).
+    embeddings._apply = partial(_apply_on_host, embeddings)
+    embeddings.register_forward_pre_hook(_ids_to_table)
+    embeddings.register_forward_hook(_rows_to_layers)
     return moved
 
 
@@ -35,12 +43,31 @@ def _to_host(module) -> None:
         module._buffers[name] = buf.to("cpu")
 
 
-def _ids_to_host(module, args):
-    return tuple(a.to("cpu") if isinstance(a, torch.Tensor) else a for a in args)
+def _apply_on_host(self, fn, recurse: bool = True):
+    """Module._apply for the host table: `fn`'s dtype cast is made here (the plan counts the table in
+    the dtype the model trains in), its device move only redirects the rows (the layers went there)."""
+    target = _target_device(fn)
+    if target is not None:
+        self.rows_device = target
+    return type(self)._apply(self, lambda t: t.to(fn(torch.empty(0, dtype=t.dtype)).dtype), recurse)
 
 
-def _rows_to(device: torch.device):
-    def hook(module, args, output):
-        return output.to(device, non_blocking=True)
+def _target_device(fn) -> torch.device | None:
+    """Where `fn` moves a host tensor, or None when it only casts. Told on empty tensors (no copy of
+    the table): a move to the host itself shows on a meta tensor, which a cast leaves on meta."""
+    on_host = fn(torch.empty(0)).device
+    if on_host.type != "cpu":
+        return on_host
+    try:
+        return None if fn(torch.empty(0, device="meta")).device.type == "meta" else on_host
+    except NotImplementedError:  # "Cannot copy out of meta tensor": a move to the host
+        return on_host
 
-    return hook
+
+def _ids_to_table(module, args):
+    device = module.weight.device
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _rows_to_layers(module, args, output):
+    return output.to(module.rows_device, non_blocking=True)

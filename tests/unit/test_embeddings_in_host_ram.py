@@ -5,6 +5,7 @@ bench/results/planner-traced.md."""
 
 import pytest
 import torch
+from accelerate import Accelerator
 from conftest import compose_cfg
 
 from qlora_recipes import planner
@@ -25,6 +26,46 @@ def test_the_lookup_runs_on_the_host_and_gives_the_same_rows(run_dir):
     assert moved == table.weight.numel() * 4 and table.weight.device.type == "cpu"
     assert table._forward_pre_hooks and table._forward_hooks
     assert torch.equal(model(input_ids=ids).logits, before)
+
+
+# eager attention: sdpa's mask code reads the mask's values, which the meta device (the stand-in
+# for the GPU the model is moved to) has not
+TINY_FP32 = ("quant=none", "precision=fp32", "model.attn_implementation=eager")
+
+
+def _meta_forward(model, ids):
+    on_meta = ids.to("meta")
+    return model(input_ids=ids, attention_mask=torch.ones_like(on_meta), labels=on_meta)
+
+
+def test_a_move_of_the_whole_model_leaves_the_table_in_host_ram_and_the_rows_follow_the_layers(run_dir):
+    model = loading.load_model(compose_cfg(*TINY_FP32), run_dir)
+    keep_on_host(model, "cpu")
+    table = model.get_input_embeddings()
+    model.to("meta", torch.bfloat16)  # as model.to("cuda") moves every other tensor; the cast applies
+    assert table.weight.device.type == "cpu" and table.weight.dtype == torch.bfloat16
+    assert {p.device.type for n, p in model.named_parameters() if "embed_tokens" not in n} == {"meta"}
+    ids = torch.tensor([[5, 6, 7, 8]])
+    out = _meta_forward(model, ids)
+    assert out.logits.shape == (1, 4, 100) and out.loss.device.type == "meta"
+    table.cpu()  # a move to the host itself: the rows stay there too
+    assert table.weight.device.type == "cpu" and table(ids).device.type == "cpu"
+
+
+def test_the_trainers_device_move_after_loading_keeps_the_table_in_host_ram(run_dir, monkeypatch):
+    """The training path to the first forward: loaded, table to the host, adapters, then accelerate's
+    prepare_model, which calls model.to(its device) on a model loaded on one device (a 4-bit one too:
+    transformers 5 sets it no hf_device_map); its device here is meta, as a GPU's stand-in."""
+    cfg = compose_cfg(*TINY_FP32)
+    model = loading.load_model(cfg, run_dir)
+    keep_on_host(model, "cpu")
+    model = loading.make_trainable(cfg, model)
+    monkeypatch.setattr(Accelerator, "device", property(lambda self: torch.device("meta")))
+    prepared = Accelerator().prepare_model(model)
+    assert model.get_input_embeddings().weight.device.type == "cpu"
+    assert {p.device.type for p in model.parameters() if p.requires_grad} == {"meta"}
+    out = _meta_forward(prepared, torch.tensor([[5, 6, 7, 8]]))
+    assert out.loss.device.type == "meta"
 
 
 def test_the_plan_moves_the_table_to_host_ram_and_counts_it_while_loading():

@@ -116,7 +116,9 @@ def test_sigterm_while_a_reward_hangs_stops_the_run_naming_the_reward(faulty):
     proc = _train_py(faulty, *_grpo("faulty_rewards:hangs"))
     deadline = time.monotonic() + 300
     while not (faulty / "reward-started").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the reward never started (exit {proc.returncode}): {proc.communicate(timeout=60)[1][-3000:]}")
         time.sleep(0.2)
     signalled = time.monotonic()
     os.kill(proc.pid, signal.SIGTERM)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, SMOKE
+from conftest import REPO, SMOKE, run_job
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 FAIL_FAST = ["trainer.max_steps=-1", "trainer.epochs=0"]  # every job stops in validation: counts launches only
@@ -22,8 +22,7 @@ IN_PROCESS = "hydra/launcher=basic"  # Hydra's one-process launcher: cheaper whe
 
 
 def run(*args: str, script: str = "train.py", cwd=REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / script), *args], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
+    return run_job([sys.executable, str(REPO / script), *args], timeout=900, cwd=cwd, env=ENV)
 
 
 def test_preset_launches_exactly_its_jobs(tmp_path):

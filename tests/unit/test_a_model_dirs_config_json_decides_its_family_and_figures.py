@@ -89,6 +89,7 @@ def test_train_refuses_the_contradiction_before_writing_anything(tmp_path):
         cwd=REPO,
         capture_output=True,
         text=True,
+        timeout=600,
     )
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()

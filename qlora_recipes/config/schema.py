@@ -104,6 +104,10 @@ class ModelConfig:
     head_dim: int | None = option(None, "null: hidden_size / num_heads", range=">= 1|null")
     max_position_embeddings: int = option(4096, "the model's context length", range=">= 1")
     trust_remote_code: bool = option(False, "run the model repo's own code (transformers trust_remote_code)")
+    vision: bool | None = option(
+        None,
+        "a vision-language model (image rows, its processor, the vision tower unquantized); null: its config.json says",
+    )
     revision: str | None = option(None, "a hub branch, tag or commit; null: main")
     # config/attention.py: the default resolves to sdpa, or sdpa_varlen / flash for padding-free batches
     attn_implementation: str = option(

@@ -18,6 +18,7 @@ from .hf_configs import bnb_config
 from .lean_rmsnorm import lean_rmsnorms
 from .moe_experts import quantize_experts, quantized_while_loading
 from .tiled_mlp import tile_mlps
+from .vision import is_vision_language, keep_vision_in, lora_on_language_model, skipped_from_quantization
 
 log = logging.getLogger(__name__)
 
@@ -192,8 +193,9 @@ def _attention_failed(model: ModelConfig, attn: str, err: Exception) -> UserErro
 def load_model(cfg: TrainConfig, run_dir: Path, max_memory: dict | None = None):
     """The base as the run trains it. `max_memory` is the planner's resolved budget map
     (planner.loader_max_memory); without one, offloading stacks plan it here."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    vlm = is_vision_language(cfg.model)
     attn = attention_for(cfg.model)
     _packed_attention(cfg, attn)
     planned_map, budgets = _planned_placement(cfg, max_memory)
@@ -202,6 +204,8 @@ def load_model(cfg: TrainConfig, run_dir: Path, max_memory: dict | None = None):
         # stored quantized: transformers loads it as saved (the planner refused a quant group saying
         # otherwise) and would only warn that a config passed beside it is ignored
         quantization = None
+    if quantization is not None and vlm:  # the vision tower and projector stay in the compute dtype
+        quantization.llm_int8_skip_modules = skipped_from_quantization(cfg.model, quantization.llm_int8_skip_modules)
     if quantization is not None and planned_map is not None:
         # transformers leaves every module the map puts on "cpu" or "disk" unquantized under this flag,
         # the whole model for {"": "cpu"}: only a map that really offloads gets it
@@ -225,7 +229,8 @@ def load_model(cfg: TrainConfig, run_dir: Path, max_memory: dict | None = None):
     experts_4bit = planned_map is None and cfg.dist.strategy not in ("fsdp", "zero3")  # else: as loaded, logged
     try:
         with quantized_while_loading(cfg.quant, experts_4bit):
-            model = AutoModelForCausalLM.from_pretrained(**source(cfg.model), **kwargs)
+            auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+            model = auto.from_pretrained(**source(cfg.model), **kwargs)
     except (OSError, ValueError, ImportError) as err:
         if _attention_error(err):
             raise _attention_failed(cfg.model, attn, err) from None
@@ -290,6 +295,9 @@ def make_trainable(cfg: TrainConfig, model):
     kbit_prep = cfg.quant.method != "none" and cfg.precision.upcast_frozen
     if kbit_prep:  # checkpointing below, by its transformers 5 name (peft's prep calls the deprecated one)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    vlm = is_vision_language(cfg.model)
+    if vlm:
+        keep_vision_in(model, torch_dtype(cfg.precision.dtype))
     if t.gradient_checkpointing:
         # Also upcast_frozen=false: k-bit prep is freeze + fp32 upcast + these two calls (peft
         # utils/other.py). Not prep-then-cast-back: that would hold the fp32 copies of embeddings and
@@ -302,7 +310,8 @@ def make_trainable(cfg: TrainConfig, model):
         with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             warnings.filterwarnings("ignore", expert_lora.RANK_PATTERN_WARNING, RuntimeWarning)
-            model = get_peft_model(model, expert_lora.peft_config(cfg.peft, model))
+            peft_cfg = lora_on_language_model(cfg.peft, model) if vlm else cfg.peft
+            model = get_peft_model(model, expert_lora.peft_config(peft_cfg, model))
         expert_lora.saved_as_peft_loads_it(model)
     except ValueError as err:  # e.g. target modules not found in the base
         raise UserError(f"peft: {str(err).splitlines()[0]} (check peft.target_modules)") from None

@@ -51,6 +51,7 @@ from .placement import (
 )
 from .process import baseline_source, cpu_process_baseline
 from .spec import StackSpec, data_note
+from .vision import add_vision_rows
 
 
 def _rows() -> defaultdict[str, defaultdict[str, int]]:
@@ -87,6 +88,7 @@ def plan_single(st: StackSpec, hw: _dev.Hardware) -> dict:
     exec_dev, dmap, max_memory = resolve_placement(st, hw, bbs, notes)
     t = _tally_blocks(st, hw, bbs, dmap, exec_dev)
     comp = t.comp
+    add_vision_rows(st, comp, t.counts, exec_dev, notes)  # a VLM's vision tower and projector, unquantized
     if t.disk_read and rewrites_offloaded(st):
         comp["other_params"]["disk"] += t.disk_read  # re-saved to offload.folder in the load dtype
     disk_bytes = sum(comp[k].get("disk", 0) for k in ("quantized_weights", "other_params", "buffers"))

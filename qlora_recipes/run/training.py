@@ -34,7 +34,7 @@ from ..errors import UserError
 from ..integrations import cluster, hub, trackers
 from ..interrupts import sigint_deferred
 from ..invocation import command, resume_command, task_overrides
-from ..model import loading
+from ..model import loading, vision
 from ..model.check import check_hub_model, validate_model
 from ..outputs.runfiles import give_umask_modes, remove_manifest, run_file_names, write_manifest
 from ..units import fmt_bytes
@@ -114,10 +114,17 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
     cfg = planner.settle_batch(cfg, plan)  # gradient_checkpointing / micro_batch_size=auto: as the plan resolved them
     cfg = planner.settle_eval_batch(cfg, plan)  # eval_batch_size=auto: as the plan resolved it
     set_seed(cfg.seed)
-    tokenizer = loading.load_tokenizer(cfg.model)
+    tokenizer = _processing_class(cfg)  # a vision-language model's processor, else the tokenizer
     seq_len = planner.seq_len_for_data(cfg, plan)  # trainer.seq_len=auto: from the train rows' tokens
     positions = planner.positions(cfg.model)  # rows past seq_len are told what gives them room
-    train_ds, eval_ds, data_stats = data.load_splits(cfg.data, tokenizer, seq_len, cfg.seed, cfg.objective, positions)
+    if vision.is_vision_language(cfg.model):  # image rows, checked here, rendered by the trainer's collator
+        from ..data.images import load_image_splits
+
+        train_ds, eval_ds, data_stats = load_image_splits(cfg.data, tokenizer, seq_len, cfg.seed)
+    else:
+        train_ds, eval_ds, data_stats = data.load_splits(
+            cfg.data, tokenizer, seq_len, cfg.seed, cfg.objective, positions
+        )
     cfg, plan = planner.settle_for_data(cfg, plan, data_stats)  # planned for the batches the rows make
     # grpo: its rewards imported and checked against the rows' columns before anything is written or loaded
     reward_funcs = rewards.reward_functions(cfg, tuple(train_ds.column_names)) if cfg.objective.name == "grpo" else None
@@ -149,7 +156,7 @@ def _load_train_and_record(cfg: TrainConfig, run_dir, plan, resume_from, tokeniz
     trainable, total = model.get_nb_trainable_parameters()
     log.info("trainable params: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
 
-    want_em = cfg.data.metric == "exact_match" and eval_ds is not None
+    want_em = cfg.data.metric == "exact_match" and eval_ds is not None and not data_stats.get("images")
     pairs = data.generation_pairs(eval_ds, data_stats["format"], cfg.data.metric_examples) if want_em else []
     em_before = _exact_match(cfg, model, tokenizer, pairs, plan)
 
@@ -195,6 +202,19 @@ def _load_train_and_record(cfg: TrainConfig, run_dir, plan, resume_from, tokeniz
         if tracking is not None:
             tracking.close(failed=not finished)
     return out
+
+
+def _processing_class(cfg: TrainConfig):
+    """What the trainer tokenizes with: a vision-language model's processor (objective=sft only), else the
+    tokenizer."""
+    if not vision.is_vision_language(cfg.model):
+        return loading.load_tokenizer(cfg.model)
+    if cfg.objective.name != "sft":
+        raise UserError(
+            f"objective={cfg.objective.name}: a vision-language model trains with objective=sft for now; "
+            "drop the objective override"
+        )
+    return vision.load_processor(cfg.model, loading.source(cfg.model))
 
 
 def _check_and_plan(cfg: TrainConfig, run_dir: Path, choices: dict | None, gpu: bool, on_write=None) -> tuple:

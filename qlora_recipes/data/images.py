@@ -1,0 +1,233 @@
+"""Image rows for a vision-language model: `messages` whose content holds image parts, and an `images`
+column of local files.
+
+A row: `{"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "..."}]},
+{"role": "assistant", "content": "..."}], "images": ["images/a.png"]}`. Image paths are read relative to
+the data file's folder (or a dataset dir), or absolute. Every row is checked before anything is written:
+each file exists and is an image, the row has as many image parts as images, a turn's text is text. A
+bad row stops the run with one line naming the file, the row and what to do.
+
+TRL's SFTTrainer, given the processor, renders and tokenizes these rows per batch (the processor turns
+each image into pixels and its image tokens) with the loss on the assistant turns. Here each row is
+rendered once to count its tokens, image tokens included: trainer.seq_len=auto reads them, and a row
+longer than seq_len is never truncated (a cut would split an image's tokens from its pixels).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..config.schema import DataConfig
+from ..errors import UserError
+from .formats import ROLES, _short
+from .readers import Rows, read_source
+
+log = logging.getLogger(__name__)
+
+MAX_IMAGE_PIXELS = 178_956_970  # PIL's own bomb limit (2x its warning): larger files are refused, named
+
+
+def load_image_splits(data: DataConfig, processor: Any, seq_len: Any, seed: int) -> tuple[Any, Any, dict]:
+    """(train, eval or None, stats) of image rows, as data.load_splits returns text rows: `messages` with
+    content part lists and `images` decoded on access (datasets' Image feature)."""
+    from .splits import _eval_fraction, _hold_out, _metric_name, _too_long
+
+    _check_options(data)
+    train, source = _load(data.path, data.split or "train", "data.path")
+    eval_ds, eval_source = None, None
+    if data.eval_path not in (None, ""):
+        eval_ds, eval_source = _load(data.eval_path, data.split or "train", "data.eval_path")
+    elif _eval_fraction(data.eval_fraction) > 0:
+        train, eval_ds, eval_source = _hold_out(train, data.eval_fraction, source, seed, data.eval_max_rows)
+    if data.metric == "exact_match" and eval_ds is not None:
+        log.info("data.metric=exact_match is not measured on image rows yet: the eval split gives eval loss")
+    stats: dict[str, Any] = {
+        "format": "messages",
+        "detected": "messages",
+        "format_from": "detected",
+        "conversational": True,
+        "images": True,
+        "source": source,
+        "eval_source": eval_source,
+        "seq_len": seq_len,
+        "too_long": _too_long(data.too_long),
+        "chat_template": "the processor's",
+        "metric": _metric_name(None, eval_ds is not None),
+        "prompt_format": {"style": "chat", "system": None},
+        "identical_pairs": None,
+        "truncated": {"train": 0, "eval": 0},
+        "dropped_by_truncation": {"train": 0, "eval": 0},
+    }
+    splits = {"train": train} if eval_ds is None else {"train": train, "eval": eval_ds}
+    kept = _fit_seq_len(stats, splits, processor)
+    train, eval_ds = kept["train"], kept.get("eval")
+    stats["rows"] = {"train": len(train), "eval": len(eval_ds) if eval_ds is not None else 0}
+    log.info(
+        "data: %s: image rows (messages + images), chat with the processor's template; %d train rows, %s",
+        source,
+        stats["rows"]["train"],
+        f"{stats['rows']['eval']} eval from {eval_source}" if eval_ds is not None else "no eval split",
+    )
+    return train, eval_ds, stats
+
+
+def _check_options(data: DataConfig) -> None:
+    if str(data.format) not in ("auto", "messages"):
+        raise UserError(
+            f"data.format={data.format}: a vision-language model trains on messages rows with images; "
+            "use data.format=auto or messages"
+        )
+    for key in ("packing", "padding_free"):
+        if getattr(data, key):
+            raise UserError(f"data.{key}=true: image rows train unpacked (TRL 1.16 cannot pack them); drop data.{key}")
+
+
+def _load(spec: Any, split: str, field: str) -> tuple[Any, str]:
+    """The checked rows of one source as a dataset, and the source's name."""
+    from datasets import Dataset, Image, List
+
+    rows, source = read_source(spec, split, field)
+    base = _image_root(spec)
+    columns: dict[str, list] = {"messages": [], "images": []}
+    for key, row in rows.items():
+        messages, images = convert_image_row(rows, key, row, base)
+        columns["messages"].append(messages)
+        columns["images"].append(images)
+    return Dataset.from_dict(columns).cast_column("images", List(Image())), source
+
+
+def _image_root(spec: Any) -> Path | None:
+    """The folder relative image paths are read from: the data file's own, or a dataset dir."""
+    path = Path(str(spec)).expanduser()
+    if path.is_file():
+        return path.resolve().parent
+    return path.resolve() if path.is_dir() else None
+
+
+def convert_image_row(rows: Rows, key: Any, row: Any, base: Path | None) -> tuple[list[dict], list[str]]:
+    """One row's messages (every content a list of parts) and its images' absolute paths, checked."""
+    at = rows.where(key)
+    if not isinstance(row, dict):
+        raise UserError(f"{at}: expected an object with 'messages' and 'images', got {type(row).__name__}")
+    messages = _messages(at, row.get("messages"))
+    wanted = sum(1 for m in messages for p in m["content"] if p["type"] == "image")
+    images = row.get("images")
+    images = [] if images is None else images
+    if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+        raise UserError(f"{at}: field 'images' must be a list of image file paths, got {_short(images)}")
+    if len(images) != wanted:
+        raise UserError(
+            f"{at}: {wanted} image part(s) in 'messages' but {len(images)} file(s) in 'images'; give each "
+            '{"type": "image"} part one file, in order'
+        )
+    return messages, [_checked_image(at, j, name, base) for j, name in enumerate(images)]
+
+
+def _messages(at: str, value: Any) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise UserError(f"{at}: field 'messages' must be a non-empty list of {{role, content}} objects")
+    out = []
+    for j, message in enumerate(value):
+        where = f"{at}: field 'messages[{j}]"
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise UserError(f"{where}' needs a role ({', '.join(ROLES)}) and a content; got {_short(message)}")
+        out.append({"role": message["role"], "content": _parts(where, message.get("content"))})
+    if not any(m["role"] == "assistant" for m in out):
+        raise UserError(f"{at}: field 'messages' has no assistant turn, so there is nothing to train on; add one")
+    return out
+
+
+def _parts(where: str, content: Any) -> list[dict]:
+    """A turn's content as parts: a string is one text part; a list holds text and image parts."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise UserError(f"{where}.content' must be a string or a list of parts, got {_short(content)}")
+    parts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image":
+            parts.append({"type": "image", "text": None})
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise UserError(
+                f'{where}.content[{k}]\' must be {{"type": "image"}} or {{"type": "text", "text": "..."}}, '
+                f"got {_short(part)}"
+            )
+    return parts
+
+
+def _checked_image(at: str, j: int, name: str, base: Path | None) -> str:
+    """The image's absolute path, once it is known to open as an image of bounded size."""
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(name).expanduser()
+    if not path.is_absolute():
+        if base is None:
+            raise UserError(f"{at}: images[{j}] {name!r} is relative and the data has no folder; give an absolute path")
+        path = base / path
+    if not path.is_file():
+        where = "; relative paths are read from the data file's folder" if not Path(name).is_absolute() else ""
+        raise UserError(f"{at}: images[{j}] {str(path)!r} does not exist{where}")
+    try:
+        with Image.open(path) as image:
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise UserError(
+                    f"{at}: images[{j}] {str(path)!r} is {width}x{height} pixels, too large to load safely; "
+                    "resize it (the processor scales every image down to its own size anyway)"
+                )
+            image.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(
+            f"{at}: images[{j}] {str(path)!r} is not an image PIL can read ({first}); replace or remove it"
+        ) from None
+    return str(path)
+
+
+def _fit_seq_len(stats: dict, splits: dict, processor: Any) -> dict:
+    """Each row's tokens as the processor renders it (image tokens included); trainer.seq_len=auto
+    resolved from the train rows; rows over seq_len dropped under data.too_long=drop, else refused."""
+    import numpy as np
+
+    lengths = {k: np.array([_row_tokens(processor, r) for r in ds], dtype=np.int64) for k, ds in splits.items()}
+    if callable(stats["seq_len"]):
+        stats["seq_len"] = stats["seq_len"](lengths["train"], stats["source"])
+    seq_len = stats["seq_len"]
+    stats["max_tokens"] = {k: int(lengths[k].max()) if k in lengths else 0 for k in ("train", "eval")}
+    stats["over_seq_len"] = {k: int((lengths[k] > seq_len).sum()) if k in lengths else 0 for k in ("train", "eval")}
+    stats["dropped_too_long"] = {"train": 0, "eval": 0}
+    kept = {}
+    for k, ds in splits.items():
+        over = np.flatnonzero(lengths[k] > seq_len)
+        if len(over) and stats["too_long"] != "drop":
+            where = stats["source"] if k == "train" else stats["eval_source"]
+            raise UserError(
+                f"{where}: {len(over)} {k} row(s) (first: row {int(over[0])}, {int(lengths[k][over[0]])} tokens with "
+                f"its image tokens) are longer than trainer.seq_len={seq_len}, and a cut would split an image's tokens; "
+                "raise trainer.seq_len, or set data.too_long=drop to leave them out"
+            )
+        if len(over) == len(ds):
+            raise UserError(f"trainer.seq_len={seq_len}: every {k} row is longer; raise trainer.seq_len")
+        if len(over):
+            log.warning(
+                "%d of %d %s rows are longer than trainer.seq_len=%d and are dropped", len(over), len(ds), k, seq_len
+            )
+            stats["dropped_too_long"][k] = len(over)
+        kept[k] = ds.select(np.flatnonzero(lengths[k] <= seq_len)) if len(over) else ds
+    return kept
+
+
+def _row_tokens(processor: Any, row: dict) -> int:
+    """The tokens the trainer's collator makes of this row (its image tokens included)."""
+    from trl.data_utils import prepare_multimodal_messages
+
+    messages = prepare_multimodal_messages(row["messages"], images=row["images"])
+    out = processor.apply_chat_template(
+        [messages], tokenize=True, return_dict=True, processor_kwargs={"add_special_tokens": False}
+    )
+    return len(out["input_ids"][0])

@@ -1,0 +1,121 @@
+"""A tiny LLaVA built offline (a 2-layer CLIP vision tower at 28 px, a 2-layer Llama, the shipped character
+tokenizer with an `<image>` token, a LlavaProcessor whose chat template renders image parts) and image rows
+that name small PNGs drawn here: what the vision-language tests load and train."""
+
+import json
+from pathlib import Path
+
+TINY = Path(__file__).resolve().parents[1] / "assets" / "tiny-llama"
+IMAGE_SIZE = 28  # two 14-px patches a side: 4 image tokens per image
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 30)}
+
+# The shipped template, with a content list's parts rendered in order (an image part as <image>) and the
+# assistant's turn inside {% generation %}: the loss is on what the assistant says.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['content'] is string %}{% set parts = [{'type': 'text', 'text': m['content']}] %}"
+    "{% else %}{% set parts = m['content'] %}{% endif %}"
+    "{% if m['role'] == 'assistant' %}assistant: {% generation %}"
+    "{% for p in parts %}{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}"
+    "{{ eos_token }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ m['role'] }}: "
+    "{% for p in parts %}{% if p['type'] == 'image' %}<image>{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def build_llava(out: Path) -> Path:
+    """A tiny random LLaVA saved in `out` as a user's model dir: weights, config, tokenizer and processor."""
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=14,
+        projection_dim=32,
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=image_token,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",  # with no CLS token dropped: 4 features, 4 image tokens
+    )
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(str(out))
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="full",
+        num_additional_image_tokens=1,  # CLIP's CLS token: the "full" strategy keeps it, so 5 tokens an image
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(str(out))
+    return out
+
+
+def draw_images(folder: Path) -> dict[str, Path]:
+    """One IMAGE_SIZE-px PNG a colour, a filled square on black: {colour: path}."""
+    from PIL import Image, ImageDraw
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, rgb in COLOURS.items():
+        image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (0, 0, 0))
+        ImageDraw.Draw(image).rectangle((4, 4, IMAGE_SIZE - 5, IMAGE_SIZE - 5), fill=rgb)
+        paths[name] = folder / f"{name}.png"
+        image.save(paths[name])
+    return paths
+
+
+def colour_row(colour: str, image: str) -> dict:
+    """A row asking for the square's colour, its image named relative to the data file."""
+    return {
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": colour}]},
+        ],
+        "images": [image],
+    }
+
+
+def write_colour_rows(folder: Path, repeats: int = 8) -> Path:
+    """rows.jsonl beside images/ (each colour's square, `repeats` rows each): the data file a run trains on."""
+    draw_images(folder / "images")
+    rows = [colour_row(c, f"images/{c}.png") for _ in range(repeats) for c in COLOURS]
+    path = folder / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

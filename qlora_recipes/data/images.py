@@ -26,7 +26,7 @@ from .readers import Rows, read_source
 
 log = logging.getLogger(__name__)
 
-MAX_IMAGE_PIXELS = 178_956_970  # PIL's own bomb limit (2x its warning): larger files are refused, named
+MAX_IMAGE_PIXELS = 178_956_970  # PIL refuses to open larger images (2x its Image.MAX_IMAGE_PIXELS warning)
 
 
 def load_image_splits(data: DataConfig, processor: Any, seq_len: Any, seed: int) -> tuple[Any, Any, dict]:
@@ -161,8 +161,8 @@ def _parts(where: str, content: Any) -> list[dict]:
 
 
 def _checked_image(at: str, j: int, name: str, base: Path | None) -> str:
-    """The image's absolute path, once it is known to open as an image of bounded size."""
-    from PIL import Image, UnidentifiedImageError
+    """The image's absolute path, once it is known to open as an image within PIL's size bound."""
+    from PIL import UnidentifiedImageError
 
     path = Path(name).expanduser()
     if not path.is_absolute():
@@ -173,13 +173,7 @@ def _checked_image(at: str, j: int, name: str, base: Path | None) -> str:
         where = "; relative paths are read from the data file's folder" if not Path(name).is_absolute() else ""
         raise UserError(f"{at}: images[{j}] {str(path)!r} does not exist{where}")
     try:
-        with Image.open(path) as image:
-            width, height = image.size
-            if width * height > MAX_IMAGE_PIXELS:
-                raise UserError(
-                    f"{at}: images[{j}] {str(path)!r} is {width}x{height} pixels, too large to load safely; "
-                    "resize it (the processor scales every image down to its own size anyway)"
-                )
+        with _opened(at, j, path) as image:
             image.verify()
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -187,6 +181,18 @@ def _checked_image(at: str, j: int, name: str, base: Path | None) -> str:
             f"{at}: images[{j}] {str(path)!r} is not an image PIL can read ({first}); replace or remove it"
         ) from None
     return str(path)
+
+
+def _opened(at: str, j: int, path: Path):
+    """PIL's image, its own size bound (a decompression bomb) named as the row's one line."""
+    from PIL import Image
+
+    try:
+        return Image.open(path)
+    except Image.DecompressionBombError:
+        raise UserError(
+            f"{at}: images[{j}] {str(path)!r} is too large to load safely (over {MAX_IMAGE_PIXELS:,} pixels); resize it"
+        ) from None
 
 
 def _fit_seq_len(stats: dict, splits: dict, processor: Any) -> dict:

@@ -86,3 +86,19 @@ def test_rows_longer_than_seq_len_are_refused_not_cut(tmp_path, processor):
     path = write_colour_rows(tmp_path, repeats=1)
     with pytest.raises(UserError, match=r"longer than trainer.seq_len=8, and a cut would split an image's tokens"):
         _load(path, processor, "data.eval_fraction=0", seq_len=8)
+
+
+def test_an_image_past_pils_size_bound_is_one_line(tmp_path, processor):
+    """A PNG whose header says 20000 x 20000 pixels (a decompression bomb): refused when opened, named."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    path = write_colour_rows(tmp_path, repeats=1)
+    header = struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0)
+    (tmp_path / "images" / "huge.png").write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b""))
+    _with_row(tmp_path, colour_row("red", "images/huge.png"), line=1)
+    with pytest.raises(UserError, match=r"line 1: images\[0\] '.*huge\.png' is too large to load safely .*resize it"):
+        _load(path, processor)

@@ -12,6 +12,7 @@ the plan counts it in the load phase); the caller hands the freed block back to 
 from __future__ import annotations
 
 from functools import partial
+from itertools import chain
 
 import torch
 
@@ -32,6 +33,22 @@ def keep_on_host(model, device: torch.device | str) -> int:
     embeddings.register_forward_pre_hook(_ids_to_table)
     embeddings.register_forward_hook(_rows_to_layers)
     return moved
+
+
+def left_alone_by_ddp(model) -> list[str]:
+    """Name the host tables' tensors for DDP to leave alone (it reads them off the module it wraps:
+    `model`, peft's, as the trainer hands it over). DDP refuses a module whose parameters sit on two
+    device types, and would broadcast the table over NCCL, which sends GPU tensors only; the frozen
+    table loads alike on every rank."""
+    names = [
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        if "rows_device" in vars(module)
+        for name, _ in chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False))
+    ]
+    if names:
+        model._ddp_params_and_buffers_to_ignore = names
+    return names
 
 
 def _to_host(module) -> None:

@@ -320,6 +320,10 @@ def make_trainable(cfg: TrainConfig, model):
     if cfg.init_from:  # a stage: the adapter starts as the earlier run's (run/stages.py checked the shape)
         load_init_adapter(model, Path(cfg.init_from) / "adapter")
     _disk_layers_as_host_layers(model)
+    if cfg.offload.embeddings:
+        from .host_embeddings import left_alone_by_ddp
+
+        left_alone_by_ddp(model)  # named on the model DDP wraps: peft's
     if t.tiled_mlp:
         _tile_mlps(cfg, model)
     if t.lean_rmsnorm and not lean_rmsnorms(model):

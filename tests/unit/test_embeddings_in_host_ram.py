@@ -5,8 +5,10 @@ bench/results/planner-traced.md."""
 
 import pytest
 import torch
+import torch.distributed as tdist
 from accelerate import Accelerator
 from conftest import compose_cfg
+from torch.nn.parallel import DistributedDataParallel
 
 from qlora_recipes import planner
 from qlora_recipes.errors import UserError
@@ -66,6 +68,24 @@ def test_the_trainers_device_move_after_loading_keeps_the_table_in_host_ram(run_
     assert {p.device.type for p in model.parameters() if p.requires_grad} == {"meta"}
     out = _meta_forward(prepared, torch.tensor([[5, 6, 7, 8]]))
     assert out.loss.device.type == "meta"
+
+
+def test_ddp_leaves_the_host_table_alone_on_the_model_it_wraps(run_dir, tmp_path):
+    """DDP refuses a model on two device types (the table on the host, the rest on each rank's GPU)
+    and would broadcast the table over NCCL: the trainable model names it for DDP to leave alone."""
+    cfg = compose_cfg(*TINY_FP32, "offload.embeddings=true")
+    model = loading.load_model(cfg, run_dir)
+    keep_on_host(model, "cpu")
+    model = loading.make_trainable(cfg, model)
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(model)
+        ids = torch.tensor([[5, 6, 7, 8]])
+        ddp(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        tdist.destroy_process_group()
+    assert ddp.parameters_to_ignore == {"base_model.model.model.embed_tokens.weight"}
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
 def test_the_plan_moves_the_table_to_host_ram_and_counts_it_while_loading():

@@ -60,25 +60,29 @@ def _to_host(module) -> None:
         module._buffers[name] = buf.to("cpu")
 
 
-def _apply_on_host(self, fn, recurse: bool = True):
+def _apply_on_host(module, fn, recurse: bool = True):
     """Module._apply for the host table: `fn`'s dtype cast is made here (the plan counts the table in
     the dtype the model trains in), its device move only redirects the rows (the layers went there)."""
     target = _target_device(fn)
     if target is not None:
-        self.rows_device = target
-    return type(self)._apply(self, lambda t: t.to(fn(torch.empty(0, dtype=t.dtype)).dtype), recurse)
+        module.rows_device = target
+    return type(module)._apply(module, lambda t: t.to(fn(_empty(t.dtype)).dtype), recurse)
 
 
 def _target_device(fn) -> torch.device | None:
     """Where `fn` moves a host tensor, or None when it only casts. Told on empty tensors (no copy of
     the table): a move to the host itself shows on a meta tensor, which a cast leaves on meta."""
-    on_host = fn(torch.empty(0)).device
+    on_host = fn(_empty(torch.float32)).device
     if on_host.type != "cpu":
         return on_host
     try:
-        return None if fn(torch.empty(0, device="meta")).device.type == "meta" else on_host
+        return None if fn(_empty(torch.float32, "meta")).device.type == "meta" else on_host
     except NotImplementedError:  # "Cannot copy out of meta tensor": a move to the host
         return on_host
+
+
+def _empty(dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=device)  # the device named: a torch.device context may be set
 
 
 def _ids_to_table(module, args):

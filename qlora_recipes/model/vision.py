@@ -59,6 +59,24 @@ def config_is_vision_language(cj: dict) -> bool:
     return kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
+def refuse_untried(cfg) -> None:
+    """One line for what a vision-language model does not train with yet (tried: one process or DDP,
+    objective=sft, no offloading), before anything is planned, loaded or written."""
+    if not is_vision_language(cfg.model):
+        return
+    untried = {
+        "objective": cfg.objective.name if cfg.objective.name != "sft" else None,
+        "dist": cfg.dist.strategy if cfg.dist.strategy in ("fsdp", "zero3") else None,
+        "offload.device_map": cfg.offload.device_map,
+    }
+    for key, value in untried.items():
+        if value is not None:
+            raise UserError(
+                f"{key}={value}: a vision-language model trains with objective=sft, without sharding or "
+                f"offloading, for now; drop {key}"
+            )
+
+
 def load_processor(model: ModelConfig, source: dict):
     """The model's AutoProcessor (its tokenizer, image processor and chat template), with a pad token."""
     from transformers import AutoProcessor, ProcessorMixin

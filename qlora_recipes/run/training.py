@@ -205,15 +205,9 @@ def _load_train_and_record(cfg: TrainConfig, run_dir, plan, resume_from, tokeniz
 
 
 def _processing_class(cfg: TrainConfig):
-    """What the trainer tokenizes with: a vision-language model's processor (objective=sft only), else the
-    tokenizer."""
+    """What the trainer tokenizes with: a vision-language model's processor, else the tokenizer."""
     if not vision.is_vision_language(cfg.model):
         return loading.load_tokenizer(cfg.model)
-    if cfg.objective.name != "sft":
-        raise UserError(
-            f"objective={cfg.objective.name}: a vision-language model trains with objective=sft for now; "
-            "drop the objective override"
-        )
     return vision.load_processor(cfg.model, loading.source(cfg.model))
 
 
@@ -228,6 +222,7 @@ def _check_and_plan(cfg: TrainConfig, run_dir: Path, choices: dict | None, gpu: 
     check_data_sources(cfg.data)
     check_hub_model(cfg.model)
     validate_model(cfg)
+    vision.refuse_untried(cfg)  # a vision-language model: what it does not train with yet
     resume_from = resume_checkpoint(cfg, run_dir)  # checks the saved config first
     # one rank's share (WORLD_SIZE ranks): FSDP/ZeRO-3 on GPUs, every strategy on CPU ranks (gloo)
     declared = devices.declared_host_ram(cfg)  # hardware.host_ram_gib: a budget below this machine's RAM

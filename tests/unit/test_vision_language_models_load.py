@@ -93,3 +93,22 @@ def test_the_plan_counts_the_vision_tower_and_projector_at_the_compute_dtype(lla
     ]
     text = planner.plan(compose_cfg("quant=nf4", "optim=paged8bit", "trainer=smoke"))
     assert not [n for n in text["notes"] if n.startswith("vision:")]
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        ("objective=dpo", "objective=dpo: a vision-language model trains with objective=sft"),
+        ("dist=fsdp", "dist=fsdp: a vision-language model trains with objective=sft, without sharding"),
+        (
+            "offload=cpu",
+            "offload.device_map=auto: a vision-language model trains with objective=sft, without sharding or offloading",
+        ),
+    ],
+)
+def test_what_a_vlm_does_not_train_with_yet_is_one_line(llava, override, line):
+    from qlora_recipes.model.vision import refuse_untried
+
+    with pytest.raises(UserError, match=line.replace("(", r"\(")):
+        refuse_untried(compose_cfg(f"model.name_or_path={llava}", override))
+    refuse_untried(compose_cfg(override))  # a text model: not this check's to refuse

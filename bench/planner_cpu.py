@@ -48,10 +48,16 @@ MODELS = {
     "gpt-oss-60m": ("gpt_oss", 512, 4, 8, 4, 512, 32000, False),
     "gemma3-50m": ("gemma3_text", 512, 8, 8, 4, 1376, 32000, True),
     "smollm3-50m": ("smollm3", 512, 8, 8, 4, 1376, 32000, True),
+    "qwen3.5-50m": ("qwen3_5_text", 512, 8, 8, 4, 1376, 32000, True),
+    "gemma4-50m": ("gemma4_text", 512, 8, 8, 4, 1376, 32000, True),
+    "llama4-60m": ("llama4_text", 512, 4, 8, 4, 512, 32000, False),
 }
 # What those configs set beyond the shape: head_dim where the class's default is not hidden / heads,
 # the experts (Qwen3-MoE: 16 of 256-wide, 4 a token; gpt-oss: 8 of 512-wide, 2 a token, attention sinks
-# and bias, a sliding layer beside each full one) and Gemma 3's local layers
+# and bias, a sliding layer beside each full one), Gemma 3's local layers, Qwen3.5's Gated DeltaNet layers
+# (three linear-attention layers to a full one, as its checkpoints interleave them), Gemma 4's per-layer
+# input embeddings and wider global heads, and Llama 4's experts (8 of 512-wide, 1 a token, and a shared
+# one) every second layer, dense MLPs (intermediate_size_mlp) between them, chunked local attention
 FAMILY_CONFIG = {
     "qwen3-50m": {"head_dim": 64},
     "qwen3-moe-60m": {"head_dim": 64, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256},
@@ -64,6 +70,30 @@ FAMILY_CONFIG = {
     },
     "gemma3-50m": {"head_dim": 64, "sliding_window": 128},
     "smollm3-50m": {},
+    "qwen3.5-50m": {
+        "head_dim": 64,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+    },
+    "gemma4-50m": {
+        "head_dim": 64,
+        "global_head_dim": 128,
+        "sliding_window": 128,
+        "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 2,
+        "hidden_size_per_layer_input": 64,
+        "vocab_size_per_layer_input": 32000,
+    },
+    "llama4-60m": {
+        "head_dim": 64,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 1,
+        "intermediate_size_mlp": 1376,
+        "interleave_moe_layer_step": 2,
+        "attention_chunk_size": 128,
+    },
 }
 FAMILY_MODELS = tuple(FAMILY_CONFIG)
 
@@ -173,6 +203,9 @@ CONFIG_CLASSES = {
     "gpt_oss": "GptOssConfig",
     "gemma3_text": "Gemma3TextConfig",
     "smollm3": "SmolLM3Config",
+    "qwen3_5_text": "Qwen3_5TextConfig",
+    "gemma4_text": "Gemma4TextConfig",
+    "llama4_text": "Llama4TextConfig",
 }
 
 
@@ -259,6 +292,11 @@ def _wait(proc: subprocess.Popen, timeout: float) -> int:
         return proc.wait()
 
 
+def log_path(run_dir: Path) -> Path:
+    """The run's log beside its dir (its whole name: a model name such as qwen3.5-50m holds a dot)."""
+    return run_dir.parent / f"{run_dir.name}.log"
+
+
 def run_case(case: dict, model_dir: Path, work: Path, timeout: float) -> dict:
     run_dir = work / case["name"].replace("/", "--")
     shutil.rmtree(run_dir, ignore_errors=True)  # a case measured again (same --work-dir) starts in an empty dir
@@ -268,7 +306,7 @@ def run_case(case: dict, model_dir: Path, work: Path, timeout: float) -> dict:
         prompt_rows(model_dir, _prompt_bound(case))
     argv = [sys.executable, "train.py", *job_overrides(model_dir, run_dir), *data_overrides(case, model_dir)]
     argv += case["overrides"]
-    log = run_dir.with_suffix(".log")
+    log = log_path(run_dir)
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
     with open(log, "w") as f:
@@ -282,7 +320,7 @@ def read_case(case: dict, run_dir: Path, rc: int, wall_s: float | None) -> dict:
     metrics = run_dir / "metrics.json"
     if rc != 0 or not metrics.is_file():
         entry["status"] = "failed"
-        log = run_dir.with_suffix(".log")
+        log = log_path(run_dir)
         entry["log_tail"] = log.read_text(errors="replace").splitlines()[-5:] if log.is_file() else []
         return entry
     m = json.loads(metrics.read_text())

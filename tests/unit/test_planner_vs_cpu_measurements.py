@@ -23,6 +23,7 @@ def test_the_suite_spans_sizes_families_and_stacks():
     assert len(cases) >= 30
     families = {planner_cpu.MODELS[c["model"]][0] for c in cases}
     assert families >= {"llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "smollm3"}
+    assert families >= {"qwen3_5_text", "gemma4_text", "llama4_text"}
     per_model = {m: [c for c in cases if c["model"] == m] for m in planner_cpu.MODELS}
     assert all(len(v) >= 6 for m, v in per_model.items() if m not in planner_cpu.FAMILY_MODELS)
     joined = [" ".join(c["overrides"]) for c in cases]
@@ -71,8 +72,9 @@ def test_each_objective_is_measured_on_two_models(results):
 
 
 def test_each_family_the_planner_knows_is_measured_within_10_percent(results):
-    """Qwen3, Qwen3-MoE (4-bit experts), gpt-oss, Gemma 3's text model and SmolLM3: a ~50 M model of
-    each through the first stack, its peak RSS within 10 % of its plan."""
+    """Qwen3, Qwen3-MoE (4-bit experts), gpt-oss, Gemma 3's text model, SmolLM3, Qwen3.5 (Gated DeltaNet
+    layers beside full attention), Gemma 4's text model and Llama 4's (MoE): a ~50 M model of each
+    through the first stack, its peak RSS within 10 % of its plan."""
     from qlora_recipes.families import KNOWN_ARCHITECTURES
 
     measured = {e["model"]: e for e in results["cases"] if e["model"] in planner_cpu.FAMILY_MODELS}

@@ -4,6 +4,7 @@ state, and the activations, backward working set, evaluation and dequantization 
 one step (the loss, through TRL's fused LM head, and the generation metric: loss.py). Pure arithmetic on a `StackSpec`; each figure is what the real objects
 hold (bitsandbytes `Params4bit`/`Int8Params`, peft adapters, torch/bitsandbytes optimizers, the
 tensors autograd saves), and tests/unit/test_memory_planner.py checks them against those objects on CPU.
+The MoE experts' terms are moe.py's.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from ..config.attention import unmasked_packing
 from ..errors import UserError
 from ..units import dtype_bytes
-from . import family_layers, linear_attention
+from . import family_layers, linear_attention, moe
 from .constants import (
     BNB_4BIT_BLOCKSIZE,
     BNB_4BIT_CODE_ELEMENTS,
@@ -162,20 +163,7 @@ def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
         for lin in blk.linears:
             n = lin.numel
             bb.params_total += n + (lin.out_features if lin.bias else 0)
-            if st.quantized and should_convert(lin.name, patterns):
-                data, state = quantized_linear_bytes(
-                    n, lin.out_features, st.quant, st.double_quant, st.quant_storage_bytes
-                )
-                bb.quant_data += data
-                bb.quant_state += state
-                bb.params_quantized += n
-                bb.max_dequant = max(bb.max_dequant, n)
-                bb.placed_bytes += int(n * (0.5 if st.quant in ("nf4", "fp4") else 1))
-            else:
-                bb.other += n * after
-                bb.other_at_load += n * load
-                bb.placed_bytes += n * load
-                bb.max_cast = max(bb.max_cast, n * load if after > load else 0)
+            _add_weight(st, bb, n, lin.out_features, st.quantized and should_convert(lin.name, patterns))
             if lin.bias:
                 bb.other += lin.out_features * after
                 bb.other_at_load += lin.out_features * load
@@ -221,31 +209,31 @@ def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
 
 
 def _add_experts(st: StackSpec, blk: Block, bb: BlockBytes) -> None:
-    """A block's fused 3-D MoE expert weights: under quant.experts=4bit with nf4/fp4 each is one blockwise
-    NF4/FP4 tensor (model/moe_experts.py: the codes, absmax and code books as a Linear4bit's weight holds,
-    quantized_linear_bytes), and its forward (and again its backward) dequantizes the whole tensor in the
-    compute dtype: the layer's dequant scratch. Otherwise they are frozen 16-bit params (k-bit prep
-    upcasts them to fp32 like the norms). peft.experts=lora: peft's A [E*r_e, in], B [out, E*r_e] each."""
-    load, after = dtype_bytes(st.dtype), st.frozen_bytes
+    """A block's fused 3-D MoE expert weights (moe.py says how they are held) and their LoRA."""
     for name, n in blk.experts:
         bb.params_total += n
-        if st.expert_r:  # the weight's other side than h: 2 x intermediate (gate_up), intermediate (down)
-            e, h, width = st.fig.num_experts, st.fig.hidden_size, n // (st.fig.num_experts * st.fig.hidden_size)
-            fan_in, fan_out = (width, h) if name.endswith("down_proj") else (h, width)
-            bb.lora_tensors += [(e * st.expert_r, fan_in), (fan_out, e * st.expert_r)]
-            bb.expert_lora_in += fan_in
-        if st.quant in ("nf4", "fp4") and st.experts_4bit:
-            data, state = quantized_linear_bytes(n, 0, st.quant, st.double_quant, st.quant_storage_bytes)
-            bb.quant_data += data
-            bb.quant_state += state
-            bb.params_quantized += n
-            bb.max_dequant = max(bb.max_dequant, n)
-            bb.placed_bytes += n // 2
-        else:
-            bb.other += n * after
-            bb.other_at_load += n * load
-            bb.placed_bytes += n * load
-            bb.max_cast = max(bb.max_cast, n * load if after > load else 0)
+        shapes, fan_in = moe.expert_lora(st, name, n)
+        bb.lora_tensors += shapes
+        bb.expert_lora_in += fan_in
+        _add_weight(st, bb, n, 0, moe.experts_quantized(st))
+
+
+def _add_weight(st: StackSpec, bb: BlockBytes, n: int, out_features: int, quantized: bool) -> None:
+    """One frozen weight of n elements: a bitsandbytes one (quantized_linear_bytes), else a parameter
+    at the dtype k-bit prep leaves it (StackSpec.frozen_bytes)."""
+    load, after = dtype_bytes(st.dtype), st.frozen_bytes
+    if quantized:
+        data, state = quantized_linear_bytes(n, out_features, st.quant, st.double_quant, st.quant_storage_bytes)
+        bb.quant_data += data
+        bb.quant_state += state
+        bb.params_quantized += n
+        bb.max_dequant = max(bb.max_dequant, n)
+        bb.placed_bytes += int(n * (0.5 if st.quant in ("nf4", "fp4") else 1))
+    else:
+        bb.other += n * after
+        bb.other_at_load += n * load
+        bb.placed_bytes += n * load
+        bb.max_cast = max(bb.max_cast, n * load if after > load else 0)
 
 
 def saved_copy_shapes(blk: Block, blocks: tuple[Block, ...]) -> list[tuple[int, ...]]:
@@ -481,12 +469,7 @@ def mlp_saved_per_token(st: StackSpec, bb: BlockBytes, on_cpu: bool = False) -> 
     c, r, mask = act_dtypes(st, on_cpu)
     fig = st.fig
     per_token = 3 * r * fig.active_intermediate + (c + (mask if st.lora_dropout > 0 else 0)) * bb.mlp_lora_in
-    if fig.num_experts:  # the routed rows' weighted outputs (k x h) and the router's fp32 logits and probs
-        per_token += fig.routed_rows * fig.hidden_size * r + 8 * fig.num_experts
-        per_token += 3 * r * fig.routed_rows * fig.expert_intermediate * fig.traits.clamped_glu  # gpt-oss: 6 not 3
-    if bb.expert_lora_in:  # expert LoRA, per routed row and weight: its input, x@A over all experts, the mask
-        ranks = fig.num_experts * st.expert_r
-        per_token += fig.experts_per_token * (c * bb.expert_lora_in + 2 * (2 * c + 1) * ranks)
+    per_token += moe.saved_per_token(st, bb.expert_lora_in, c, r)
     per_token += 2 * c * bb.mlp_dora_out
     if bb.dora_out and st.lora_dropout > 0:
         per_token += c * bb.mlp_dora_in
@@ -517,10 +500,8 @@ def backward_working_bytes(st: StackSpec, b: int, on_cpu: bool = False, bb: Bloc
         norm_temps = 2 * h if st.lean_norms else 4 * 2 * h
         rest = b * s * (norm_temps + c * 2 * fig.num_heads * fig.head_dim)
         w = b * s * r * 2 * h + max(mlp, rest)
-    if fig.num_experts and fig.traits.router != "sigmoid" and not mlp_tiled(st, b):  # Llama 4's are batched
-        # moe_experts.routed_forward's top-k weights' product in backward: three h-wide routed-row tensors at
-        # once (output gradient scattered back, rows' gradient, their product with the rows), no dequantized weight
-        w = max(w, b * s * r * fig.hidden_size * (2 + 3 * fig.experts_per_token))
+    if not mlp_tiled(st, b):  # a routed layer's backward, its MLP not run a tile at a time
+        w = max(w, moe.routed_backward_bytes(st, b * s, r))
     if eager(st):
         rows, n = attention_rows(st, b)
         w += rows * fig.num_heads * n * n * 4  # fp32 gradient of the softmax

@@ -230,7 +230,7 @@ def generate(
     prompt lengths (the memory planner counts that bound); a longer prompt goes alone."""
     import torch
 
-    device = next(p.device for p in model.parameters() if p.device.type != "meta")
+    device = _compute_device(model)
     fmt = PromptFormat.of(style)
     sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature else {"do_sample": False}
     stops = stop_strings(tokenizer, fmt)
@@ -270,6 +270,17 @@ def generate(
         texts = tokenizer.batch_decode(out[:, longest:], skip_special_tokens=True)
         outputs += [_cut_at(text, stops) for text in texts]
     return outputs
+
+
+def _compute_device(model):
+    """Where the decoder computes, and so where the ids go: the LM head's device (offload.embeddings
+    keeps the input table in host RAM, so the first parameter may be on the host), else the first
+    placed parameter's."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if weight is not None and weight.device.type != "meta":
+        return weight.device
+    return next(p.device for p in model.parameters() if p.device.type != "meta")
 
 
 def _encode(tokenizer, text: str, special: bool) -> list[int]:

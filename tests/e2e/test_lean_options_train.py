@@ -48,7 +48,8 @@ def _spy_on_training_dtypes(monkeypatch) -> dict:
 )
 def test_frozen_parts_train_in_the_dtype_asked_for(quant, upcast, monkeypatch, smoke_run):
     seen = _spy_on_training_dtypes(monkeypatch)
-    m, _ = smoke_run(f"quant={quant}", "precision=bf16", f"precision.upcast_frozen={str(upcast).lower()}")
+    upcast_frozen = f"precision.upcast_frozen={str(upcast).lower()}"
+    m, _ = smoke_run(f"quant={quant}", "precision=bf16", upcast_frozen, "peft.adapter_dtype=float32")
     assert m["steps"] == 3 and all(math.isfinite(x) for x in m["train_losses"]), m["train_losses"]
     frozen = torch.float32 if upcast and quant != "none" else torch.bfloat16
     assert seen["lm_head"] == seen["embed_tokens"] == frozen
@@ -60,7 +61,12 @@ def test_frozen_parts_train_in_the_dtype_asked_for(quant, upcast, monkeypatch, s
 def test_modules_to_save_copies_train_in_fp32_without_the_upcast(monkeypatch, smoke_run):
     """peft upcasts the adapters, not the modules_to_save copies: make_trainable does (as planned)."""
     seen = _spy_on_training_dtypes(monkeypatch)
-    m, _ = smoke_run("precision=bf16", "precision.upcast_frozen=false", "peft.modules_to_save=[lm_head]")
+    m, _ = smoke_run(
+        "precision=bf16",
+        "precision.upcast_frozen=false",
+        "peft.modules_to_save=[lm_head]",
+        "peft.adapter_dtype=float32",
+    )
     assert all(math.isfinite(x) for x in m["train_losses"]), m["train_losses"]
     assert seen["trainable"] == {torch.float32} and seen["frozen"] == {torch.bfloat16}
 
@@ -99,12 +105,15 @@ def test_embeddings_in_host_ram_train_on_a_gpu(smoke_run, monkeypatch):
     real = loading.make_trainable
 
     def spy(cfg, model):
-        placed["table"] = model.get_input_embeddings().weight.device.type
+        placed["table"], placed["model"] = model.get_input_embeddings().weight.device.type, model
         return real(cfg, model)
 
     monkeypatch.setattr(loading, "make_trainable", spy)
-    m, _ = smoke_run("offload.embeddings=true", "trainer.activation_offloading=true")
+    # the exact-match pass too: generation puts the ids on the LM head's device, not the table's
+    m, _ = smoke_run("offload.embeddings=true", "trainer.activation_offloading=true", "data.metric=exact_match")
     assert placed["table"] == "cpu" and m["steps"] == 3 and all(math.isfinite(x) for x in m["train_losses"])
+    # still there after the trainer moved the model to its device (accelerate's prepare_model)
+    assert placed["model"].get_input_embeddings().weight.device.type == "cpu"
 
 
 @pytest.mark.gpu

@@ -38,7 +38,7 @@ from ..model import loading, vision
 from ..model.check import check_hub_model, validate_model
 from ..outputs.runfiles import give_umask_modes, remove_manifest, run_file_names, write_manifest
 from ..units import fmt_bytes
-from . import dist, lifecycle, metrics, rewards, stages, trainer_args
+from . import dist, lifecycle, metrics, rewards, sft_rows, stages, trainer_args
 from .checkpoints import disk_full, find_checkpoint, free_bytes
 from .lock import RunDirLock
 from .memory import PeakTracker, configure_cuda_allocator, pin_malloc_thresholds, planned_peak_gib, rss_bytes
@@ -290,11 +290,13 @@ def _fit(
         tb_callbacks = [tb_callback] if "tensorboard" in trackers.enabled(c.logger) else []  # logger=none: no tb/
         memory_log = MemoryLogger(run_dir, c.trainer.memory_log_steps, tb, tracker, planned)
         dist.prepare_ranks(c.dist, gpu)
+        args = trainer_args.trainer_config(c, run_dir, data_format, gpu, trainer_eval is not None)
+        rows, eval_rows = sft_rows.for_trainer(c.objective.name, args, train_ds, trainer_eval)  # TRL's passes, vectorized
         trainer = lifecycle.guarded(c.objective.name)(
             model=model,
-            args=trainer_args.trainer_config(c, run_dir, data_format, gpu, trainer_eval is not None),
-            train_dataset=train_ds,
-            eval_dataset=trainer_eval,
+            args=args,
+            train_dataset=rows,
+            eval_dataset=eval_rows,
             processing_class=tokenizer,
             callbacks=[memory_log, *tb_callbacks, EvalProgress(), preemption, RunDirKept(changes)],
             **trainer_args.guard_kwargs(c),

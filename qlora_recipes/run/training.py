@@ -291,7 +291,8 @@ def _fit(
         memory_log = MemoryLogger(run_dir, c.trainer.memory_log_steps, tb, tracker, planned)
         dist.prepare_ranks(c.dist, gpu)
         args = trainer_args.trainer_config(c, run_dir, data_format, gpu, trainer_eval is not None)
-        rows, eval_rows = sft_rows.for_trainer(c.objective.name, args, train_ds, trainer_eval)  # TRL's passes, vectorized
+        # sft: TRL's label, truncation and drop passes over our tokenized rows, vectorized
+        rows, eval_rows = sft_rows.for_trainer(c.objective.name, args, train_ds, trainer_eval)
         trainer = lifecycle.guarded(c.objective.name)(
             model=model,
             args=args,

@@ -34,14 +34,15 @@ def test_a_model_is_vision_language_by_its_config_shape_or_its_entry(llava, tmp_
     assert not config_is_vision_language(json.loads((REPO / "assets/tiny-llama/config.json").read_text()))
 
 
-def test_the_vision_tower_stays_unquantized_and_lora_is_on_the_language_model_only(llava, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])  # bf16: cast back after k-bit prep's fp32 upcast
+def test_the_vision_tower_stays_unquantized_and_lora_is_on_the_language_model_only(llava, tmp_path, precision):
     import bitsandbytes as bnb
     from peft.tuners.lora import LoraLayer
 
     from qlora_recipes.model import loading
     from qlora_recipes.model.vision import vision_prefixes
 
-    cfg = compose_cfg(f"model.name_or_path={llava}", "quant=nf4", "optim=paged8bit")
+    cfg = compose_cfg(f"model.name_or_path={llava}", "quant=nf4", "optim=paged8bit", f"precision={precision}")
     base = loading.load_model(cfg, tmp_path)
     assert type(base).__name__ == "LlavaForConditionalGeneration"
     prefixes = vision_prefixes(base)

@@ -249,7 +249,7 @@ def _digest(tensors: dict) -> str:
     digest = hashlib.sha256()
     for name in sorted(tensors):
         digest.update(name.encode())
-        digest.update(tensors[name].detach().float().cpu().numpy().tobytes())
+        digest.update(tensors[name].detach().float().cpu().contiguous().numpy())  # its buffer: no bytes copy
     return digest.hexdigest()
 
 

@@ -102,7 +102,7 @@ def trainable_digest(model) -> str:
     for name, param in sorted(model.named_parameters()):
         if param.requires_grad:
             digest.update(name.encode())
-            digest.update(param.detach().float().cpu().numpy().tobytes())
+            digest.update(param.detach().float().cpu().contiguous().numpy())  # its buffer: no bytes copy
     return digest.hexdigest()
 
 

@@ -23,7 +23,8 @@ class FamilyTraits:
     # family's attention (Gemma 2's attention-logit soft-capping, gpt-oss's sinks: `_supports_sdpa = False`).
     attention: str = "sdpa"
     attn_logit_softcap: bool = False  # tanh soft-capping of attention scores (eager keeps its output too)
-    final_logit_softcap: bool = False  # tanh soft-capping of the LM head's logits (the loss applies it per tile)
+    # its config class soft-caps the LM head's logits by default (config.json's final_logit_softcapping decides)
+    final_logit_softcap: bool = False
     sandwich_norms: bool = False  # pre/post feed-forward RMSNorms beside the two of Llama: 4 per layer
     embed_scale: bool = False  # embeddings scaled by sqrt(hidden) through a 0-dim buffer in the load dtype
     tie_embeddings: bool = False  # its config class's tie_word_embeddings default (config.json may omit it)

@@ -76,10 +76,20 @@ class Figures:
     # Llama 4: which layers are MoE (the others a dense MLP of dense_intermediate)
     moe_layers: tuple[int, ...] = ()
     dense_intermediate: int = 0
+    # config.json's final_logit_softcapping set (True) or null (False); None where it is left out: the
+    # family's config class default (FamilyTraits.final_logit_softcap), as transformers would build it
+    final_logit_softcapping: bool | None = None
 
     @property
     def traits(self) -> FamilyTraits:
         return traits(self.architecture)
+
+    @property
+    def softcapped_logits(self) -> bool:
+        """Whether the LM head's logits are soft-capped (TRL's fused head reads the config key)."""
+        if self.final_logit_softcapping is None:
+            return self.traits.final_logit_softcap
+        return self.final_logit_softcapping
 
     @property
     def active_intermediate(self) -> int:
@@ -172,6 +182,7 @@ def _entry_hint(repo: str) -> str:
 _COMPARED = _FIGURE_FIELDS + ("architecture", "tie_embeddings", "max_position_embeddings", "num_experts")
 _COMPARED += ("experts_per_token", "expert_intermediate", "shared_expert_intermediate", "sliding_window")
 _COMPARED += ("linear_v_heads", "linear_k_heads", "per_layer_input", "global_head_dim", "dense_intermediate")
+_COMPARED += ("softcapped_logits",)
 
 
 def _refuse_contradiction(entry: Figures, real: Figures, repo: str) -> None:

@@ -52,11 +52,22 @@ def family_figures(arch: str, cj: Mapping[str, Any], where: str) -> dict[str, An
         types = tuple(str(t) for t in cj.get("layer_types") or ())
         out["layer_types"] = types
         out["sliding_window"] = int(cj.get("sliding_window") or 0) if "sliding_attention" in types else 0
+    if "final_logit_softcapping" in cj:
+        out["final_logit_softcapping"] = _softcap(cj["final_logit_softcapping"], where)
     try:
         out.update(new_family_figures(arch, cj))
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{where}: a figure of {arch}'s own layers is missing or not a number ({e}); add it") from None
     return out
+
+
+def _softcap(value: Any, where: str) -> bool:
+    """final_logit_softcapping: a positive number caps the logits, null leaves them as they are."""
+    if value is None:
+        return False
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise UserError(f"{where}: final_logit_softcapping={value!r} must be a positive number or null; fix it")
+    return True
 
 
 def analytic_inventory(fig: Any) -> tuple[Block, ...]:

@@ -97,7 +97,7 @@ def _head(st: StackSpec, b: int, on_cpu: bool) -> _Head:
     fig = st.fig
     return _Head(
         n_pos, min(n_pos, TOKEN_TILE), min(fig.vocab_size, VOCAB_TILE), c, r, fig.hidden_size,
-        triton=not on_cpu, softcap=fig.traits.final_logit_softcap, vocab=fig.vocab_size,
+        triton=not on_cpu, softcap=fig.softcapped_logits, vocab=fig.vocab_size,
     )  # fmt: skip
 
 

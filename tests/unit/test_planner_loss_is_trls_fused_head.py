@@ -50,7 +50,7 @@ def rss_peak(fn) -> int:
     return memory.rss_high_water_mark() - before
 
 
-def fused_head_peak(b: int, s: int, h: int, vocab: int, bf16: bool, train: bool) -> int:
+def fused_head_peak(b: int, s: int, h: int, vocab: int, bf16: bool, train: bool, softcap: bool = False) -> int:
     """TRL's fused head as SFTTrainer runs it (add_fused_lm_head, the outputs it asks for) behind a
     model with no decoder layer: final norm + head + loss, forward (+ backward), frozen weights,
     fp32 hidden states (a quantized model's residual stream), CPU autocast when bf16; its peak RSS."""
@@ -58,7 +58,8 @@ def fused_head_peak(b: int, s: int, h: int, vocab: int, bf16: bool, train: bool)
     from trl.trainer.utils import add_fused_lm_head
 
     cfg = LlamaConfig(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=0, num_attention_heads=1,
-                      num_key_value_heads=1, vocab_size=vocab, max_position_embeddings=s)  # fmt: skip
+                      num_key_value_heads=1, vocab_size=vocab, max_position_embeddings=s,
+                      final_logit_softcapping=30.0 if softcap else None)  # fmt: skip
     model = LlamaForCausalLM(cfg).float().requires_grad_(False)
     add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
     hidden = torch.randn(b, s, h, requires_grad=train)
@@ -73,8 +74,8 @@ def fused_head_peak(b: int, s: int, h: int, vocab: int, bf16: bool, train: bool)
     return rss_peak(step)
 
 
-def spec(b: int, s: int, h: int, vocab: int, bf16: bool) -> StackSpec:
-    fig = Figures("llama", h, 1, 1, 1, h, 2 * h, vocab, False)
+def spec(b: int, s: int, h: int, vocab: int, bf16: bool, softcap: bool = False) -> StackSpec:
+    fig = Figures("llama", h, 1, 1, 1, h, 2 * h, vocab, False, final_logit_softcapping=softcap)
     return StackSpec(fig=fig, name_or_path="test", dtype="bfloat16" if bf16 else "float32", micro_batch=b, seq_len=s)
 
 
@@ -86,6 +87,20 @@ def test_planned_training_loss_matches_trls_fused_head_on_cpu(shape):
     measured = fused_head_peak(b, s, h, vocab, bf16, train=True)
     planned = loss.train_loss_bytes(spec(*shape), b, on_cpu=True)
     assert abs(planned - measured) <= 0.1 * measured, (planned, measured)
+
+
+def test_planned_softcap_bytes_are_the_tanh_tile_trls_soft_capped_head_keeps():
+    """final_logit_softcapping set: TRL's CPU backward keeps tanh of the tile beside the fold (4 bytes
+    an element); its forward's transform fits under the fold it already had."""
+    shape = (1, 1024, 64, 8000, False)
+    capped, plain = (fused_head_peak(*shape, train=True, softcap=cap) for cap in (True, False))
+    planned = loss.train_loss_bytes(spec(*shape, softcap=True), 1, on_cpu=True)
+    extra = planned - loss.train_loss_bytes(spec(*shape), 1, on_cpu=True)
+    assert extra == loss.FOLD_BYTES["softcap"] * 1023 * 8000
+    assert abs(extra - (capped - plain)) <= 0.1 * extra, (extra, capped - plain)
+    assert abs(planned - capped) <= 0.1 * capped, (planned, capped)
+    evaluated = fused_head_peak(*shape, train=False, softcap=True)
+    assert abs(loss.eval_loss_bytes(spec(*shape, softcap=True), 1, on_cpu=True) - evaluated) <= 0.1 * evaluated
 
 
 def test_planned_eval_loss_matches_trls_fused_head_without_grad():

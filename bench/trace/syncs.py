@@ -65,6 +65,7 @@ VARIANTS = {"ours": [], "ours-bf16-adapters": ["peft.adapter_dtype=bfloat16"]}
 RUN_PATHS = ("output_dir", "logging_dir", "run_name")  # each side's own run dir
 ARGS_DIFFER = {
     "project": "the logger group's project (trackio)",
+    "dataset_kwargs": "skip_prepare_dataset: our SFT rows come labelled and truncated (run/sft_rows.py), not re-passed row by row",
     "logging_nan_inf_filter": "off: a NaN loss must show, not be averaged away (on, it costs 2 syncs per micro-batch)",
     "num_train_epochs": "trainer.epochs; trainer.max_steps decides",
     "per_device_eval_batch_size": "trainer.eval_batch_size (no evaluation here)",

@@ -5,8 +5,9 @@ The rows keep their columns and gain TRL's: `input_ids`, plus `completion_mask` 
 tokens after the prompt, where the tokenized prompt and prompt+completion diverge, `common_prefix_length`)
 or `assistant_masks` (messages under assistant-only loss: the chat template's `{% generation %}` spans).
 Non-chat text gets the EOS TRL's `add_eos` adds; chat data is rendered with the template TRL would pick.
-TRL treats a dataset with `input_ids` as processed: it builds the labels from those masks, truncates to
-max_length, drops rows left with no trained token and packs, all as before.
+TRL treats a dataset with `input_ids` as processed: the labels from those masks, truncation to max_length,
+rows left with no trained token dropped and packing follow as TRL does them (for SFT rows not packed,
+run/sft_rows.py does the first three in one vectorized pass and TRL skips its own).
 
 datasets' progress bars are off (they drowned the training bar), except one while a split of more than
 `PROGRESS_ROWS` rows is tokenized. The environment's HF_DATASETS_DISABLE_PROGRESS_BARS, when set, decides.

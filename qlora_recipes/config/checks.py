@@ -12,6 +12,7 @@ import re
 from ..errors import UserError
 from ..families import FAMILIES, traits
 from ..units import PRECISION_DTYPE, dtype_name
+from .adapters import BF16_ADAPTER_OPTIMS
 from .fields import keys, range_ok, values
 from .objectives import BUILTIN_REWARDS, OBJECTIVES
 from .schema import ATTENTION, COMPUTE_DTYPES, TrainConfig, TrainerConfig
@@ -397,7 +398,7 @@ def _check_adapter_dtype(cfg: TrainConfig) -> None:
     if cfg.peft.adapter_dtype != "bfloat16":
         return
     fix = "or keep peft.adapter_dtype=float32"
-    if cfg.optim.name not in ("paged_adamw_8bit", "adamw_bnb_8bit", "adamw_8bit"):
+    if cfg.optim.name not in BF16_ADAPTER_OPTIMS:
         raise UserError(
             f"peft.adapter_dtype=bfloat16 with optim.name={cfg.optim.name}: planned and tested with the 8-bit "
             f"optimizers only; use optim=paged8bit or optim=adamw8bit, {fix}"

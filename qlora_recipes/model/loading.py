@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from ..config.adapters import adapter_dtype
 from ..config.attention import AUTO, VARLEN, why_picked
 from ..config.schema import DistConfig, ModelConfig, OffloadConfig, TrainConfig, mlp_tile, padding_free_on
 from ..errors import UserError
@@ -316,7 +317,7 @@ def make_trainable(cfg: TrainConfig, model):
     except ValueError as err:  # e.g. target modules not found in the base
         raise UserError(f"peft: {str(err).splitlines()[0]} (check peft.target_modules)") from None
     _adapters_off_meta(cfg.offload, model)
-    _trainable_in(model, torch_dtype(cfg.peft.adapter_dtype))
+    _trainable_in(model, torch_dtype(adapter_dtype(cfg)))  # auto: as the run settled it and the plan counts it
     if cfg.init_from:  # a stage: the adapter starts as the earlier run's (run/stages.py checked the shape)
         load_init_adapter(model, Path(cfg.init_from) / "adapter")
     _disk_layers_as_host_layers(model)
@@ -435,7 +436,7 @@ def _adapters_off_meta(offload: OffloadConfig, model) -> None:
 
 
 def _trainable_in(model, dtype: torch.dtype) -> None:
-    """Every trainable tensor in peft.adapter_dtype, as the planner counts it. peft upcasts the
+    """Every trainable tensor in peft.adapter_dtype (auto resolved), as the planner counts it. peft upcasts the
     adapters to fp32, not the `peft.modules_to_save` copies: without k-bit prep's upcast (quant=none,
     precision.upcast_frozen=false) those would train in bf16/fp16. bfloat16 is what TRL's trainers
     make of a quantized model's adapters themselves (the lifecycle keeps the dtype set here)."""

@@ -19,6 +19,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ..config import devices as _dev
+from ..config.adapters import settled
 from ..config.loader import precision_for
 from . import evalbatch, fastest
 from .figures import model_figures
@@ -161,6 +162,7 @@ def fastest_stack(cfg: TrainConfig, gpus: list[int] | None = None, host_ram: int
             return False
 
     layers = model_figures(cfg.model).num_layers
+    cfg = settled(precision_for(cfg, gpus))  # adapter_dtype=auto as planned: bf16 adapters are no step to add
     return fastest.fastest_stack(cfg, _planner(gpus, host_ram, None), layers, allowed)
 
 

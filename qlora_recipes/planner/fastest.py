@@ -130,8 +130,9 @@ def _mb_line(chosen: int, fit: int, rows: int) -> str:
 
 
 # --fastest: the options that cost speed but no quality beyond a rounding, cheapest first, with the step
-# time each adds (planner/ladder.py COSTS cites where each was measured): fp32 frozen parts and fp32
-# adapters cost memory, not speed, and the 16k H100 run with bf16 frozen parts was faster; the norm and
+# time each adds (planner/ladder.py COSTS cites where each was measured): fp32 frozen parts cost memory,
+# not speed (the 16k H100 run with bf16 frozen parts was faster), fp32 adapters both (H200: 0.669 against
+# 0.580 s an 8B step; counted at no gain here, and under bf16 compute auto picks bf16 already); the norm and
 # embedding passes are elementwise; a tiled MLP adds one more MLP forward, about a sixth of the step
 LEAN_STEPS = (
     ("precision.upcast_frozen=false", 0.0),

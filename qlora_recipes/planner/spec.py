@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..config.adapters import adapter_dtype
 from ..config.attention import unmasked_packing
 from ..config.objectives import OBJECTIVES
 from ..config.schema import mlp_tile, padding_free_on
@@ -179,7 +180,7 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         embeddings_on_host=bool(cfg.offload.embeddings),
         mlp_tile=mlp_tile(trainer, fig.hidden_size),
         lean_norms=bool(trainer.lean_rmsnorm),
-        adapter_bytes=dtype_bytes(cfg.peft.adapter_dtype),
+        adapter_bytes=dtype_bytes(adapter_dtype(cfg, world_size)),  # auto: for the precision planned
         attn=str(model.attn_implementation),
         packing=bool(data.packing),
         padding_free=padding_free_on(data),

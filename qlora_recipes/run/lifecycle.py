@@ -75,9 +75,9 @@ class Guarded:
         kept = {n: p.detach().to("cpu", copy=True) for n, p in _trainable(model)} if model is not None else {}
         super().__init__(*args, **kwargs)
         # TRL casts a quantized model's trainable adapter weights to bf16. We keep them in
-        # peft.adapter_dtype (fp32 by default, what the planner counts): a bf16 master copy loses small
-        # updates, and a resumed run, which reloads the checkpoint's dtype, would diverge. The values
-        # come back as they were, not rounded through bf16.
+        # peft.adapter_dtype as resolved (what the planner counts): fp32 ones stay master weights that keep
+        # small updates, and a resumed run, which reloads the checkpoint's dtype, does not diverge. The
+        # values come back as they were, not rounded through bf16.
         for name, param in self.model.named_parameters():
             if name in kept and param.dtype != kept[name].dtype:
                 param.data = kept[name].to(param.device)

@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..config.adapters import adapter_dtype
 from ..config.fields import resume_safe_prefixes
 from ..config.loader import read_saved
 from ..config.schema import DataConfig, ModelConfig, TrainConfig
@@ -54,6 +55,10 @@ def stack_changes(saved: TrainConfig, current: TrainConfig, dropped: Sequence[st
     a = _flatten(dataclasses.asdict(saved))
     b = _flatten(dataclasses.asdict(current))
     a.update(dict.fromkeys(dropped, _GONE))
+    if a.get("peft.adapter_dtype") == "auto":  # a config.yaml from before the key: those runs trained fp32
+        a["peft.adapter_dtype"] = "float32"
+    if b.get("peft.adapter_dtype") == "auto":  # the run saved what auto resolved to
+        b["peft.adapter_dtype"] = adapter_dtype(current)
     changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not k.startswith(RESUME_SAFE_PREFIXES)]
     if "data.format" in changed and b.get("data.format") == "auto" and _detected_format(current) == a["data.format"]:
         changed.remove("data.format")  # an older run saved the format it detected; auto detects it again

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import data, interrupts, planner
-from ..config import devices
+from ..config import adapters, devices
 from ..config.devices import precision_line
 from ..config.loader import to_yaml as config_yaml
 from ..config.objectives import OBJECTIVES
@@ -104,6 +104,7 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
     chosen = precision_line(cfg)  # precision=auto: what this machine computes natively, and why
     if chosen and _main_rank():
         log.info("%s", chosen)
+    cfg = adapters.settled(cfg)  # peft.adapter_dtype=auto, once: the checks, plan, config.yaml and model agree
     try:
         plan, resume_from = _check_and_plan(cfg, run_dir, choices, gpu, on_write)
     except AlreadyComplete as done:  # resume=auto on a finished run: nothing to do, exit 0

@@ -13,7 +13,7 @@ def _plan(*overrides):
 
 
 def test_bf16_adapters_halve_the_adapter_rows_and_keep_the_optimizer_state():
-    fp32, bf16 = _plan(), _plan("peft.adapter_dtype=bfloat16")
+    fp32, bf16 = _plan("peft.adapter_dtype=float32"), _plan("peft.adapter_dtype=bfloat16")
     row = lambda p, k: p["components"][k]["cuda:0"]  # noqa: E731
     assert row(bf16, "lora_weights") * 2 == row(fp32, "lora_weights")
     assert row(bf16, "gradients") * 2 == row(fp32, "gradients")

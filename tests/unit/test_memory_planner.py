@@ -32,10 +32,10 @@ HOST = 64 * GiB  # a declared host for plans that must not depend on this machin
 
 
 def plan_for(*overrides: str, gpus=None, host_ram=HOST, ladder=True):
-    # in bf16, what the figures below are sized for (precision=auto picks fp32 on a CPU without native bf16)
-    return planner.plan(
-        compose_cfg("precision=bf16", *overrides), gpus=gpus, host_ram=host_ram, world_size=1, ladder=ladder
-    )
+    # in bf16 with fp32 adapters, what the figures below are sized for and peft's get_peft_model makes
+    # (precision=auto picks fp32 on a CPU without native bf16; adapter_dtype=auto would pick bf16 adapters)
+    stack = ("precision=bf16", "peft.adapter_dtype=float32", *overrides)
+    return planner.plan(compose_cfg(*stack), gpus=gpus, host_ram=host_ram, world_size=1, ladder=ladder)
 
 
 def total(plan: dict, component: str) -> int:

@@ -71,8 +71,11 @@ class Guarded:
     """The guards, over whichever TRL trainer follows it in the class's bases (every method calls super())."""
 
     def __init__(self, *args, **kwargs):
-        model = kwargs.get("model")  # its trained values, on the host: an earlier stage's adapter (init_from) exactly
-        kept = {n: p.detach().to("cpu", copy=True) for n, p in _trainable(model)} if model is not None else {}
+        trainable = dict(_trainable(kwargs["model"])) if kwargs.get("model") is not None else {}
+        # their values on the host where TRL's bf16 cast would round them (bf16 ones it leaves as they are):
+        # an earlier stage's adapter (init_from) exactly, and no host copy of bf16 adapters
+        kept = {n: p.detach().to("cpu", copy=True) for n, p in trainable.items() if p.dtype != torch.bfloat16}
+        dtypes = {n: p.dtype for n, p in trainable.items()}
         super().__init__(*args, **kwargs)
         # TRL casts a quantized model's trainable adapter weights to bf16. We keep them in
         # peft.adapter_dtype as resolved (what the planner counts): fp32 ones stay master weights that keep
@@ -81,7 +84,7 @@ class Guarded:
         for name, param in self.model.named_parameters():
             if name in kept and param.dtype != kept[name].dtype:
                 param.data = kept[name].to(param.device)
-        self._adapter_dtypes = {name: t.dtype for name, t in kept.items()}  # what the saved adapter holds
+        self._adapter_dtypes = dtypes  # what the saved adapter holds
         self.data_fingerprint: dict | None = None  # recorded in each checkpoint (train_with_oom_ladder)
         self.base_fingerprint: dict | None = None  # likewise: the base weights
         self._resumed_from: str | None = None

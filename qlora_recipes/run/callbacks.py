@@ -101,14 +101,31 @@ class MemoryLogger(TrainerCallback):
 
 def plot_timeline(jsonl: Path, png: Path, planned: tuple[float, str] | None = None) -> None:
     """The measured series per step, the y axis from 0, and the planned peak (GiB, the quantity it
-    predicts) as a horizontal line (timeline_png: drawn with Pillow, a few hundredths of a second at the
-    end of train(), where matplotlib took most of a second)."""
-    from .timeline_png import draw
+    predicts) as a horizontal line. Drawn on a bare Agg canvas: pyplot (its backend switching and
+    figure manager) would add a third to the cost, and this runs inside train(), at its end."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line]
-    keys = sorted({k for r in rows for k in r if k.endswith("_gib")})
-    series = {k.removesuffix("_gib"): [(r["step"], r.get(k)) for r in rows] for k in keys}
-    draw(series, planned if planned is not None and planned[0] is not None else None, png)
+    fig = Figure(figsize=(7, 3.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for key in sorted({k for r in rows for k in r if k.endswith("_gib")}):
+        ax.plot([r["step"] for r in rows], [r.get(key) for r in rows], label=key.removesuffix("_gib"), marker=".")
+    planned = planned if planned is not None and planned[0] is not None else None
+    if planned:
+        gib, what = planned
+        ax.axhline(gib, color="k", linestyle="--", label=f"planned peak ({what}): {gib:.3g} GiB")
+    top = max([v for r in rows for k, v in r.items() if k.endswith("_gib")] + [planned[0] if planned else 0] + [0])
+    ax.set_xlim(left=0)
+    ax.set_ylim(0, 1.15 * top or 1)  # from 0, with room above the higher of measured and planned
+    ax.set_xlabel("step")
+    ax.set_ylabel("GiB")
+    ax.set_title("memory over the run: measured vs planned")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
 
 
 class RunDirKept(TrainerCallback):

@@ -128,3 +128,46 @@ def test_a_merged_dir_exports_beside_itself_and_a_second_export_replaces_the_fir
     assert re.search(r"(?m)^checked: all \d+ merged tensors are in it", out), out
     assert sorted(p.name for p in outputs["q8_0"].iterdir()) == ["Modelfile", "export_report.json", "model-q8_0.gguf"]
     assert not outputs["q8_0"].with_name("q8.partial").exists()
+
+
+@pytest.mark.slow
+def test_llama_cpp_continues_held_out_prompts_with_the_merged_models_greedy_tokens(exported):
+    """llama.cpp itself (llama-cpp-python, optional: `pip install llama-cpp-python==0.3.36`, which
+    compiles it) loads the f16 GGUF and, on held-out prompts, puts its highest logit on each token the
+    merged HF model picks greedily; the merged weights are rounded to f16 first, so only the two
+    kernels differ, and a position whose top two HF logits are within 1e-3 (a tie either may break) is
+    not held to it."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir, outputs = exported
+    merged = run_dir / "merged"
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    llm = llama_cpp.Llama(
+        str(outputs["f16"] / "model-f16.gguf"), n_ctx=128, logits_all=True, n_threads=1, verbose=False
+    )
+    rows = [json.loads(line) for line in (Path(__file__).parents[2] / "assets/data/order/eval.jsonl").open()][:8]
+    held, compared = 0, 0
+    for row in rows:
+        ids = tokenizer(row["prompt"], return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(
+                ids, max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True
+            )
+        sequence = out.sequences[0].tolist()
+        llm.reset()
+        llm.eval(sequence[:-1])
+        for step, scores in enumerate(out.scores):
+            position = ids.shape[1] - 1 + step
+            top2 = torch.topk(scores[0], 2).values
+            if float(top2[0] - top2[1]) < 1e-3:
+                continue
+            compared += 1
+            held += int(np.argmax(llm.scores[position]) == sequence[position + 1])
+    assert compared >= 40  # most positions are no tie
+    assert held == compared, f"llama.cpp's greedy token differs at {compared - held} of {compared} positions"

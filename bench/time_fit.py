@@ -86,7 +86,8 @@ def spec_of(overrides: list[str]):
     from qlora_recipes.planner.loss import with_metric
     from qlora_recipes.planner.spec import spec_from_cfg
 
-    cfg = precision_for(compose(overrides), [80 * 2**30])
+    # the committed runs trained float32 adapters, the default before peft.adapter_dtype=auto
+    cfg = precision_for(compose(["peft.adapter_dtype=float32", *overrides]), [80 * 2**30])
     return with_metric(spec_from_cfg(cfg, 1), cfg.data)
 
 

@@ -58,9 +58,9 @@ JOB = [
     "trainer.save_steps=0",
     "trainer.eval_steps=0",
 ]
-# Ours as it is, and with the adapters in bf16 as TRL and the baseline train them (peft.adapter_dtype):
-# fp32 adapters cost casts in every LoRA layer, and only those.
-VARIANTS = {"ours": [], "ours-bf16-adapters": ["peft.adapter_dtype=bfloat16"]}
+# Ours as it is (bf16 adapters under this bf16 job, as TRL and the baseline train them: peft.adapter_dtype=auto),
+# and with float32 master adapters, whose LoRA layers add casts to the compute dtype:
+VARIANTS = {"ours": [], "ours-fp32-adapters": ["peft.adapter_dtype=float32"]}
 # Where ours' TrainingArguments may differ from the plain script's, and why; any other is a finding.
 RUN_PATHS = ("output_dir", "logging_dir", "run_name")  # each side's own run dir
 ARGS_DIFFER = {

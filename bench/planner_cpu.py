@@ -281,6 +281,7 @@ def job_overrides(model_dir: Path, run_dir: Path) -> list[str]:
         "trainer.progress_bar=false",
         "force=true",
         "precision=bf16",  # what the committed results were measured in (auto picks fp32 on some CPUs)
+        "peft.adapter_dtype=float32",  # as measured, before auto (bf16 adapters under bf16) was the default
     ]
 
 

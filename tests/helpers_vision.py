@@ -5,6 +5,8 @@ that name small PNGs drawn here: what the vision-language tests load and train."
 import json
 from pathlib import Path
 
+from helpers_families import COMMON
+
 TINY = Path(__file__).resolve().parents[1] / "assets" / "tiny-llama"
 IMAGE_SIZE = 28  # two 14-px patches a side: 4 image tokens per image
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 30)}
@@ -51,18 +53,7 @@ def build_llava(out: Path) -> Path:
         patch_size=14,
         projection_dim=32,
     )
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    text = LlamaConfig(**{**COMMON, "vocab_size": len(tokenizer)})
     config = LlavaConfig(
         vision_config=vision,
         text_config=text,

@@ -87,7 +87,7 @@ REGISTRY: dict[str, How] = {
     # docs/memory-and-planner.md: the tiled MLP's longest sequence on the 24 GB recipe
     "qlora plan --longest-seq --host-ram 128GiB recipe=llama3.1-8b-24gb peft.r=32 trainer.micro_batch_size=1 "
     "precision.upcast_frozen=false trainer.activation_offloading=true trainer.tiled_mlp=true": How(
-        expect=r"trainer\.seq_len=69504 "
+        expect=r"trainer\.seq_len=70848 "
     ),
     # docs/running-and-outputs.md: running
     "python train.py": How(suffix=SMOKE),

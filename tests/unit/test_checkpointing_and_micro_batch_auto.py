@@ -116,10 +116,11 @@ def test_plan_fastest_prints_a_stack_that_fits_and_the_line_that_makes_it(tmp_pa
 
 
 def test_a_run_resolved_from_the_autos_resumes_with_the_same_autos():
+    from qlora_recipes.config.adapters import settled
     from qlora_recipes.run.resume import stack_changes
 
-    saved = compose_cfg(
-        *EIGHT_B, "trainer.gradient_checkpointing=14", "trainer.micro_batch_size=2", "trainer.grad_accum=8"
+    saved = settled(  # a run saves its config with every auto resolved
+        compose_cfg(*EIGHT_B, "trainer.gradient_checkpointing=14", "trainer.micro_batch_size=2", "trainer.grad_accum=8")
     )
     again = compose_cfg(
         *EIGHT_B, "trainer.gradient_checkpointing=auto", "trainer.micro_batch_size=auto", "trainer.grad_accum=16"

@@ -101,7 +101,9 @@ def load_processor(model: ModelConfig, source: dict):
 
 
 @functools.lru_cache(maxsize=4)
-def _meta_model(config_dir: str, trust_remote_code: bool):
+def meta_model(config_dir: str, trust_remote_code: bool):
+    """The VLM transformers builds from config_dir's config.json, on the meta device (no weights): its
+    module names and parameter counts, for the loader's prefixes and the planner's vision row."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -143,7 +145,7 @@ def skipped_from_quantization(model: ModelConfig, user: list[str] | None) -> lis
     weights), the user's quant.skip_modules, and the vision parts by their full prefixes."""
     from transformers.quantizers.base import get_keys_to_not_convert
 
-    meta = _meta_model(_config_dir(model), bool(model.trust_remote_code))
+    meta = meta_model(_config_dir(model), bool(model.trust_remote_code))
     default = set(get_keys_to_not_convert(meta))
     return sorted(default | set(user or ()) | set(vision_prefixes(meta)))
 

@@ -29,9 +29,9 @@ def vision_params(st: StackSpec) -> int:
         return 0
     if not isinstance(cj, dict) or not isinstance(cj.get("vision_config"), dict):
         return 0
-    from ..model.vision import _meta_model, vision_prefixes
+    from ..model.vision import meta_model, vision_prefixes
 
-    meta = _meta_model(folder, bool(st.fig.trust_remote_code))
+    meta = meta_model(folder, bool(st.fig.trust_remote_code))
     return sum(p.numel() for prefix in vision_prefixes(meta) for p in meta.get_submodule(prefix).parameters())
 
 

@@ -64,10 +64,10 @@ def test_the_vision_tower_stays_unquantized_and_lora_is_on_the_language_model_on
 
 
 def test_lora_targets_outside_the_language_model_are_one_line(llava):
-    from qlora_recipes.model.vision import _meta_model, lora_on_language_model
+    from qlora_recipes.model.vision import lora_on_language_model, meta_model
 
     cfg = compose_cfg(f"model.name_or_path={llava}", "peft.target_modules=[q_proj,fc1]")
-    meta = _meta_model(str(llava), False)
+    meta = meta_model(str(llava), False)
     with pytest.raises(UserError, match=r"peft.target_modules: \['fc1'\] name no linear layer of the language model"):
         lora_on_language_model(cfg.peft, meta)
     picked = lora_on_language_model(

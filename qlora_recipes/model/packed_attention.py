@@ -11,11 +11,13 @@ go through transformers' own sdpa unchanged. A sliding-window layer gets the win
 
 from __future__ import annotations
 
+import weakref
 from itertools import pairwise
 
 from ..config.attention import VARLEN
 
 _registered = False
+_last = None  # (weakref to the tensor read, (n, batch, its version), the bounds read from it)
 
 
 def register() -> None:
@@ -44,17 +46,29 @@ def varlen_mask(*args, attention_mask=None, q_length=None, kv_length=None, **kwa
 
 def sequence_bounds(n: int, batch: int, cu_seq_lens=None, position_ids=None) -> list[list[int]]:
     """Per row of the batch, the offsets where its sequences start, and n at the end: TRL's cu_seq_lens
-    for its one flat row, else the restarts of position_ids (a host sync), else the whole row."""
-    if cu_seq_lens is not None and batch == 1:
-        return [[int(x) for x in cu_seq_lens.tolist()]]
-    if position_ids is None:
+    for its one flat row, else the restarts of position_ids, else the whole row. Reading them is a host
+    sync, so a forward reads them once: every layer is handed the same tensor, and the bounds read from
+    it are kept while it lives unchanged (checkpointing's recomputation hits them too)."""
+    global _last
+    source = cu_seq_lens if cu_seq_lens is not None and batch == 1 else position_ids
+    if source is None:
         return [[0, n]] * batch
+    key = None if source.is_inference() else (n, batch, source._version)  # inference tensors keep no version
+    if key is not None and _last is not None and _last[0]() is source and _last[1] == key:
+        return _last[2]
+    bounds = _read_bounds(n, batch, source) if source is position_ids else [[int(x) for x in source.tolist()]]
+    if key is not None:
+        _last = (weakref.ref(source), key, bounds)
+    return bounds
+
+
+def _read_bounds(n: int, batch: int, position_ids) -> list[list[int]]:
+    """Where position_ids restart, every row in one read."""
     pos = position_ids.expand(batch, -1)
-    rows = []
-    for row in pos:
-        starts = (row[1:] != row[:-1] + 1).nonzero().flatten() + 1
-        rows.append([0, *starts.tolist(), n])
-    return rows
+    rows: list[list[int]] = [[0] for _ in range(batch)]
+    for b, j in (pos[:, 1:] != pos[:, :-1] + 1).nonzero().tolist():
+        rows[b].append(j + 1)
+    return [[*row, n] for row in rows]
 
 
 def _window_mask(length: int, window: int, device):

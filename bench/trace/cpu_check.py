@@ -41,7 +41,7 @@ CPU_CHECK = [
 
 
 def cpu_check(log_dir: Path | None = None) -> dict:
-    from bench.trace.run import run_child
+    from bench.trace.children import run_child
     from qlora_recipes.units import GiB
 
     log_dir = log_dir or REPO / "runs" / "bench" / "trace" / "cpu-check"
@@ -112,7 +112,7 @@ print("BACKWARD_OK")
 def offload_repro() -> dict:
     """The tiny model with its second layer offloaded to disk, through the real loader and
     modeling.make_trainable, one forward and backward on the CPU."""
-    from bench.trace.run import child_env
+    from bench.trace.children import child_env
 
     proc = subprocess.run(
         [sys.executable, "-c", _REPRO], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600

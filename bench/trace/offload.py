@@ -112,48 +112,17 @@ def _onload(stored: dict, target, tracker_ref: dict):
 def extrapolate_split(a: dict, b: dict, c: dict, gpu: int, off: int) -> dict:
     """The result for `gpu` GPU layers and `off` offloaded ones from traces of (k, m), (k + 1, m)
     and (k, m + 1) layers, phase by phase (run.extrapolate in two counts)."""
-    from bench.trace.run import PHASES, phase_table
+    from bench.trace.children import combine
 
     k, m = a["offload_split"]
-    dg, do = gpu - k, off - m
-
-    def combine(x: dict, y: dict, z: dict) -> dict:
-        keys = set(x) | set(y) | set(z)
-        out = {}
-        for key in keys:
-            v = x.get(key, 0) + dg * (y.get(key, 0) - x.get(key, 0)) + do * (z.get(key, 0) - x.get(key, 0))
-            if v:
-                out[key] = int(v)
-        return out
-
-    out = {"layers": gpu + off, "phases": {}, "peak": {}, "peak_phase": {}, "peak_components": {}}
-    devices = {key.split("|", 1)[0] for r in (a, b, c) for key in r["phases"]}
-    for dev in sorted(devices):
-        ta, tb, tc = (phase_table(r, dev) for r in (a, b, c))
-        best = None
-        for phase in PHASES:
-            if not all(phase in t for t in (ta, tb, tc)):
-                continue
-            total = combine({"t": ta[phase]["total"]}, {"t": tb[phase]["total"]}, {"t": tc[phase]["total"]})
-            total = total.get("t", 0)
-            comps = combine(ta[phase]["components"], tb[phase]["components"], tc[phase]["components"])
-            out["phases"][f"{dev}|{phase}"] = {"total": total, "components": comps}
-            if best is None or total > best[0]:
-                best = (total, phase, comps)
-        if best:
-            out["peak"][dev], out["peak_phase"][dev], out["peak_components"][dev] = best
-    out["static"] = {
-        dev: combine(a["static"].get(dev, {}), b["static"].get(dev, {}), c["static"].get(dev, {}))
-        for dev in set(a["static"]) | set(b["static"]) | set(c["static"])
-    }
-    return out
+    return {"layers": gpu + off, **combine(a, [b, c], [gpu - k, off - m])}
 
 
 def trace_offloaded(overrides: list[str], plan: dict, log_dir=None, k: int = 2, m: int = 1) -> dict:
     """Trace a stack whose plan offloads decoder layers: three slices, extrapolated."""
     import time
 
-    from bench.trace.run import _brief, run_child
+    from bench.trace.children import brief, run_child
 
     gpu, off = offloaded_counts(plan)
     started = time.perf_counter()
@@ -170,7 +139,7 @@ def trace_offloaded(overrides: list[str], plan: dict, log_dir=None, k: int = 2, 
             "layers_traced": [runs[t]["offload_split"] for t in "ABC"],
             "offloaded_layers": off,
             "gpu_layers": gpu,
-            "slices": {f"{r['offload_split'][0]}+{r['offload_split'][1]}": _brief(r) for r in runs.values()},
+            "slices": {f"{r['offload_split'][0]}+{r['offload_split'][1]}": brief(r) for r in runs.values()},
             "kernels": runs["B"].get("kernels"),
             "modules": runs["C"].get("modules"),
             "modules_of": f"the {k}+{m + 1}-layer slice",

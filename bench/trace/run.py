@@ -16,18 +16,14 @@ tests/unit/test_memory_tracer.py checks a sliced trace against a full one.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench import REPO
+from bench.trace.children import brief, combine, plan_for, recipe_gpus, run_child
 
-PHASES = ("prefill", "decode", "kl", "forward", "loss", "reference", "backward", "optimizer")
+__all__ = ["compare", "extrapolate", "plan_for", "recipe_gpus", "run_child", "slice_layers", "trace_stack"]
+
 # the plan's phase names for the trace's (loss: the fused head forward and backward; backward: the
 # decoder layers' backward with their recompute; reference: DPO's and KTO's no_grad reference forward;
 # kl: KTO's no_grad forward of its KL batch; prefill and decode: GRPO's generation, the plan's
@@ -45,50 +41,6 @@ STATIC = ("quantized_weights", "other_params", "buffers", "lora_weights", "gradi
 FULL_TRACE_MAX_LAYERS = 4  # models this small are traced whole
 
 
-def child_env() -> dict:
-    env = dict(os.environ)
-    env.update({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    return env
-
-
-def run_child(spec: dict, log: Path | None = None, timeout: float | None = None) -> dict:
-    """One traced process (bench/trace/child.py) for `spec`; its result dict."""
-    if spec.get("device", "cuda") == "cuda" and spec.get("fake", True):
-        from bench.trace import fakecuda
-
-        try:
-            spec = {**spec, "library": str(fakecuda.build())}
-        except Exception as err:  # noqa: BLE001 - one line that says what is missing
-            raise RuntimeError(
-                f"the fake CUDA device is a small C++ library built once with torch.utils.cpp_extension, "
-                f"which needs a C++ compiler and ninja (pip install ninja): {str(err).splitlines()[0]}"
-            ) from err
-    if log is not None:
-        Path(log).parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="qlora-trace-") as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        started = time.perf_counter()
-        with open(log or os.devnull, "w") as out:
-            proc = subprocess.run(
-                [sys.executable, "-m", "bench.trace.child", str(spec_path), str(out_path)],
-                cwd=REPO,
-                env=child_env(),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                timeout=timeout,
-            )
-        if proc.returncode != 0 or not out_path.is_file():
-            text = Path(log).read_text() if log and Path(log).is_file() else ""
-            last = next((ln for ln in reversed(text.splitlines()) if "Error" in ln or "Exception" in ln), "")
-            raise RuntimeError(f"trace child failed (rc {proc.returncode}): {last.strip()} (log: {log})")
-        result = json.loads(out_path.read_text())
-        result["child_wall_s"] = round(time.perf_counter() - started, 1)
-        return result
-
-
 def slice_layers(cfg: Any) -> tuple[int, int] | None:
     """(k, k + 1) decoder layers to trace, or None to trace the model whole."""
     from qlora_recipes.planner import model_figures
@@ -100,47 +52,10 @@ def slice_layers(cfg: Any) -> tuple[int, int] | None:
     return k, k + 1
 
 
-def _affine(a: dict, b: dict, steps: int) -> dict:
-    """a + steps * (b - a), key by key (components, bytes)."""
-    keys = set(a) | set(b)
-    return {k: int(a.get(k, 0) + steps * (b.get(k, 0) - a.get(k, 0))) for k in keys if a.get(k, 0) or b.get(k, 0)}
-
-
-def phase_table(result: dict, device: str) -> dict[str, dict]:
-    """{phase: {"total": bytes, "components": {...}}} of one device of a child result."""
-    out = {}
-    for key, value in result["phases"].items():
-        dev, phase = key.split("|", 1)
-        if dev == device and phase in PHASES:
-            out[phase] = {"total": int(value["total"]), "components": dict(value["components"])}
-    return out
-
-
 def extrapolate(small: dict, large: dict, layers: int) -> dict:
     """The result of a model of `layers` layers from traces of k and k + 1 layers, phase by phase."""
     k = small["layers_traced"]
-    steps = layers - k
-    out = {"layers_traced": [k, large["layers_traced"]], "layers": layers, "phases": {}, "peak": {}, "peak_phase": {}}
-    out["peak_components"] = {}
-    devices = {key.split("|", 1)[0] for key in small["phases"]} | {key.split("|", 1)[0] for key in large["phases"]}
-    for dev in sorted(devices):
-        a, b = phase_table(small, dev), phase_table(large, dev)
-        best = None
-        for phase in PHASES:
-            if phase not in a or phase not in b:
-                continue
-            total = int(a[phase]["total"] + steps * (b[phase]["total"] - a[phase]["total"]))
-            comps = _affine(a[phase]["components"], b[phase]["components"], steps)
-            out["phases"][f"{dev}|{phase}"] = {"total": total, "components": comps}
-            if best is None or total > best[0]:
-                best = (total, phase, comps)
-        if best:
-            out["peak"][dev], out["peak_phase"][dev], out["peak_components"][dev] = best
-    out["static"] = {
-        dev: _affine(small["static"].get(dev, {}), large["static"].get(dev, {}), steps)
-        for dev in set(small["static"]) | set(large["static"])
-    }
-    return out
+    return {"layers_traced": [k, large["layers_traced"]], "layers": layers, **combine(small, [large], [layers - k])}
 
 
 def trace_stack(
@@ -178,7 +93,7 @@ def trace_stack(
         large = run_child({**base, "layers": pair[1]}, log(f"L{pair[1]}"))
         result = extrapolate(small, large, total_layers)
         result["sliced"] = True
-        result["slices"] = {str(pair[0]): _brief(small), str(pair[1]): _brief(large)}
+        result["slices"] = {str(pair[0]): brief(small), str(pair[1]): brief(large)}
         result["kernels"] = large.get("kernels")
         result["modules"] = large.get("modules")  # per-module peaks: of the larger slice, not scaled
         result["modules_of"] = f"the {pair[1]}-layer slice"
@@ -188,33 +103,6 @@ def trace_stack(
     result["device"] = device
     result["trace_s"] = round(time.perf_counter() - started, 1)
     return result
-
-
-def _brief(r: dict) -> dict:
-    return {k: r.get(k) for k in ("layers_traced", "peak", "peak_phase", "wall_s", "step_s", "max_rss_gib")}
-
-
-def plan_for(overrides: list[str], gpus: list[int] | None = None) -> dict:
-    """The plan of one process of the stack, for its recipe's declared hardware (GPU memory, host
-    RAM: as tests/unit/test_recipes_keep_their_promises.py plans a recipe) or the GPU given; without the ladder."""
-    from qlora_recipes import planner
-    from qlora_recipes.config import devices
-    from qlora_recipes.config.loader import load
-
-    cfg = load(list(overrides))
-    declared = devices.declared_gpus(cfg)[:1] if cfg.hardware.gpus > 0 else []
-    return planner.plan(
-        cfg, gpus=gpus or declared or None, host_ram=devices.declared_host_ram(cfg), world_size=1, ladder=False
-    )
-
-
-def recipe_gpus(overrides: list[str]) -> list[int] | None:
-    """The GPU a recipe's hardware node declares (one process: its first), else None."""
-    from qlora_recipes.config import devices
-    from qlora_recipes.config.loader import load
-
-    cfg = load(list(overrides))
-    return devices.declared_gpus(cfg)[:1] or None if cfg.hardware.gpus > 0 else None
 
 
 def compare(result: dict, plan: dict, device: str = "cuda:0") -> dict:

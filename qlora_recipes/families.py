@@ -107,6 +107,11 @@ FAMILIES: dict[str, FamilyTraits] = {
     "gemma3": FamilyTraits(**{**vars(_GEMMA3), "known": False}),
     "gemma3_text": _GEMMA3,
     "gemma4": FamilyTraits(**{**vars(_GEMMA4), "known": False}),  # its vision and audio towers too
+    # vision-language checkpoints whose language model is planned from the model transformers builds on the
+    # meta device (their vision tower a row of its own): Qwen2.5-VL's is Qwen2-shaped (q/k/v biases);
+    # Llama-3.2-Vision's (mllama) is Llama's with cross-attention layers at config.json's listed indices
+    "qwen2_5_vl": FamilyTraits(qkv_bias=True, known=False),
+    "mllama": FamilyTraits(known=False),
     "gemma4_text": _GEMMA4,
     "gpt_oss": FamilyTraits(
         attention="eager",

@@ -127,6 +127,12 @@ class ModelConfig:
         "config.json keys of the family's own layers: num_experts, num_experts_per_tok, moe_intermediate_size, "
         "shared_expert_intermediate_size, layer_types, sliding_window; a local config.json's win",
     )
+    # a vision-language checkpoint's vision tower, planned offline (planner/figures.py carries it as JSON)
+    vision_config: Any = option(
+        None,
+        "the checkpoint's config.json vision_config (a mapping): a vision-language model, its tower planned "
+        "without a download; a local config.json's win",
+    )
     # the learning rate this model size wants (QLoRA paper, Table 9)
     lora_lr: float = option(2e-4, "the default learning rate of this model", range="> 0")
 

@@ -30,13 +30,14 @@ log = logging.getLogger(__name__)
 
 
 def is_vision_language(model: ModelConfig) -> bool:
-    """model.vision when set, else what the model's config.json says (no config.json here: not a VLM)."""
+    """model.vision when set, else what the model's config.json says; without a config.json here, whether
+    the conf/model entry carries the checkpoint's vision_config."""
     stated = getattr(model, "vision", None)
     if stated is not None:
         return bool(stated)
     path = config_json_path(model)
     if path is None:
-        return False
+        return bool(getattr(model, "vision_config", None))
     try:
         cj = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -29,7 +29,8 @@ def _rope_value(cj: Mapping[str, Any], key: str, default: Any) -> Any:
 
 
 def new_family_figures(arch: str, cj: Mapping[str, Any]) -> dict[str, Any]:
-    """The Figures fields of Qwen3.5's, Gemma 4's and Llama 4's own layers from config.json keys."""
+    """The Figures fields of Qwen3.5's, Gemma 4's and Llama 4's own layers, and cross-attention layers
+    (mllama's), from config.json keys."""
     family, layers = traits(arch), int(cj.get("num_hidden_layers") or 0)
     out: dict[str, Any] = {}
     if family.linear_attention:  # every 4th layer full attention unless layer_types says otherwise
@@ -42,6 +43,8 @@ def new_family_figures(arch: str, cj: Mapping[str, Any]) -> dict[str, Any]:
             out["shared_expert_intermediate"] = int(cj.get("shared_expert_intermediate_size") or 512)
     if family.per_layer_embeddings:
         out.update(_gemma4_figures(cj, layers))
+    if cj.get("cross_attention_layers"):  # by shape: layers that cross-attend to image features (mllama)
+        out["cross_attention_layers"] = tuple(sorted(int(i) for i in cj["cross_attention_layers"]))
     if family.local_attention == "chunked":  # Llama 4: MoE layers every interleave_moe_layer_step-th
         step = int(cj.get("interleave_moe_layer_step") or 1)
         moe = cj.get("moe_layers")
@@ -183,6 +186,8 @@ def config_keys(fig: Any) -> dict[str, Any]:
     if fig.traits.router == "sigmoid":
         out.update(moe_layers=list(fig.moe_layers), intermediate_size_mlp=fig.dense_intermediate)
         out.update(intermediate_size=fig.expert_intermediate)
+    if fig.cross_attention_layers:
+        out["cross_attention_layers"] = list(fig.cross_attention_layers)
     if fig.shared_expert_intermediate and fig.traits.shared_experts:
         out["shared_expert_intermediate_size"] = fig.shared_expert_intermediate
     return out

@@ -9,12 +9,13 @@ import; the known families are inventoried analytically without importing torch)
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from ..errors import UserError
@@ -79,6 +80,11 @@ class Figures:
     # config.json's final_logit_softcapping set (True) or null (False); None where it is left out: the
     # family's config class default (FamilyTraits.final_logit_softcap), as transformers would build it
     final_logit_softcapping: bool | None = None
+    # mllama: the language model's layers that cross-attend to the image features instead of self-attending
+    cross_attention_layers: tuple[int, ...] = ()
+    # a conf/model entry's vision_config, as JSON (the figures are frozen and hashed): a vision-language
+    # model whose vision tower is planned from it (planner/vision.py) and built with it (hf_config)
+    vision_config_json: str | None = None
 
     @property
     def traits(self) -> FamilyTraits:
@@ -219,6 +225,7 @@ def _yaml_figures(model: ModelConfig, name: Any, trust: bool) -> Figures:
         max_position_embeddings=int(model.max_position_embeddings),
         source="conf/model",
         trust_remote_code=trust,
+        vision_config_json=_vision_json(model, name),
         **family_figures(arch, _entry_keys(model), f"model {name} (model.figures)"),
     )
     _check_figures(fig, f"model {name}")
@@ -231,6 +238,20 @@ def _entry_keys(model: ModelConfig) -> dict[str, Any]:
     patterns count them)."""
     own = {"intermediate_size": int(model.intermediate_size), "num_hidden_layers": int(model.num_layers)}
     return {**own, **dict(given(model, "figures") or {})}
+
+
+def _vision_json(model: ModelConfig, name: Any) -> str | None:
+    """model.vision_config as sorted JSON, None when unset; anything but a non-empty mapping is refused."""
+    vc = given(model, "vision_config")
+    if vc is None:
+        return None
+    vc = OmegaConf.to_container(vc, resolve=True) if OmegaConf.is_config(vc) else vc
+    if not isinstance(vc, Mapping) or not vc:
+        raise UserError(
+            f"model {name}: model.vision_config={vc!r} must be a mapping of the checkpoint's config.json "
+            "vision_config keys (hidden_size, num_hidden_layers, ...); fix it or set it to null"
+        )
+    return json.dumps(vc, sort_keys=True)
 
 
 def _figures_from_config_json(path: Path, trust: bool, source: str | None = None) -> Figures:
@@ -351,34 +372,45 @@ def hf_config(fig: Figures):
             kwargs.update(num_experts=fig.num_experts, num_local_experts=fig.num_experts)
             kwargs.update(num_experts_per_tok=fig.experts_per_token, moe_intermediate_size=fig.expert_intermediate)
         kwargs.update(config_keys(fig))
-        config = AutoConfig.for_model(fig.architecture)
-        if "text_config" in (
-            getattr(config, "sub_configs", None) or {}
-        ):  # multimodal: the figures are its text model's
-            return AutoConfig.for_model(fig.architecture, text_config=kwargs)
+        subs = getattr(AutoConfig.for_model(fig.architecture), "sub_configs", None) or {}
+        if "text_config" in subs:  # multimodal: the figures are its text model's, an entry's vision_config its tower
+            vision = json.loads(fig.vision_config_json) if fig.vision_config_json and "vision_config" in subs else None
+            return AutoConfig.for_model(
+                fig.architecture, text_config=kwargs, **({"vision_config": vision} if vision else {})
+            )
         return AutoConfig.for_model(fig.architecture, **kwargs)
-    except (ValueError, KeyError, OSError) as e:
+    except (ValueError, KeyError, OSError, TypeError) as e:
         raise UserError(
             f"model.architecture={fig.architecture!r}: transformers cannot build it ({str(e).splitlines()[0]}); "
             f"use one of {', '.join(KNOWN_ARCHITECTURES)} or a local dir with config.json"
         ) from None
 
 
+def vision_language(fig: Figures) -> bool:
+    """The figures are a vision-language model's language model: an entry's vision_config, or a local
+    config.json with one (that model loads as image-text-to-text, model/vision.py)."""
+    if fig.vision_config_json:
+        return True
+    if not fig.config_dir or not (Path(fig.config_dir) / "config.json").is_file():
+        return False
+    return isinstance(read_config(Path(fig.config_dir) / "config.json").get("vision_config"), Mapping)
+
+
 @functools.lru_cache(maxsize=4)
 def meta_model(fig: Figures, dtype: str):
-    """The model on the meta device, as from_pretrained builds it before loading (no weights)."""
+    """The model on the meta device, as from_pretrained builds it before loading (no weights): a
+    vision-language model's as AutoModelForImageTextToText builds it, vision tower included."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # pragma: no cover - older transformers
         from transformers.modeling_utils import no_init_weights
     config = hf_config(fig)
+    auto = AutoModelForImageTextToText if vision_language(fig) else AutoModelForCausalLM
     with init_empty_weights(), no_init_weights():
-        return AutoModelForCausalLM.from_config(
-            config, dtype=torch_dtype(dtype), trust_remote_code=fig.trust_remote_code
-        )
+        return auto.from_config(config, dtype=torch_dtype(dtype), trust_remote_code=fig.trust_remote_code)
 
 
 @functools.lru_cache(maxsize=8)
@@ -389,8 +421,11 @@ def _meta_inventory(fig: Figures) -> tuple[Block, ...]:
     no_split = set(getattr(model, "_no_split_modules", None) or [])
     tied = dict(getattr(model, "all_tied_weights_keys", {}) or {})
     blocks: list[Block] = []
+    vision = set(_vision_prefixes(model)) if vision_language(fig) else set()  # planner/vision.py's row
 
     def visit(name: str, module) -> None:
+        if name in vision:
+            return
         children = list(module.named_children())
         if module.__class__.__name__ in no_split or not children or list(module.named_parameters(recurse=False)):
             blocks.append(_block_from_module(name, module, tied, module.__class__.__name__ in no_split, torch))
@@ -400,6 +435,12 @@ def _meta_inventory(fig: Figures) -> tuple[Block, ...]:
 
     visit("", model)
     return tuple(blocks)
+
+
+def _vision_prefixes(model) -> list[str]:
+    from ..model.vision import vision_prefixes
+
+    return vision_prefixes(model)
 
 
 def _block_from_module(name: str, module, tied: dict, is_layer: bool, torch) -> Block:

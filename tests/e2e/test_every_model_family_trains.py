@@ -24,9 +24,13 @@ MODEL_TYPES = sorted(FAMILY_CONFIGS)
 
 def test_every_family_is_covered():
     """Each family of the table (a multimodal checkpoint's by its text model's) and of conf/model is built here."""
-    conf = {yaml.safe_load(p.read_text())["architecture"] for p in (REPO / "conf" / "model").glob("*.yaml")}
+    entries = [yaml.safe_load(p.read_text()) for p in (REPO / "conf" / "model").glob("*.yaml")]
+    conf = {entry["architecture"] for entry in entries}
+    vision = {entry["architecture"] for entry in entries if entry.get("vision_config")}
     for family in set(FAMILIES) | conf:
         built = family if family in FAMILY_CONFIGS else f"{family}_text"
+        if family in vision and built not in FAMILY_CONFIGS:
+            continue  # a vision-language family: its tiny model trains in the vision-language tests
         # the text model's traits, but for `known`: a multimodal checkpoint's planner needs its vision tower too
         same = built in FAMILY_CONFIGS and replace(traits(built), known=False) == replace(traits(family), known=False)
         assert same, f"build a tiny {family} here"

@@ -82,6 +82,17 @@ sweep: $(VENV)/.installed ## a ready sweep from conf/sweep, one job per combinat
 summarize: $(VENV)/.installed ## summary.csv/.md/.png of a sweep dir (Pareto front marked): make summarize ARGS=runs/multirun/DATE/TIME
 	$(PY) scripts/summarize_sweep.py $(ARGS)
 
+# The shipped image sample (conf/data/shapes.yaml) on a tiny vision-language model: a LLaVA around the
+# tiny base, built at first use into TINY_VLM (scripts/make_tiny_vlm.py, seconds on CPU).
+TINY_VLM ?= runs/tiny-llava
+
+$(TINY_VLM)/processor_config.json: scripts/make_tiny_vlm.py | $(VENV)/.installed
+	$(PY) scripts/make_tiny_vlm.py --out $(TINY_VLM)
+
+.PHONY: shapes
+shapes: $(VENV)/.installed $(TINY_VLM)/processor_config.json ## a tiny vision-language model learns the shipped shapes sample (shape and colour of a PNG); ARGS= adds overrides
+	$(PY) train.py data=shapes model.name_or_path=$(TINY_VLM) $(ARGS)
+
 .PHONY: sweep summarize $(RECIPES) $(addprefix plan-,$(RECIPES))
 
 $(RECIPES): $(VENV)/.installed

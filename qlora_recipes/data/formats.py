@@ -188,6 +188,11 @@ def _turn_text(content: Any, where: str, role: str, speaker: Any, fmt: str) -> s
     field, unit, text = _TURN_TEXT[fmt]
     if content is None:
         raise UserError(f"{where}.{field}' is missing; give each {unit} its text in '{field}'")
+    if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+        raise UserError(
+            f"{where}.{field}' holds an image part: image rows train a vision-language model, and this model is "
+            "a text model; point model.name_or_path at one (`make shapes` builds a tiny one), or set model.vision=true"
+        )
     if not isinstance(content, str):
         raise UserError(
             f"{where}.{field}' must be a string, got {type(content).__name__} {_short(content)}; "

@@ -379,12 +379,12 @@ def act_dtypes(st: StackSpec, on_cpu: bool) -> tuple[int, int, int]:
     model the hidden states are fp32 end to end (bitsandbytes linears return their input's dtype);
     without quantization, or with precision.upcast_frozen=false (frozen parts in the precision
     dtype), they stay in the precision dtype: r is StackSpec.frozen_bytes. On CUDA dropout keeps a
-    bool mask; on CPU peft upcasts the LoRA input to fp32 (CUDA autocast is off) and dropout keeps
-    an fp32 noise.
+    bool mask; on CPU peft casts the LoRA input to the adapters' dtype (CUDA autocast is off) and
+    dropout keeps a noise of that dtype (fp32, or bf16 for bf16 adapters).
     """
     c = st.act_bytes
     r = st.frozen_bytes
-    return c, r, (4 if on_cpu else 1)
+    return c, r, (st.adapter_bytes if on_cpu else 1)
 
 
 def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = False) -> int:

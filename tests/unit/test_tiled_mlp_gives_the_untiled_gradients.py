@@ -142,18 +142,19 @@ def test_tiled_mlp_refuses_what_it_is_not_tested_with(overrides, words):
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("adapters", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tiled", [False, True])
-def test_the_plan_keeps_what_autograd_keeps_for_a_tiled_layer(tmp_path, tiled):
+def test_the_plan_keeps_what_autograd_keeps_for_a_tiled_layer(tmp_path, tiled, adapters):
     """One decoder layer's saved tensors (NF4 + LoRA with dropout, bf16 autocast, no checkpointing) against
-    layer_saved_bytes: tiled, the MLP keeps only its input, whatever the intermediate size."""
+    layer_saved_bytes, with fp32 adapters and with bf16 ones (auto's choice under bf16 compute): tiled,
+    the MLP keeps only its input, whatever the intermediate size."""
     import weakref
 
     from qlora_recipes.planner import components
     from qlora_recipes.planner.spec import spec_from_cfg
 
     b, s = 2, 64
-    # float32 adapters: with bf16 ones (auto's choice here) autograd keeps a fifth less than the plan counts
-    overrides = ("precision=bf16", "peft.adapter_dtype=float32", "trainer.gradient_checkpointing=false")
+    overrides = ("precision=bf16", f"peft.adapter_dtype={adapters}", "trainer.gradient_checkpointing=false")
     overrides += (f"trainer.micro_batch_size={b}",)
     overrides += ("trainer.tiled_mlp=true", "trainer.tiled_mlp_tile=32") if tiled else ()
     cfg, model = _model(tmp_path, *overrides)

@@ -165,6 +165,31 @@ class DataConfig:
         "rows longer than trainer.seq_len: truncate (keep the first seq_len tokens) | drop",
         choices=("truncate", "drop"),
     )
+    # image rows (data/image_bounds.py): each key maps onto one kind of transformers image processor
+    image_max_pixels: int | None = option(
+        None,
+        "image rows: the most pixels the processor resizes an image to (Qwen-VL-style processors, their "
+        "size.longest_edge); null: the processor's own",
+        range=">= 1|null",
+    )
+    image_min_pixels: int | None = option(
+        None,
+        "image rows: the fewest pixels the processor resizes an image to (Qwen-VL-style processors, their "
+        "size.shortest_edge); null: the processor's own",
+        range=">= 1|null",
+    )
+    image_longest_edge: int | None = option(
+        None,
+        "image rows: the longest edge in pixels the processor resizes an image to (Idefics3, SmolVLM, Pixtral: "
+        "size.longest_edge); null: the processor's own",
+        range=">= 1|null",
+    )
+    image_file_max_pixels: int = option(
+        89_478_485,
+        "image rows: the largest image (width x height) a row may hold; a larger one is refused (the default is "
+        "PIL's own decompression-bomb bound)",
+        range=">= 1",
+    )
 
 
 def padding_free_on(data: "DataConfig | Mapping") -> bool:

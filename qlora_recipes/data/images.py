@@ -26,19 +26,22 @@ from .readers import Rows, read_source
 
 log = logging.getLogger(__name__)
 
-MAX_IMAGE_PIXELS = 178_956_970  # PIL refuses to open larger images (2x its Image.MAX_IMAGE_PIXELS warning)
+MAX_FILE_PIXELS = 89_478_485  # data.image_file_max_pixels's default: PIL's own decompression-bomb warning bound
 
 
 def load_image_splits(data: DataConfig, processor: Any, seq_len: Any, seed: int) -> tuple[Any, Any, dict]:
     """(train, eval or None, stats) of image rows, as data.load_splits returns text rows: `messages` with
     content part lists and `images` decoded on access (datasets' Image feature)."""
+    from .image_bounds import bound_processor
     from .splits import _eval_fraction, _hold_out, _metric_name, _too_long
 
     _check_options(data)
-    train, source = _load(data.path, data.split or "train", "data.path")
+    bound_processor(processor, data)  # before the rows are counted: seq_len=auto counts bounded images
+    limit = data.image_file_max_pixels
+    train, source = _load(data.path, data.split or "train", "data.path", limit)
     eval_ds, eval_source = None, None
     if data.eval_path not in (None, ""):
-        eval_ds, eval_source = _load(data.eval_path, data.split or "train", "data.eval_path")
+        eval_ds, eval_source = _load(data.eval_path, data.split or "train", "data.eval_path", limit)
     elif _eval_fraction(data.eval_fraction) > 0:
         train, eval_ds, eval_source = _hold_out(train, data.eval_fraction, source, seed, data.eval_max_rows)
     if data.metric == "exact_match" and eval_ds is not None:
@@ -84,15 +87,16 @@ def _check_options(data: DataConfig) -> None:
             raise UserError(f"data.{key}=true: image rows train unpacked (TRL 1.16 cannot pack them); drop data.{key}")
 
 
-def _load(spec: Any, split: str, field: str) -> tuple[Any, str]:
-    """The checked rows of one source as a dataset, and the source's name."""
+def _load(spec: Any, split: str, field: str, max_pixels: int = MAX_FILE_PIXELS) -> tuple[Any, str]:
+    """The checked rows of one source as a dataset, and the source's name; an image over max_pixels
+    (width x height) is refused."""
     from datasets import Dataset, Image, List
 
     rows, source = read_source(spec, split, field)
     base = _image_root(spec)
     columns: dict[str, list] = {"messages": [], "images": []}
     for key, row in rows.items():
-        messages, images = convert_image_row(rows, key, row, base)
+        messages, images = convert_image_row(rows, key, row, base, max_pixels)
         columns["messages"].append(messages)
         columns["images"].append(images)
     return Dataset.from_dict(columns).cast_column("images", List(Image())), source
@@ -106,7 +110,9 @@ def _image_root(spec: Any) -> Path | None:
     return path.resolve() if path.is_dir() else None
 
 
-def convert_image_row(rows: Rows, key: Any, row: Any, base: Path | None) -> tuple[list[dict], list[str]]:
+def convert_image_row(
+    rows: Rows, key: Any, row: Any, base: Path | None, max_pixels: int = MAX_FILE_PIXELS
+) -> tuple[list[dict], list[str]]:
     """One row's messages (every content a list of parts) and its images' absolute paths, checked."""
     at = rows.where(key)
     if not isinstance(row, dict):
@@ -122,7 +128,7 @@ def convert_image_row(rows: Rows, key: Any, row: Any, base: Path | None) -> tupl
             f"{at}: {wanted} image part(s) in 'messages' but {len(images)} file(s) in 'images'; give each "
             '{"type": "image"} part one file, in order'
         )
-    return messages, [_checked_image(at, j, name, base) for j, name in enumerate(images)]
+    return messages, [_checked_image(at, j, name, base, max_pixels) for j, name in enumerate(images)]
 
 
 def _messages(at: str, value: Any) -> list[dict]:
@@ -160,8 +166,8 @@ def _parts(where: str, content: Any) -> list[dict]:
     return parts
 
 
-def _checked_image(at: str, j: int, name: str, base: Path | None) -> str:
-    """The image's absolute path, once it is known to open as an image within PIL's size bound."""
+def _checked_image(at: str, j: int, name: str, base: Path | None, max_pixels: int = MAX_FILE_PIXELS) -> str:
+    """The image's absolute path, once it is known to open as an image of at most max_pixels."""
     from PIL import UnidentifiedImageError
 
     path = Path(name).expanduser()
@@ -173,7 +179,8 @@ def _checked_image(at: str, j: int, name: str, base: Path | None) -> str:
         where = "; relative paths are read from the data file's folder" if not Path(name).is_absolute() else ""
         raise UserError(f"{at}: images[{j}] {str(path)!r} does not exist{where}")
     try:
-        with _opened(at, j, path) as image:
+        with _opened(at, j, path, max_pixels) as image:
+            _within(at, j, str(path), image.size, max_pixels)
             image.verify()
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -183,16 +190,29 @@ def _checked_image(at: str, j: int, name: str, base: Path | None) -> str:
     return str(path)
 
 
-def _opened(at: str, j: int, path: Path):
-    """PIL's image, its own size bound (a decompression bomb) named as the row's one line."""
+def _opened(at: str, j: int, path: Path, max_pixels: int = MAX_FILE_PIXELS):
+    """PIL's image (its header read, not its pixels), PIL's own bomb bound named as the row's one line."""
     from PIL import Image
 
+    if max_pixels > (Image.MAX_IMAGE_PIXELS or 0):  # a bound raised past PIL's: datasets decodes with PIL later
+        Image.MAX_IMAGE_PIXELS = max_pixels
     try:
         return Image.open(path)
     except Image.DecompressionBombError:
         raise UserError(
-            f"{at}: images[{j}] {str(path)!r} is too large to load safely (over {MAX_IMAGE_PIXELS:,} pixels); resize it"
+            f"{at}: images[{j}] {str(path)!r} is too large to load safely (over {2 * Image.MAX_IMAGE_PIXELS:,} "
+            f"pixels, data.image_file_max_pixels={max_pixels:,}); resize it"
         ) from None
+
+
+def _within(at: str, j: int, what: str, size: tuple[int, int], max_pixels: int) -> None:
+    """One line for an image over data.image_file_max_pixels, before its pixels are decoded."""
+    width, height = size
+    if width * height > max_pixels:
+        raise UserError(
+            f"{at}: images[{j}] {what} is {width} x {height} = {width * height:,} pixels, over "
+            f"data.image_file_max_pixels={max_pixels:,}; resize it, or raise data.image_file_max_pixels"
+        )
 
 
 def _fit_seq_len(stats: dict, splits: dict, processor: Any) -> dict:

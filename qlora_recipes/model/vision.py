@@ -84,6 +84,12 @@ def load_processor(model: ModelConfig, source: dict):
 
     try:
         processor = AutoProcessor.from_pretrained(**source)
+    except ImportError as err:  # Qwen-VL and SmolVLM processors build a video processor, which needs torchvision
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__).split(". ")[0]
+        raise UserError(
+            f"could not load the processor of vision-language model.name_or_path={model.name_or_path} ({first}); "
+            "install the torchvision built for your torch, then run again"
+        ) from None
     except (OSError, ValueError, TypeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(

@@ -2,12 +2,15 @@
 
     qlora generate RUN_OR_MERGED_DIR "prompt" [--file prompts.txt | --file -] [--max-new-tokens N]
                    [--greedy | --temperature T] [--chat | --no-chat | --raw] [--jsonl] [--trust-remote-code]
+                   [--image PATH ...]
 
 A run dir loads as trained (its 4-bit base + adapter). Plain prompts are wrapped the way the run's data
 was (its chat template for chat data, the Alpaca template for alpaca data, the prefix and suffix its
 prompt/completion prompts shared); --raw sends them exactly as typed. `\\n` in a prompt is a newline.
 --file: one prompt per line, or JSON lines (strings or data rows: the prompt part is used); `--file -`
 (or no prompt, with text piped in) reads one prompt per line from stdin. Prints one generation per prompt.
+--image (repeatable, a vision-language model only): every prompt is asked about these images, rendered by
+the run's processor with its chat template, the images before the prompt's text.
 """
 
 from __future__ import annotations
@@ -38,6 +41,13 @@ def _parser(prog: str) -> ArgumentParser:
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="never apply the chat template")
     chat.add_argument("--raw", action="store_true", help="send prompts exactly as given: no template, no wrapping")
     parser.add_argument("--jsonl", action="store_true", help="print one JSON object per prompt")
+    parser.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image every prompt is asked about (repeatable; a vision-language model's run or merged dir)",
+    )
     parser.add_argument(
         "--trust-remote-code",
         action="store_true",
@@ -78,6 +88,7 @@ def run(argv: list[str], prog: str = "qlora generate") -> None:
                 "no prompt: give one as the second argument, --file with one prompt per line, or pipe them in"
             )
         _check(args)
+        images = _images(args)  # a bad file or a text model answers before anything loads
         model, tokenizer, info = load_for_generation(
             args.path, chat=args.chat, trust_remote_code=args.trust_remote_code
         )
@@ -85,21 +96,43 @@ def run(argv: list[str], prog: str = "qlora generate") -> None:
 
         torch.manual_seed(args.seed)
         max_new = args.max_new_tokens or info["max_new_tokens"]
-        outputs = generate(
-            model,
-            tokenizer,
-            prompts,
-            info["format"],
-            max_new,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            max_prompt_tokens=info["max_prompt_tokens"],
-        )
+        sampling = {
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "max_prompt_tokens": info["max_prompt_tokens"],
+        }
+        if images:
+            from ..outputs.images import generate_with_images, image_prompt
+
+            asked = [image_prompt(p, info["format"], images) for p in prompts]
+            outputs = generate_with_images(model, info["processor"], asked, max_new, **sampling)
+        else:
+            outputs = generate(model, tokenizer, prompts, info["format"], max_new, **sampling)
         for prompt, text in zip(prompts, outputs, strict=True):
             if args.jsonl:
-                print(json.dumps({"prompt": prompt.value, "generation": text}))
+                row = {"prompt": prompt.value, "generation": text}
+                print(json.dumps({**row, "images": args.image} if images else row))
             else:
-                print(f"### {prompt.show()}\n{text}\n")
+                print(f"### {prompt.show()}{_shown(args.image)}\n{text}\n")
         return 0
 
     run_plain(generate_run)
+
+
+def _images(args) -> list:
+    """The --image files opened, once the dir is known to hold a vision-language model."""
+    if not args.image:
+        return []
+    from ..outputs.generation import is_vision_dir
+    from ..outputs.images import open_images
+
+    if not is_vision_dir(args.path):
+        raise UserError(
+            f"--image: {args.path} holds a text model, which cannot see images; drop --image, or pass a "
+            "vision-language model's run or merged dir"
+        )
+    return open_images(args.image)
+
+
+def _shown(paths: list[str]) -> str:
+    return f" [images: {', '.join(paths)}]" if paths else ""

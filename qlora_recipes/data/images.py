@@ -7,8 +7,10 @@ the data file's folder (or a dataset dir), or absolute. Every row is checked bef
 each file exists and is an image, the row has as many image parts as images, a turn's text is text. A
 bad row stops the run with one line naming the file, the row and what to do.
 
-TRL's SFTTrainer, given the processor, renders and tokenizes these rows per batch (the processor turns
-each image into pixels and its image tokens) with the loss on the assistant turns. Here each row is
+With data.metric=exact_match, the held-out rows are answered with their images (outputs.images) and
+scored as text rows are. TRL's SFTTrainer, given the processor, renders and tokenizes these rows per
+batch (the processor turns each image into pixels and its image tokens) with the loss on the assistant
+turns. Here each row is
 rendered once to count its tokens, image tokens included: trainer.seq_len=auto reads them, and a row
 longer than seq_len is never truncated (a cut would split an image's tokens from its pixels).
 """
@@ -44,8 +46,6 @@ def load_image_splits(data: DataConfig, processor: Any, seq_len: Any, seed: int)
         eval_ds, eval_source = _load(data.eval_path, data.split or "train", "data.eval_path", limit)
     elif _eval_fraction(data.eval_fraction) > 0:
         train, eval_ds, eval_source = _hold_out(train, data.eval_fraction, source, seed, data.eval_max_rows)
-    if data.metric == "exact_match" and eval_ds is not None:
-        log.info("data.metric=exact_match is not measured on image rows yet: the eval split gives eval loss")
     stats: dict[str, Any] = {
         "format": "messages",
         "detected": "messages",
@@ -57,7 +57,7 @@ def load_image_splits(data: DataConfig, processor: Any, seq_len: Any, seed: int)
         "seq_len": seq_len,
         "too_long": _too_long(data.too_long),
         "chat_template": "the processor's",
-        "metric": _metric_name(None, eval_ds is not None),
+        "metric": _metric_name(data.metric, eval_ds is not None),
         "prompt_format": {"style": "chat", "system": None},
         "identical_pairs": None,
         "truncated": {"train": 0, "eval": 0},
@@ -74,6 +74,21 @@ def load_image_splits(data: DataConfig, processor: Any, seq_len: Any, seed: int)
         f"{stats['rows']['eval']} eval from {eval_source}" if eval_ds is not None else "no eval split",
     )
     return train, eval_ds, stats
+
+
+def held_out_rows(data: DataConfig, seed: int) -> tuple[Any, str]:
+    """The eval split of image rows as training held it out (its train split without one), checked but
+    not rendered, and where it came from: the prompts the merge's quality check asks with."""
+    from .splits import _eval_fraction, _hold_out
+
+    train, source = _load(data.path, data.split or "train", "data.path")
+    if data.eval_path not in (None, ""):
+        eval_ds, eval_source = _load(data.eval_path, data.split or "train", "data.eval_path")
+        return eval_ds, f"eval data of the run ({eval_source})"
+    if _eval_fraction(data.eval_fraction) > 0:
+        _, eval_ds, eval_source = _hold_out(train, data.eval_fraction, source, seed, data.eval_max_rows)
+        return eval_ds, f"eval data of the run ({eval_source})"
+    return train, f"train data of the run ({source})"
 
 
 def _check_options(data: DataConfig) -> None:

@@ -23,6 +23,7 @@ from ..config.objectives import OBJECTIVES
 from ..config.schema import DataConfig, ModelConfig, TrainConfig
 from ..resources import ROOT
 from .trackers import run_overrides, stack_overrides
+from .vision_card import is_vision_run, vision_lines, vision_usage
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "org/name"; one-part legacy ids are not guessed
 METHOD_NAMES = {"lora": "LoRA", "dora": "DoRA", "rslora": "rsLoRA"}
@@ -233,7 +234,7 @@ def run_card(run_dir: Path, kind: str = "adapter", repo_id: str | None = None, m
         base_model=base_id,
         datasets=[data_id] if data_id else None,
         library_name="peft" if kind == "adapter" else "transformers",
-        pipeline_tag="text-generation",
+        pipeline_tag="image-text-to-text" if is_vision_run(cfg) else "text-generation",
         tags=tags,
         model_name=name,
         eval_results=_eval_results(metrics, data_id, portable(cfg.data.path)) or None,
@@ -260,6 +261,7 @@ def _body(cfg: TrainConfig, kind, name, base_id, base_text, data_text, metrics, 
         "",
         base_text + (f", revision `{cfg.model.revision}`" if cfg.model.revision else ""),
         "",
+        *vision_lines(cfg, run_dir, kind),
         "## Training data",
         "",
         f"{data_text}{counts}, format {metrics.get('data', {}).get('format', cfg.data.format)}.",
@@ -285,7 +287,7 @@ def _body(cfg: TrainConfig, kind, name, base_id, base_text, data_text, metrics, 
         *(_merge_command(merge) if merge else []),
         "```",
         "",
-        *_usage(kind, name, base_id),
+        *(vision_usage(kind, name, base_id, cfg) if is_vision_run(cfg) else _usage(kind, name, base_id)),
     ]
     return "\n".join(sections)
 

@@ -52,11 +52,13 @@ class ShardWriter:
         self.params = 0
         self.names: set[str] = set()
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: torch.Tensor, keep_dtype: bool = False) -> None:
+        """`tensor` in the output dtype (`keep_dtype`: as it is, e.g. a vision tower written unchanged)."""
         if name in self.names:
             raise RuntimeError(f"tensor {name} written twice")
         self.names.add(name)
-        out = tensor.to("cpu", dtype=self.dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
+        cast = tensor.is_floating_point() and not keep_dtype
+        out = tensor.to("cpu", dtype=self.dtype if cast else tensor.dtype).contiguous()
         nbytes = out.numel() * out.element_size()
         if self.buffer and self.size + nbytes > self.max_bytes:
             self.flush()

@@ -31,7 +31,7 @@ from ..outputs.rundir import (
 from ..units import PRECISION_DTYPE, dtype_name, torch_dtype
 from . import export, quality
 from .progress import MergeProgress
-from .tensors import merged_tensors, original_merged_tensors
+from .tensors import merged_tensors, original_merged_tensors, original_vision, vision_keys
 
 OUT_DTYPES = tuple(PRECISION_DTYPE.values())  # bfloat16, float16, float32: what a merged model is saved in
 QUANT_BITS = {"nf4": "4-bit nf4", "fp4": "4-bit fp4", "int8": "int8"}  # quant.method -> words for the report
@@ -113,6 +113,14 @@ def _disk_full_line(out: Path, need: int | None) -> str:
     )
 
 
+def _processor(cfg, run_dir: Path):
+    """A vision-language run's processor (one line when it is missing beside the adapter); None otherwise."""
+    from ..model.vision import is_vision_language
+    from ..outputs.generation import load_processor_of
+
+    return load_processor_of(run_dir, "run", cfg.model.trust_remote_code) if is_vision_language(cfg.model) else None
+
+
 def _merged_bytes(model, out_dtype) -> int:
     """About what the merged weights take in `out_dtype`: every base weight (a 4-bit one at its full
     shape) at that dtype's size; the LoRA factors merge into them."""
@@ -139,12 +147,14 @@ def _write_merged(model, cfg, partial: Path, max_bytes: int, out_dtype, from_ori
     tensors = (
         original_merged_tensors(model, cfg) if from_original else export.checkpoint_layout(model, merged_tensors(model))
     )
+    vision = vision_keys(model)  # a VLM's vision tower and projector: the base's tensors, bit for bit
+    tensors = original_vision(cfg, vision, tensors)
     with MergeProgress(model) as progress:  # layers merged, shards written: on stderr
         for name, tensor in tensors:
             progress.tensor(name)
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise UserError(f"the merged {name} has NaN/inf values; the adapter is broken (check the run's loss)")
-            writer.add(name, tensor)
+            writer.add(name, tensor, keep_dtype=name in vision)
             progress.shards(len(writer.files))
         files = writer.close()
         progress.shards(len(files))
@@ -166,12 +176,13 @@ def _merge_into(
     out_dtype = torch_dtype(dtype)
     style = run_prompt_style(run_dir, cfg)
     prompt_format = run_prompt_format(run_dir, cfg, style)  # plain --prompts lines wrapped as generate does
-    tokenizer = run_tokenizer(cfg, run_dir)
+    processor = _processor(cfg, run_dir)  # a VLM's, saved beside its adapter; None for a text model
+    tokenizer = processor.tokenizer if processor is not None else run_tokenizer(cfg, run_dir)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     pad_id = tokenizer.pad_token_id
     batches, prompts_source = quality.compare_prompts(
-        cfg, tokenizer, str(prompts_file) if prompts_file else None, prompt_format
+        cfg, tokenizer, str(prompts_file) if prompts_file else None, prompt_format, processor
     )
 
     # 1. The stack the run trained, in fp32: reference logits (and the base alone, for scale).
@@ -181,7 +192,7 @@ def _merge_into(
     sizes["need"] = _merged_bytes(model, out_dtype)
     merge_started = time.time()
     writer, files = _write_merged(model, cfg, partial, max_bytes, out_dtype, from_original)
-    tokenizer.save_pretrained(str(partial))
+    (processor or tokenizer).save_pretrained(str(partial))  # a VLM's processor: tokenizer, image processor, template
     merge_s = time.time() - merge_started
     base_name = model.get_base_model().config._name_or_path
     model = None  # the 4-bit stack goes before the next model loads

@@ -83,10 +83,13 @@ def _reload_saved_modules(model, run_dir: Path) -> None:
 
 def prompt_logits(model, batches: list[dict], pad_id: int = 0) -> list[torch.Tensor]:
     """fp32 CPU logits of each prompt, all prompts in one right-padded forward (causal attention: the
-    padding after a prompt cannot change its positions); the padded positions are dropped."""
+    padding after a prompt cannot change its positions); the padded positions are dropped. Prompts with
+    images go one forward each, with their pixels (in the vision tower's dtype)."""
     import torch
 
     device = next(p.device for p in model.parameters() if p.device.type != "meta")
+    if any("pixel_values" in b for b in batches):
+        return [_image_logits(model, b, device) for b in batches]
     lengths = [b["input_ids"].shape[1] for b in batches]
     ids = torch.full((len(batches), max(lengths)), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -96,6 +99,17 @@ def prompt_logits(model, batches: list[dict], pad_id: int = 0) -> list[torch.Ten
     with torch.no_grad():
         logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
     return [logits[i, :n].float().cpu() for i, n in enumerate(lengths)]
+
+
+def _image_logits(model, batch: dict, device) -> torch.Tensor:
+    import torch
+
+    from ..outputs.images import vision_dtype
+
+    dtype = vision_dtype(model)
+    inputs = {k: v.to(device, dtype=dtype) if v.is_floating_point() else v.to(device) for k, v in batch.items()}
+    with torch.no_grad():
+        return model(**inputs, use_cache=False).logits[0].float().cpu()
 
 
 def logit_diff(merged: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
@@ -136,10 +150,29 @@ def _run_prompts(cfg) -> tuple[list[Prompt], str]:
     return prompts, source
 
 
-def compare_prompts(cfg, tokenizer, prompts_file: str | None, style: str | PromptFormat) -> tuple[list[dict], str]:
+def _image_batches(cfg, processor) -> tuple[list[dict], str]:
+    """A vision-language run's comparison prompts: a few of its held-out image rows (its train rows
+    without an eval split), rendered with their images by the processor as `qlora generate --image` does;
+    never cut (a cut would split an image's tokens from its pixels)."""
+    from ..data.images import held_out_rows
+    from ..outputs.images import image_inputs
+    from ..run.metrics import image_pairs
+
+    rows, source = held_out_rows(cfg.data, cfg.seed)
+    pairs = image_pairs(rows, DEFAULT_COMPARE_PROMPTS)
+    if not pairs:
+        raise UserError(f"{source}: no row with a turn before its answer to compare the merge on; pass --prompts FILE")
+    return [dict(image_inputs(processor, prompt)) for prompt, _ in pairs], source
+
+
+def compare_prompts(
+    cfg, tokenizer, prompts_file: str | None, style: str | PromptFormat, processor=None
+) -> tuple[list[dict], str]:
     """Tokenized prompts for the comparison (at most MAX_COMPARE_TOKENS each) and where they came from.
     Plain lines of a prompts file are wrapped in the run's prompt format (`style`: runs.run_prompt_format),
-    as `qlora generate` wraps them."""
+    as `qlora generate` wraps them. A vision-language run (`processor`) compares on its image rows."""
+    if processor is not None and not prompts_file:
+        return _image_batches(cfg, processor)
     if prompts_file:
         prompts, source = read_prompts(prompts_file), str(prompts_file)
     else:
@@ -189,11 +222,11 @@ def _device_kwargs(dtype: torch.dtype) -> dict[str, Any]:
 
 def original_logits(cfg, run_dir: Path, batches: list[dict], pad_id: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """Logits of the 16-bit original base + adapter, unmerged: the reference for the merge alone."""
-    from transformers import AutoModelForCausalLM
-
     from ..model import expert_lora, loading
+    from ..model.vision import is_vision_language
 
-    original = AutoModelForCausalLM.from_pretrained(**loading.source(cfg.model), **_device_kwargs(dtype))
+    auto = _auto_class(is_vision_language(cfg.model))
+    original = auto.from_pretrained(**loading.source(cfg.model), **_device_kwargs(dtype))
     original = expert_lora.load_adapter(original, str(run_dir / "adapter")).eval()
     logits = prompt_logits(original, batches, pad_id)
     original = None
@@ -204,14 +237,22 @@ def original_logits(cfg, run_dir: Path, batches: list[dict], pad_id: int, dtype:
 def merged_logits(
     folder: Path, batches: list[dict], pad_id: int, dtype: torch.dtype, trust_remote_code: bool = False
 ) -> list[torch.Tensor]:
-    """Logits of the merged model as anyone would load it: plain transformers, no quantization config;
-    its own code (a base that ships one) runs only when the run trusted it."""
-    from transformers import AutoModelForCausalLM
+    """Logits of the merged model as anyone would load it: plain transformers, no quantization config
+    (a vision-language model through AutoModelForImageTextToText); its own code (a base that ships one)
+    runs only when the run trusted it."""
+    from ..outputs.generation import merged_is_vision
 
     kwargs = _device_kwargs(dtype)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=trust_remote_code, **kwargs)
+    auto = _auto_class(merged_is_vision(folder))
+    model = auto.from_pretrained(str(folder), trust_remote_code=trust_remote_code, **kwargs)
     model.eval()
     return prompt_logits(model, batches, pad_id)
+
+
+def _auto_class(vision: bool):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if vision else AutoModelForCausalLM
 
 
 def comparison(

@@ -12,6 +12,7 @@ LoRA or rsLoRA scaling); DoRA rescales each output row by magnitude / ||W + dW||
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +22,8 @@ from .dequantize import bnb_kind, dequantize, dequantize_param
 
 if TYPE_CHECKING:  # torch and peft load lazily: the checks of bad input answer fast
     import torch
+
+log = logging.getLogger(__name__)
 
 
 def _merged_adapters(module) -> list[str]:
@@ -230,3 +233,43 @@ def original_merged_tensors(model, cfg) -> Iterator[tuple[str, torch.Tensor]]:
             f"--from-original: the original checkpoint has no weight for {len(missing)} adapted module(s) (e.g. "
             f"{missing[0]}); its tensor names differ from the loaded model's, merge without --from-original"
         )
+
+
+def vision_keys(model) -> set[str]:
+    """The checkpoint names of a vision-language model's vision tower and projector tensors (none for a
+    text model): the loaded names under the vision prefixes, put back in the checkpoint's layout."""
+    from ..model.vision import config_is_vision_language, vision_prefixes
+
+    base = model.get_base_model()
+    if not config_is_vision_language(base.config.to_dict()):
+        return set()
+    names = {f"{p}.{n}": t for p in vision_prefixes(base) for n, t in base.get_submodule(p).state_dict().items()}
+    if getattr(base, "_weight_conversions", None):
+        from transformers.core_model_loading import revert_weight_conversion
+
+        names = revert_weight_conversion(base, names)
+    return set(names)
+
+
+def original_vision(cfg, keys: set[str], tensors: Iterator[tuple[str, torch.Tensor]]):
+    """The merged stream with the vision parts' tensors (`keys`) read from the base checkpoint as stored:
+    the adapter never touched them, and the run held them in its compute dtype, which may round them."""
+    if not keys:
+        yield from tensors
+        return
+    from contextlib import ExitStack
+
+    from safetensors import safe_open
+
+    _, files = _checkpoint_files(cfg)
+    where = {key: path for path, names in files for key in names if key in keys}
+    if len(where) < len(keys):  # a layout the checkpoint does not share: the loaded copies go instead
+        log.warning(
+            "%d vision tensor(s) (e.g. %s) are not in the base checkpoint under that name; written from the loaded model",
+            len(keys) - len(where),
+            sorted(keys - set(where))[0],
+        )
+    with ExitStack() as stack:
+        opened = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in set(where.values())}
+        for name, tensor in tensors:
+            yield name, opened[where[name]].get_tensor(name) if name in where else tensor

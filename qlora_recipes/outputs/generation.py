@@ -62,18 +62,20 @@ def _load_merged(folder: Path, trust_remote_code: bool) -> tuple[Any, Any, str, 
     last two from its merge_report.json when there is one. The dir's own code (config.json's auto_map)
     runs only with `trust_remote_code`: never a prompt."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     check_merged(folder)
     if not trust_remote_code:
         _refuse_own_code(folder)
     report = _merge_report(folder)
+    vision = merged_is_vision(folder)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
         kwargs: dict[str, Any] = {"dtype": "auto", "trust_remote_code": trust_remote_code}
         if torch.cuda.is_available():
             kwargs["device_map"] = "auto"
-        model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = auto.from_pretrained(str(folder), **kwargs)
     except (OSError, ValueError) as err:
         if "custom code" in str(err) and not trust_remote_code:
             raise _own_code_error(folder) from None
@@ -99,18 +101,62 @@ def _refuse_own_code(folder: Path) -> None:
         raise _own_code_error(folder)
 
 
+def merged_is_vision(folder: Path) -> bool:
+    """A merged dir of a vision-language model (its config.json's shape)."""
+    from ..model.vision import config_is_vision_language
+
+    return config_is_vision_language(read_json(folder / "config.json", "merge the run again"))
+
+
+def is_vision_dir(path: str | Path) -> bool:
+    """Whether a run dir or merged dir holds a vision-language model, read from its config alone."""
+    from ..model.vision import is_vision_language
+
+    kind, folder = resolve_dir(path, allow_merged=True)
+    return is_vision_language(load_run_config(folder).model) if kind == "run" else merged_is_vision(folder)
+
+
+def load_processor_of(folder: Path, kind: str, trust_remote_code: bool = False):
+    """The processor saved beside a VLM run's adapter (or in a merged dir): one line when it is missing."""
+    from transformers import AutoProcessor, ProcessorMixin
+
+    where = folder / "adapter" if kind == "run" else folder
+    fix = "re-run training (train.py saves it beside the adapter)" if kind == "run" else "merge the run again"
+    try:
+        processor = AutoProcessor.from_pretrained(str(where), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(
+            f"{where}: the vision-language model's processor could not be loaded ({first}); {fix}"
+        ) from None
+    if not isinstance(processor, ProcessorMixin):
+        raise UserError(
+            f"{where}: a vision-language model without its processor (no processor_config.json there, only a "
+            f"{type(processor).__name__}); {fix}"
+        )
+    if processor.tokenizer.pad_token is None:
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    return processor
+
+
 def load_for_generation(
     path: str | Path, chat: bool | None = None, trust_remote_code: bool = False
 ) -> tuple[Any, Any, dict]:
     """A run dir: its base loaded as the run loaded it (quantized) + the adapter (its own code runs as the
     run's model.trust_remote_code says). A merged dir: the standalone model with plain transformers (its own
     code runs only with `trust_remote_code`). info: kind, dir, style, format (the PromptFormat plain
-    prompts are wrapped in), max_new_tokens, max_prompt_tokens (the run's seq_len; None when unknown)."""
+    prompts are wrapped in), max_new_tokens, max_prompt_tokens (the run's seq_len; None when unknown),
+    processor (a vision-language model's, checked before the model loads; None for a text model)."""
+    from ..model.vision import is_vision_language
+
     kind, folder = resolve_dir(path, allow_merged=True)  # bad input answers before the heavy imports
     cfg = load_run_config(folder) if kind == "run" else None
+    vision = is_vision_language(cfg.model) if cfg is not None else merged_is_vision(folder)
+    remote = bool(cfg.model.trust_remote_code) if cfg is not None else trust_remote_code
+    processor = load_processor_of(folder, kind, remote) if vision else None
     if cfg is not None:
         check_adapter_base(cfg, folder)
-        tokenizer = run_tokenizer(cfg, folder)
+        tokenizer = processor.tokenizer if processor is not None else run_tokenizer(cfg, folder)
         model = load_stack(cfg, folder)
         style = run_prompt_style(folder, cfg)
         max_new = cfg.data.max_new_tokens
@@ -132,6 +178,7 @@ def load_for_generation(
         "format": _prompt_format(folder, cfg, run_dir, style),
         "max_new_tokens": max_new,
         "max_prompt_tokens": max_prompt,
+        "processor": processor,
     }
     return model, tokenizer, info
 

@@ -73,6 +73,47 @@ def exact_match(
     return sum(g.strip() == ref.strip() for g, (_, ref) in zip(new, pairs, strict=True)) / len(pairs)
 
 
+@torch.no_grad()
+def image_exact_match(
+    model, processor, pairs: list, max_new_tokens: int, max_prompt_tokens: int | None = None
+) -> float | None:
+    """exact_match on image rows: each held-out row's turns answered greedily with its images (the one
+    image generation helper, outputs.images), scored as text rows are. None when there is nothing to score."""
+    from ..outputs.images import generate_with_images
+
+    if not pairs:
+        return None
+    was_training = model.training
+    model.eval()
+    try:
+        prompts = [prompt for prompt, _ in pairs]
+        new = generate_with_images(model, processor, prompts, max_new_tokens, max_prompt_tokens=max_prompt_tokens)
+    finally:
+        model.train(was_training)
+    return sum(g.strip() == ref.strip() for g, (_, ref) in zip(new, pairs, strict=True)) / len(pairs)
+
+
+def image_pairs(eval_ds, limit: int | None) -> list:
+    """(ImagePrompt, reference) of the first `limit` image rows: the turns before the last assistant turn
+    with the images of their image parts, and that turn's text."""
+    from ..outputs.images import ImagePrompt
+
+    if eval_ds is None or (limit is not None and limit <= 0):
+        return []
+    n = len(eval_ds) if limit is None else min(int(limit), len(eval_ds))
+    pairs = []
+    for row in eval_ds.select(range(n)):
+        messages = row["messages"]
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        if not last:
+            continue  # no turn before the answer to ask with
+        turns = messages[:last]
+        count = sum(1 for m in turns for p in m["content"] if p["type"] == "image")
+        answer = "".join(p["text"] or "" for p in messages[last]["content"] if p["type"] == "text")
+        pairs.append((ImagePrompt(turns, list(row["images"][:count])), answer))
+    return pairs
+
+
 def perplexity(loss: float | None) -> float | None:
     return math.exp(min(loss, 50.0)) if loss is not None else None
 

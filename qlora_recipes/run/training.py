@@ -157,8 +157,8 @@ def _load_train_and_record(cfg: TrainConfig, run_dir, plan, resume_from, tokeniz
     trainable, total = model.get_nb_trainable_parameters()
     log.info("trainable params: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
 
-    want_em = cfg.data.metric == "exact_match" and eval_ds is not None and not data_stats.get("images")
-    pairs = data.generation_pairs(eval_ds, data_stats["format"], cfg.data.metric_examples) if want_em else []
+    want_em = cfg.data.metric == "exact_match" and eval_ds is not None
+    pairs = _generation_pairs(eval_ds, data_stats, cfg.data.metric_examples) if want_em else []
     em_before = _exact_match(cfg, model, tokenizer, pairs, plan)
 
     tb = _tensorboard(run_dir) if "tensorboard" in trackers.enabled(cfg.logger) else None
@@ -360,11 +360,21 @@ def _stopped_in_final_eval(signame: str, trainer, run_dir: Path) -> lifecycle.Pr
     return lifecycle.Preempted(signame, step, checkpoint, adapter=adapter, phase="during the final evaluation")
 
 
+def _generation_pairs(eval_ds, data_stats: dict, limit: int | None) -> list:
+    """(prompt, reference) pairs of the eval rows the task metric scores; image rows keep their images."""
+    if data_stats.get("images"):
+        return metrics.image_pairs(eval_ds, limit)
+    return data.generation_pairs(eval_ds, data_stats["format"], limit)
+
+
 def _exact_match(cfg: TrainConfig, model, tokenizer, pairs, plan: dict) -> float | None:
     """The task metric: prompts cut to seq_len tokens, at most max_new_tokens generated, batches no
     larger than an eval batch of the planned length (eval_batch_size x the plan's seq_len
-    positions): the bound the memory plan counts (planner/loss.py)."""
+    positions): the bound the memory plan counts (planner/loss.py). Image rows (`tokenizer` is then
+    the processor) go one at a time, with their images."""
     t = cfg.trainer
+    if vision.is_vision_language(cfg.model):
+        return metrics.image_exact_match(model, tokenizer, pairs, cfg.data.max_new_tokens, t.seq_len)
     planned_len = plan.get("stack", {}).get("seq_len") or t.seq_len
     return metrics.exact_match(
         model,

@@ -286,7 +286,8 @@ def flex_uncompiled():
     """Flex attention (gpt-oss's recipe) without torch.compile: dynamo refuses to compile under the
     tracer's dispatch modes, and the compiled kernel's tensors are its op's outputs, which the
     uncompiled op gives as well (out and log-sum-exp forward, the q/k/v gradients backward, by the
-    fake mode's rules). transformers' compiled wrapper and its block mask's compile are both skipped."""
+    fake mode's rules). transformers' compiled wrapper is skipped and its block mask built in bands
+    (banded_block_mask), as the compiled builder holds no dense mask either."""
     from torch.nn.attention import flex_attention as torch_flex
     from transformers import masking_utils
     from transformers.integrations import flex_attention as hf_flex
@@ -295,12 +296,41 @@ def flex_uncompiled():
     saved_mask = masking_utils.create_block_mask
     torch_flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
     hf_flex.WrappedFlexAttention.__call__ = lambda self: torch_flex.flex_attention
-    masking_utils.create_block_mask = lambda *a, **kw: torch_flex.create_block_mask(*a, **{**kw, "_compile": False})
+    masking_utils.create_block_mask = banded_block_mask
     try:
         yield
     finally:
         torch_flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG, hf_flex.WrappedFlexAttention.__call__ = saved
         masking_utils.create_block_mask = saved_mask
+
+
+def banded_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False, band=1 << 27):
+    """create_block_mask uncompiled, a band of query blocks at a time: the eager builder would hold the
+    dense Q x KV mask (three seq^2 bool tensors: 48 GiB at 131k tokens), the compiled one transformers
+    runs on a GPU never does. The same BlockMask, each band's dense mask at most `band` elements."""
+    from torch.nn.attention import flex_attention as flex
+
+    B, H = B or 1, H or 1
+    q_block, kv_block = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
+    rows = q_block * max(1, band // (B * H * KV_LEN * q_block))
+    partial, full = [], []
+    for start in range(0, Q_LEN, rows):
+        dense = flex.create_mask(_shifted(mask_mod, start), B, H, min(rows, Q_LEN - start), KV_LEN, device)
+        blocks = flex._convert_mask_to_block_mask(dense, q_block, kv_block, separate_full_blocks=True)
+        partial.append(blocks[0])
+        full.append(blocks[1])
+        del dense
+    blocks = (torch.cat(partial, dim=2), torch.cat(full, dim=2))
+    return flex._create_sparse_block_from_block_mask(blocks, mask_mod, (Q_LEN, KV_LEN), q_block, kv_block)
+
+
+def _shifted(mask_mod, start: int):
+    """mask_mod of the query rows from `start` on (four arguments: flex tells mask_mod by its arity)."""
+
+    def shifted(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx + start, kv_idx)
+
+    return shifted
 
 
 class _NoLaunch:

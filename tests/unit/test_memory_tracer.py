@@ -317,3 +317,26 @@ def test_a_moe_layers_backward_holds_the_top_k_weights_product_as_planned():
     r = run_child({"overrides": overrides, "device": "cuda"})
     row = compare(r, plan_for(overrides, [24 * GiB]), "cuda:0")["phases"]["train: layer backward"]
     assert 0.9 <= row["traced_gib"] / row["planned_gib"] <= 1.1, row
+
+
+def test_the_flex_block_mask_is_built_a_band_at_a_time_as_the_compiled_builder_gives_it():
+    """The tracer builds transformers' flex block mask in bands of query blocks (the eager builder's
+    dense seq^2 mask is no tensor the compiled one holds): the same BlockMask as torch's, causal,
+    sliding and padded, over bands of one to three query blocks and a partial last block."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from bench.trace.kernels import banded_block_mask
+
+    keep = torch.ones(2, 1000, dtype=torch.bool)
+    keep[1, 900:] = False
+
+    def mask_mod(b, h, q, kv):
+        return (q >= kv) & (q - kv < 300) & keep[b, kv]
+
+    want = create_block_mask(mask_mod, 2, None, 1000, 1000, "cpu", _compile=False)
+    for band in (2 * 128 * 1000, 2 * 3 * 128 * 1000):
+        got = banded_block_mask(mask_mod, 2, None, 1000, 1000, "cpu", band=band)
+        assert got.shape == want.shape
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_indices"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (band, name)

@@ -192,11 +192,13 @@ _COMPARED += ("softcapped_logits",)
 
 
 def _refuse_contradiction(entry: Figures, real: Figures, repo: str) -> None:
-    """The conf/model entry naming `repo` must describe the model its config.json describes."""
+    """The conf/model entry naming `repo` must describe the model its config.json describes. A multimodal
+    checkpoint's entry names its own model_type (gemma3, mllama), the figures its text_config's."""
+    own = read_config(Path(real.config_dir) / "config.json").get("model_type") if real.config_dir else None
     wrong = [
         f"{k} {getattr(entry, k)} (config.json: {getattr(real, k)})"
         for k in _COMPARED
-        if getattr(entry, k) != getattr(real, k)
+        if getattr(entry, k) != getattr(real, k) and not (k == "architecture" and entry.architecture == own)
     ]
     if wrong:
         raise UserError(

@@ -95,3 +95,46 @@ def test_a_vision_config_that_is_no_mapping_is_refused_in_one_line(value):
     cfg = compose_cfg("model=qwen2.5-7b", f"model.vision_config={value}")
     with pytest.raises(UserError, match=r"model\.vision_config=.* must be a mapping of the checkpoint's"):
         figures.model_figures(cfg.model)
+
+
+def _cached_config(entry: str) -> dict:
+    """The checkpoint's config.json as transformers saves it: its own model_type at the top, the language
+    model's figures in a text_config of the text model's type, the vision_config beside it."""
+    model = compose_cfg(f"model={entry}").model
+    text_type = {"gemma3": "gemma3_text", "mllama": "mllama_text_model"}[model.architecture]
+    text = {
+        "model_type": text_type,
+        "hidden_size": model.hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_heads,
+        "num_key_value_heads": model.num_kv_heads,
+        "intermediate_size": model.intermediate_size,
+        "vocab_size": model.vocab_size,
+        "head_dim": model.head_dim,
+        "max_position_embeddings": model.max_position_embeddings,
+        "tie_word_embeddings": model.tie_embeddings,
+        **dict(model.figures or {}),
+    }
+    return {"model_type": model.architecture, "text_config": text, "vision_config": dict(model.vision_config)}
+
+
+@pytest.mark.parametrize("entry,repo", [("gemma3-12b", "google/gemma-3-12b-it"),
+                                        ("llama3.2-11b-vision", "meta-llama/Llama-3.2-11B-Vision-Instruct")])  # fmt: skip
+def test_an_entry_agrees_with_its_cached_multimodal_config_json(tmp_path, monkeypatch, entry, repo):
+    """Once the checkpoint is downloaded its config.json is read: the entry names the checkpoint's own
+    model_type, the figures come from its text_config (another model_type), and that is no contradiction."""
+    from huggingface_hub import constants
+    from test_plans_describe_the_model_that_loads import fake_hub_cache
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    fake_hub_cache(tmp_path / "cache", repo, _cached_config(entry))
+    fig = _fig(entry)
+    assert fig.source.startswith(f"{repo}'s config.json from the HF cache") and fig.config_dir
+    assert figures.vision_language(fig) and fig.vision_config_json is None  # the dir's own vision_config
+    wider = _cached_config(entry)
+    wider["text_config"]["hidden_size"] = 64
+    fake_hub_cache(tmp_path / "other", repo, wider)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "other"))
+    with pytest.raises(UserError, match="contradicts"):
+        _fig(entry)

@@ -107,7 +107,7 @@ def _load(spec: Any, split: str, field: str, max_pixels: int = MAX_FILE_PIXELS) 
     (width x height) is refused."""
     from datasets import Dataset, Image, List
 
-    rows, source = read_source(spec, split, field)
+    rows, source = read_source(spec, split, field, keep=("images",))
     base = _image_root(spec)
     columns: dict[str, list] = {"messages": [], "images": []}
     for key, row in rows.items():
@@ -127,8 +127,10 @@ def _image_root(spec: Any) -> Path | None:
 
 def convert_image_row(
     rows: Rows, key: Any, row: Any, base: Path | None, max_pixels: int = MAX_FILE_PIXELS
-) -> tuple[list[dict], list[str]]:
-    """One row's messages (every content a list of parts) and its images' absolute paths, checked."""
+) -> tuple[list[dict], list[dict]]:
+    """One row's messages (every content a list of parts) and its images, checked, as the Image feature
+    stores them: `{"bytes": None, "path": absolute path}` for a file, `{"bytes": ..., "path": ...}` for an
+    image a saved dataset or parquet holds."""
     at = rows.where(key)
     if not isinstance(row, dict):
         raise UserError(f"{at}: expected an object with 'messages' and 'images', got {type(row).__name__}")
@@ -136,14 +138,14 @@ def convert_image_row(
     wanted = sum(1 for m in messages for p in m["content"] if p["type"] == "image")
     images = row.get("images")
     images = [] if images is None else images
-    if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
-        raise UserError(f"{at}: field 'images' must be a list of image file paths, got {_short(images)}")
+    if not isinstance(images, list):
+        raise UserError(f"{at}: field 'images' must be a list of image file paths or image bytes, got {_short(images)}")
     if len(images) != wanted:
         raise UserError(
             f"{at}: {wanted} image part(s) in 'messages' but {len(images)} file(s) in 'images'; give each "
             '{"type": "image"} part one file, in order'
         )
-    return messages, [_checked_image(at, j, name, base, max_pixels) for j, name in enumerate(images)]
+    return messages, [_checked_entry(at, j, entry, base, max_pixels) for j, entry in enumerate(images)]
 
 
 def _messages(at: str, value: Any) -> list[dict]:
@@ -183,8 +185,6 @@ def _parts(where: str, content: Any) -> list[dict]:
 
 def _checked_image(at: str, j: int, name: str, base: Path | None, max_pixels: int = MAX_FILE_PIXELS) -> str:
     """The image's absolute path, once it is known to open as an image of at most max_pixels."""
-    from PIL import UnidentifiedImageError
-
     path = Path(name).expanduser()
     if not path.is_absolute():
         if base is None:
@@ -193,29 +193,53 @@ def _checked_image(at: str, j: int, name: str, base: Path | None, max_pixels: in
     if not path.is_file():
         where = "; relative paths are read from the data file's folder" if not Path(name).is_absolute() else ""
         raise UserError(f"{at}: images[{j}] {str(path)!r} does not exist{where}")
+    _verified(at, j, path, repr(str(path)), max_pixels)
+    return str(path)
+
+
+def _checked_entry(at: str, j: int, entry: Any, base: Path | None, max_pixels: int) -> dict:
+    """One `images` entry as datasets' Image feature stores it, `{"bytes", "path"}`, checked: a file path,
+    or the bytes of an image (a saved dataset's or a parquet's Image column, undecoded)."""
+    import io
+
+    if isinstance(entry, dict) and entry.get("bytes") is None and isinstance(entry.get("path"), str):
+        entry = entry["path"]  # an Image feature that stores the file's path, not its bytes
+    if isinstance(entry, str):
+        return {"bytes": None, "path": _checked_image(at, j, entry, base, max_pixels)}
+    data = entry.get("bytes") if isinstance(entry, dict) else entry
+    if not isinstance(data, (bytes, bytearray)):
+        raise UserError(f"{at}: field 'images' must be a list of image file paths or image bytes, got {_short(entry)}")
+    name = entry.get("path") if isinstance(entry, dict) else None
+    _verified(at, j, io.BytesIO(data), f"(the embedded image{f' {name!r}' if name else ''})", max_pixels)
+    return {"bytes": bytes(data), "path": name}
+
+
+def _verified(at: str, j: int, source: Any, what: str, max_pixels: int) -> None:
+    """`source` (a path or a stream) opens as an image PIL can read, of at most max_pixels."""
+    from PIL import UnidentifiedImageError
+
     try:
-        with _opened(at, j, path, max_pixels) as image:
-            _within(at, j, str(path), image.size, max_pixels)
+        with _opened(at, j, source, what, max_pixels) as image:
+            _within(at, j, what, image.size, max_pixels)
             image.verify()
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UserError(
-            f"{at}: images[{j}] {str(path)!r} is not an image PIL can read ({first}); replace or remove it"
+            f"{at}: images[{j}] {what} is not an image PIL can read ({first}); replace or remove it"
         ) from None
-    return str(path)
 
 
-def _opened(at: str, j: int, path: Path, max_pixels: int = MAX_FILE_PIXELS):
+def _opened(at: str, j: int, source: Any, what: str, max_pixels: int):
     """PIL's image (its header read, not its pixels), PIL's own bomb bound named as the row's one line."""
     from PIL import Image
 
     if max_pixels > (Image.MAX_IMAGE_PIXELS or 0):  # a bound raised past PIL's: datasets decodes with PIL later
         Image.MAX_IMAGE_PIXELS = max_pixels
     try:
-        return Image.open(path)
+        return Image.open(source)
     except Image.DecompressionBombError:
         raise UserError(
-            f"{at}: images[{j}] {str(path)!r} is too large to load safely (over {2 * Image.MAX_IMAGE_PIXELS:,} "
+            f"{at}: images[{j}] {what} is too large to load safely (over {2 * Image.MAX_IMAGE_PIXELS:,} "
             f"pixels, data.image_file_max_pixels={max_pixels:,}); resize it"
         ) from None
 

@@ -30,7 +30,8 @@ FILE_TYPES = (".jsonl", ".json", ".csv", ".parquet")
 EVAL_SPLIT_NAMES = ("validation", "valid", "val", "eval", "test", "dev")
 BATCH_ROWS = 1000  # rows read (and converted) at a time from a streamed source
 # Every field some format reads (formats.FORMAT_FIELDS): what a hub or saved dataset is read for, with its
-# text and number columns (a grpo reward's reference answer); images and nested records stay unread.
+# text and number columns (a grpo reward's reference answer); images and nested records stay unread,
+# unless a caller keeps them (image rows keep `images`, undecoded: read_source's `keep`).
 KNOWN_FIELDS = (
     *("messages", "conversations", "prompt", "completion", "instruction", "input", "output", "text"),
     *("chosen", "rejected", "label"),
@@ -258,12 +259,14 @@ def _read_file(path: Path) -> Rows:
     )
 
 
-def _rows_from_dataset(label: str, ds: Any) -> Rows:
+def _rows_from_dataset(label: str, ds: Any, keep: tuple[str, ...] = ()) -> Rows:
     """Rows of a loaded `datasets.Dataset`, reading only the columns some format uses and its text and
-    number columns (hub datasets often carry others, e.g. images); with no field of a format, the
-    first row whole, for the detection error. Read batch by batch from its memory-mapped Arrow table."""
+    number columns (hub datasets often carry others, e.g. images), and the `keep` columns with their
+    images undecoded (`{"bytes", "path"}`); with no field of a format, the first row whole, for the
+    detection error. Read batch by batch from its memory-mapped Arrow table."""
     if any(c in KNOWN_FIELDS for c in ds.column_names):
-        ds = ds.select_columns([c for c, feature in ds.features.items() if c in KNOWN_FIELDS or _scalar(feature)])
+        wanted = set(KNOWN_FIELDS) | set(keep)
+        ds = _undecoded(ds.select_columns([c for c, f in ds.features.items() if c in wanted or _scalar(f)]), keep)
     else:
         ds = ds.select(range(min(1, len(ds))))
 
@@ -272,6 +275,20 @@ def _rows_from_dataset(label: str, ds: Any) -> Rows:
             yield [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
 
     return _ArrowRows(label, batches, (label, ds._fingerprint), ds.data.nbytes)
+
+
+def _undecoded(ds: Any, keep: tuple[str, ...]) -> Any:
+    """The kept image columns (an Image, or a list of them) as their stored bytes and paths: the rows are
+    checked from the bytes, and nothing is decoded before training needs it."""
+    from datasets import Image, List
+
+    for name in keep:
+        feature = ds.features.get(name)
+        if isinstance(feature, Image):
+            ds = ds.cast_column(name, Image(decode=False))
+        elif isinstance(getattr(feature, "feature", None), Image):
+            ds = ds.cast_column(name, List(Image(decode=False)))
+    return ds
 
 
 def _scalar(feature: Any) -> bool:
@@ -310,7 +327,7 @@ def _split_files(files: list[Path], root: Path, wanted: tuple[str, ...]) -> list
     return files
 
 
-def _read_dir(path: Path, wanted: tuple[str, ...], field: str) -> tuple[Rows, str]:
+def _read_dir(path: Path, wanted: tuple[str, ...], field: str, keep: tuple[str, ...] = ()) -> tuple[Rows, str]:
     label = str(path)
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
         from datasets import DatasetDict, load_from_disk
@@ -321,8 +338,8 @@ def _read_dir(path: Path, wanted: tuple[str, ...], field: str) -> tuple[Rows, st
             raise UserError(f"{label}: a saved dataset dir that cannot be loaded ({_one_line(err)})") from None
         if isinstance(loaded, DatasetDict):
             split = _pick_split(label, list(loaded.keys()), wanted, field)
-            return _rows_from_dataset(f"{label} (split {split})", loaded[split]), f"{label} (split {split})"
-        return _rows_from_dataset(label, loaded), label
+            return _rows_from_dataset(f"{label} (split {split})", loaded[split], keep), f"{label} (split {split})"
+        return _rows_from_dataset(label, loaded, keep), label
     files = sorted(
         f
         for f in path.rglob("*")
@@ -383,7 +400,7 @@ def _looks_local(spec: str) -> bool:
     )
 
 
-def _read_hub(name: str, split: str | None, field: str) -> tuple[Rows, str]:
+def _read_hub(name: str, split: str | None, field: str, keep: tuple[str, ...] = ()) -> tuple[Rows, str]:
     unreachable = f"{field}: '{name}' is not a local file or dir, and the hub dataset of that name could not be reached"
     fix = "pass a local .jsonl/.json/.csv/.parquet file or dataset dir instead (or check the path)"
     if _hub_offline():
@@ -400,7 +417,7 @@ def _read_hub(name: str, split: str | None, field: str) -> tuple[Rows, str]:
         picked = _pick_split(f"hub dataset '{name}'", list(loaded.keys()), EVAL_SPLIT_NAMES, field)
         loaded, split = loaded[picked], picked
     label = f"hub dataset '{name}' split '{split}'"
-    return _rows_from_dataset(label, loaded), f"hub:{name} (split {split})"
+    return _rows_from_dataset(label, loaded, keep), f"hub:{name} (split {split})"
 
 
 def check_local_source(spec: Any, field: str) -> None:
@@ -426,18 +443,19 @@ def check_data_sources(data: DataConfig) -> None:
         check_local_source(data.eval_path, "data.eval_path")
 
 
-def read_source(spec: Any, split: str, field: str) -> tuple[Rows, str]:
-    """Rows and a description of the source for `data.path` (split `split`) or `data.eval_path`."""
+def read_source(spec: Any, split: str, field: str, keep: tuple[str, ...] = ()) -> tuple[Rows, str]:
+    """Rows and a description of the source for `data.path` (split `split`) or `data.eval_path`; a saved
+    or hub dataset's `keep` columns are read too, their images undecoded."""
     check_local_source(spec, field)
     spec = str(spec).strip()
     path = Path(os.path.expanduser(spec))
     wanted = (split,) if field == "data.path" else EVAL_SPLIT_NAMES
     if path.is_dir():
-        rows, source = _read_dir(path, wanted, field)
+        rows, source = _read_dir(path, wanted, field, keep)
     elif path.is_file():
         rows, source = _read_file(path), str(path)
     else:
-        rows, source = _read_hub(spec, split if field == "data.path" else None, field)
+        rows, source = _read_hub(spec, split if field == "data.path" else None, field, keep)
     if rows.first() is None:
         raise UserError(f"{rows.label}: empty, no rows; point {field} at a file with examples")
     return rows, source

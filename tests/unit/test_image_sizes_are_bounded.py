@@ -157,7 +157,7 @@ def test_an_image_file_over_the_pixel_bound_is_one_line_naming_the_row(tmp_path,
     with pytest.raises(UserError) as err:
         load_image_splits(_data(f"data.path={path}", "data.image_file_max_pixels=1000"), llava_processor, 64, 0)
     assert str(err.value) == (
-        f"{path} line 2: images[0] {tmp_path / 'images' / 'wide.png'} is 40 x 30 = 1,200 pixels, over "
+        f"{path} line 2: images[0] {str(tmp_path / 'images' / 'wide.png')!r} is 40 x 30 = 1,200 pixels, over "
         "data.image_file_max_pixels=1,000; resize it, or raise data.image_file_max_pixels"
     )
     train, _, _ = load_image_splits(

@@ -59,8 +59,13 @@ JOB = [
     "trainer.eval_steps=0",
 ]
 # Ours as it is (bf16 adapters under this bf16 job, as TRL and the baseline train them: peft.adapter_dtype=auto),
-# and with float32 master adapters, whose LoRA layers add casts to the compute dtype:
-VARIANTS = {"ours": [], "ours-fp32-adapters": ["peft.adapter_dtype=float32"]}
+# with float32 master adapters, whose LoRA layers add casts to the compute dtype, and padding-free
+# (the rows packed into one flat row through sdpa_varlen, whose sequence bounds are read from the device):
+VARIANTS = {
+    "ours": [],
+    "ours-fp32-adapters": ["peft.adapter_dtype=float32"],
+    "ours-padding-free": ["data.packing=true", "data.packing_strategy=bfd", "model.attn_implementation=auto"],
+}
 # Where ours' TrainingArguments may differ from the plain script's, and why; any other is a finding.
 RUN_PATHS = ("output_dir", "logging_dir", "run_name")  # each side's own run dir
 ARGS_DIFFER = {

@@ -86,9 +86,10 @@ def load_processor(model: ModelConfig, source: dict):
         processor = AutoProcessor.from_pretrained(**source)
     except ImportError as err:  # Qwen-VL and SmolVLM processors build a video processor, which needs torchvision
         first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__).split(". ")[0]
+        fix = "the torchvision built for your torch" if "torchvision" in first.lower() else "the package it names"
         raise UserError(
             f"could not load the processor of vision-language model.name_or_path={model.name_or_path} ({first}); "
-            "install the torchvision built for your torch, then run again"
+            f"install {fix}, then run again"
         ) from None
     except (OSError, ValueError, TypeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

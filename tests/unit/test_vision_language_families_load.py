@@ -101,3 +101,25 @@ def test_a_processor_that_needs_torchvision_is_one_line_without_it(kind, tmp_pat
         f"({'SmolVLM' if kind == 'smolvlm' else 'Qwen2VL'}VideoProcessor requires the Torchvision library but it "
         "was not found in your environment); install the torchvision built for your torch, then run again"
     )
+
+
+def test_a_processor_missing_another_package_names_that_package(tmp_path, monkeypatch):
+    """SmolVLM's processor also needs num2words (transformers checks it once torchvision is there)."""
+    import transformers
+
+    from qlora_recipes.model import loading
+    from qlora_recipes.model.vision import load_processor
+
+    path = fam.build_idefics3(tmp_path / "model")
+
+    def needs_num2words(*args, **kwargs):  # transformers' own words, from SmolVLMProcessor.__init__
+        raise ImportError(
+            "Package `num2words` is required to run SmolVLM processor. Install it with `pip install num2words`."
+        )
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", needs_num2words)
+    cfg = compose_cfg(f"model.name_or_path={path}")
+    with pytest.raises(
+        UserError, match=r"\(Package `num2words` is required to run SmolVLM processor\); install the package it names"
+    ):
+        load_processor(cfg.model, loading.source(cfg.model))

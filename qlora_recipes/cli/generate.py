@@ -10,7 +10,8 @@ prompt/completion prompts shared); --raw sends them exactly as typed. `\\n` in a
 --file: one prompt per line, or JSON lines (strings or data rows: the prompt part is used); `--file -`
 (or no prompt, with text piped in) reads one prompt per line from stdin. Prints one generation per prompt.
 --image (repeatable, a vision-language model only): every prompt is asked about these images, rendered by
-the run's processor with its chat template, the images before the prompt's text.
+the run's processor with its chat template, the images before the prompt's text. Image rows of a JSON
+lines prompts file (messages + images, as training reads them) are asked with their own images.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def run(argv: list[str], prog: str = "qlora generate") -> None:
                 "no prompt: give one as the second argument, --file with one prompt per line, or pipe them in"
             )
         _check(args)
-        images = _images(args)  # a bad file or a text model answers before anything loads
+        images = _images(args, prompts)  # a bad file or a text model answers before anything loads
         model, tokenizer, info = load_for_generation(
             args.path, chat=args.chat, trust_remote_code=args.trust_remote_code
         )
@@ -101,37 +102,54 @@ def run(argv: list[str], prog: str = "qlora generate") -> None:
             "top_p": args.top_p,
             "max_prompt_tokens": info["max_prompt_tokens"],
         }
-        if images:
+        if images is not None:
             from ..outputs.images import generate_with_images, image_prompt
 
-            asked = [image_prompt(p, info["format"], images) for p in prompts]
+            asked = [image_prompt(p, info["format"], i) for p, i in zip(prompts, images, strict=True)]
             outputs = generate_with_images(model, info["processor"], asked, max_new, **sampling)
         else:
             outputs = generate(model, tokenizer, prompts, info["format"], max_new, **sampling)
         for prompt, text in zip(prompts, outputs, strict=True):
             if args.jsonl:
                 row = {"prompt": prompt.value, "generation": text}
-                print(json.dumps({**row, "images": args.image} if images else row))
+                shown = args.image or prompt.images
+                print(json.dumps({**row, "images": shown} if shown else row))
             else:
-                print(f"### {prompt.show()}{_shown(args.image)}\n{text}\n")
+                print(f"### {prompt.show()}{_shown(args.image or prompt.images)}\n{text}\n")
         return 0
 
     run_plain(generate_run)
 
 
-def _images(args) -> list:
-    """The --image files opened, once the dir is known to hold a vision-language model."""
-    if not args.image:
-        return []
+def _images(args, prompts: list) -> list | None:
+    """Each prompt's opened images (the --image files, or an image row's own), once the dir is known to
+    hold a vision-language model; None when no prompt has any (the text path)."""
+    from ..outputs.images import image_parts, open_images
+
+    own = [p.images for p in prompts]
+    if args.image and any(own):
+        raise UserError(
+            "--image with a prompts file whose rows name their own images: drop --image, or the rows' 'images'"
+        )
+    if not args.image and not any(own):
+        for prompt in prompts:
+            if prompt.kind == "messages" and image_parts(prompt.value):
+                raise UserError(
+                    f"prompt {prompt.show()!r} has image parts but no images: pass --image PATH for them, or give "
+                    "the row an 'images' list"
+                )
+        return None
     from ..outputs.generation import is_vision_dir
-    from ..outputs.images import open_images
 
     if not is_vision_dir(args.path):
+        what, drop = ("--image", "drop --image") if args.image else ("the prompts' images", "drop the rows' images")
         raise UserError(
-            f"--image: {args.path} holds a text model, which cannot see images; drop --image, or pass a "
+            f"{what}: {args.path} holds a text model, which cannot see images; {drop}, or pass a "
             "vision-language model's run or merged dir"
         )
-    return open_images(args.image)
+    if args.image:
+        return [open_images(args.image)] * len(prompts)
+    return [open_images(paths, "prompt image") for paths in own]
 
 
 def _shown(paths: list[str]) -> str:

@@ -165,6 +165,13 @@ def _image_batches(cfg, processor) -> tuple[list[dict], str]:
     return [dict(image_inputs(processor, prompt)) for prompt, _ in pairs], source
 
 
+def _image_batch(processor, prompt: Prompt, style) -> dict:
+    from ..outputs.images import image_inputs, image_prompt, open_images
+
+    asked = image_prompt(prompt, PromptFormat.of(style), open_images(prompt.images, "prompt image"))
+    return dict(image_inputs(processor, asked))
+
+
 def compare_prompts(
     cfg, tokenizer, prompts_file: str | None, style: str | PromptFormat, processor=None
 ) -> tuple[list[dict], str]:
@@ -173,6 +180,10 @@ def compare_prompts(
     as `qlora generate` wraps them. A vision-language run (`processor`) compares on its image rows."""
     if processor is not None and not prompts_file:
         return _image_batches(cfg, processor)
+    if processor is not None and prompts_file:
+        prompts = read_prompts(prompts_file)
+        if any(p.images for p in prompts):  # image rows: asked with their own images
+            return [_image_batch(processor, p, style) for p in prompts], str(prompts_file)
     if prompts_file:
         prompts, source = read_prompts(prompts_file), str(prompts_file)
     else:

@@ -43,6 +43,17 @@ class ImagePrompt:
         return " | ".join(texts).replace("\n", "\\n")
 
 
+def image_parts(messages: list[dict]) -> int:
+    """How many image parts the turns hold."""
+    return sum(
+        1
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for p in m["content"]
+        if isinstance(p, dict) and p.get("type") == "image"
+    )
+
+
 def _part_text(part: dict) -> str:
     return "<image>" if part.get("type") == "image" else str(part.get("text") or "")
 
@@ -78,10 +89,11 @@ def image_prompt(prompt: Prompt, fmt: PromptFormat, images: list) -> ImagePrompt
             "places the image tokens; give plain prompts or message rows"
         )
     messages = fmt.messages(prompt.value) if prompt.kind == "text" else [dict(m) for m in prompt.value]
-    parts = sum(1 for m in messages if isinstance(m["content"], list) for p in m["content"] if p.get("type") == "image")
+    parts = image_parts(messages)
     if parts and parts != len(images):
         raise UserError(
-            f"a prompt holds {parts} image part(s) but {len(images)} --image file(s) were given; give one file per part"
+            f"prompt {prompt.show()!r} holds {parts} image part(s) but {len(images)} image file(s) were given; "
+            "give one file per part"
         )
     if not parts:
         first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +31,24 @@ _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 @dataclass
 class Prompt:
     """kind: "text" (what a user typed: rendered per the run's style), "formatted" (already the exact
-    prompt string, e.g. a data row's `prompt`) or "messages" (a list of {role, content})."""
+    prompt string, e.g. a data row's `prompt`) or "messages" (a list of {role, content}). images: the
+    files an image row of a prompts file names (absolute paths), for a vision-language model."""
 
     kind: str
     value: Any
+    images: list[str] = field(default_factory=list)
 
     def show(self) -> str:
         if self.kind == "messages":
-            return " | ".join(f"{m['role']}: {m['content']}" for m in self.value).replace("\n", "\\n")
+            return " | ".join(f"{m['role']}: {_content_text(m['content'])}" for m in self.value).replace("\n", "\\n")
         return str(self.value).replace("\n", "\\n")
+
+
+def _content_text(content: Any) -> str:
+    """A turn's content as text: a part list's text parts in order, an image part as <image>."""
+    if not isinstance(content, list):
+        return str(content)
+    return "".join("<image>" if p.get("type") == "image" else str(p.get("text") or "") for p in content)
 
 
 @dataclass
@@ -112,7 +121,17 @@ def data_prompt(value: str | list) -> Prompt:
     return Prompt("messages" if isinstance(value, list) else "formatted", value)
 
 
-def _row_prompt(row: Any, where: str) -> Prompt:
+def _row_images(row: dict, where: str, base: Path | None) -> list[str]:
+    """An image row's `images`: paths relative to the prompts file's folder (or absolute)."""
+    images = row.get("images")
+    if images is None:
+        return []
+    if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+        raise UserError(f"{where}: field 'images' must be a list of image file paths")
+    return [str(base / i) if base is not None and not Path(i).expanduser().is_absolute() else i for i in images]
+
+
+def _row_prompt(row: Any, where: str, base: Path | None = None) -> Prompt:
     if isinstance(row, str):
         return Prompt("text", row)
     if isinstance(row, dict):
@@ -123,7 +142,8 @@ def _row_prompt(row: Any, where: str) -> Prompt:
                 default=None,
             )
             turns = messages[:last] if last is not None and last > 0 else messages
-            return Prompt("messages", [{"role": m["role"], "content": m["content"]} for m in turns])
+            turns = [{"role": m["role"], "content": m["content"]} for m in turns]
+            return Prompt("messages", turns, _row_images(row, where, base))
         if isinstance(row.get("prompt"), list):
             return Prompt("messages", row["prompt"])
         if isinstance(row.get("prompt"), str):
@@ -155,11 +175,13 @@ def read_prompts(path: str | Path) -> list[Prompt]:
         text = path.read_text(encoding="utf-8-sig")
     except (UnicodeDecodeError, OSError) as err:
         raise UserError(f"prompts file {raw}: cannot be read as UTF-8 text ({err})") from None
-    return parse_prompts(text, raw, jsonl=path.suffix.lower() in (".jsonl", ".json"))
+    jsonl = path.suffix.lower() in (".jsonl", ".json")
+    return parse_prompts(text, raw, jsonl=jsonl, base=path.resolve().parent)
 
 
-def parse_prompts(text: str, raw: str, jsonl: bool) -> list[Prompt]:
-    """Prompts from the text of a prompts file (`raw` names it): JSON lines, or one prompt a line."""
+def parse_prompts(text: str, raw: str, jsonl: bool, base: Path | None = None) -> list[Prompt]:
+    """Prompts from the text of a prompts file (`raw` names it): JSON lines, or one prompt a line; an
+    image row's images are read relative to `base` (the file's folder)."""
     lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
     if not lines:
         raise UserError(f"prompts file {raw}: empty, no prompts; put one prompt per line (or JSON lines with a prompt)")
@@ -172,7 +194,7 @@ def parse_prompts(text: str, raw: str, jsonl: bool) -> list[Prompt]:
                 raise UserError(
                     f"prompts file {raw} line {n}: not valid JSON ({err.msg}); one JSON value per line"
                 ) from None
-            prompts.append(_row_prompt(row, f"prompts file {raw} line {n}"))
+            prompts.append(_row_prompt(row, f"prompts file {raw} line {n}", base))
         return prompts
     return [Prompt("text", unescape(line)) for _, line in lines]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SMOKE, compose_cfg
-from helpers_vision import build_llava, colour_row, draw_images, write_colour_rows
+from helpers_vision import COLOURS, build_llava, colour_row, draw_images, write_colour_rows
 
 from qlora_recipes.errors import UserError
 from qlora_recipes.outputs.images import generate_with_images, image_inputs, image_prompt, open_images
@@ -64,7 +64,7 @@ def test_a_typed_prompt_asks_about_its_images_before_its_text():
     assert asked.images == ["a", "b"] and asked.show() == "system: be brief | user: <image><image>colour?"
     turns = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
     assert image_prompt(Prompt("messages", turns), fmt, ["a"]).messages == turns  # its own image part kept
-    assert "1 image part(s) but 2 --image file(s)" in _error(lambda: image_prompt(Prompt("messages", turns), fmt, "ab"))
+    assert "1 image part(s) but 2 image file(s)" in _error(lambda: image_prompt(Prompt("messages", turns), fmt, "ab"))
     assert "--raw" in _error(lambda: image_prompt(Prompt("formatted", "user: colour?\n"), fmt, ["a"]))
 
 
@@ -226,3 +226,60 @@ def test_a_vision_runs_card_names_its_parts_its_processor_and_an_image_example(t
     use = "\n".join(vision_usage("merged", "org/tuned", None, cfg))
     assert 'AutoModelForImageTextToText.from_pretrained("org/tuned")' in use and '"path": "red.png"' in use
     assert vision_lines(compose_cfg(*SMOKE), tmp_path / "run", "adapter") == []  # a text run: no such section
+
+
+def test_image_rows_of_a_prompts_file_keep_their_images_read_from_the_files_folder(tmp_path):
+    from qlora_recipes.outputs.prompts import read_prompts
+
+    rows = write_colour_rows(tmp_path, repeats=1)
+    prompts = read_prompts(rows)
+    assert len(prompts) == 4 and prompts[0].kind == "messages"
+    assert prompts[0].images == [str(tmp_path / "images" / "red.png")]
+    assert prompts[0].show() == "user: <image>colour?"
+
+
+def test_a_merged_vision_dir_answers_each_image_row_of_a_prompts_file_with_its_own_image(tmp_path, capsys, llava):
+    from qlora_recipes.cli.generate import run
+
+    model, processor = llava
+    merged = build_llava(tmp_path / "merged")  # a standalone VLM dir, as merge writes one
+    rows = write_colour_rows(tmp_path / "data", repeats=1)
+    with pytest.raises(SystemExit) as done:
+        run([str(merged), "--file", str(rows), "--jsonl", "--max-new-tokens", "3"])
+    assert done.value.code == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["images"] for line in lines] == [[str(rows.parent / "images" / f"{c}.png")] for c in COLOURS]
+    fmt = PromptFormat(style="plain")
+    asked = [image_prompt(Prompt("messages", line["prompt"]), fmt, open_images(line["images"])) for line in lines]
+    assert [line["generation"] for line in lines] == generate_with_images(model, processor, asked, 3)
+
+
+def test_a_prompts_images_on_a_text_model_or_beside_image_is_one_line(tmp_path, capsys):
+    rows = write_colour_rows(tmp_path / "data", repeats=1)
+    text_run = _finished_run(tmp_path / "text")
+    assert _generate([str(text_run), "--file", str(rows)], capsys) == (
+        f"error: the prompts' images: {text_run} holds a text model, which cannot see images; drop the rows' images, "
+        "or pass a vision-language model's run or merged dir"
+    )
+    image = str(rows.parent / "images" / "red.png")
+    assert "--image with a prompts file whose rows name their own images" in _generate(
+        [str(text_run), "--file", str(rows), "--image", image], capsys
+    )
+    bare = tmp_path / "bare.jsonl"
+    row = colour_row("red", "images/red.png")
+    del row["images"]
+    bare.write_text(json.dumps(row) + "\n")
+    assert _generate([str(text_run), "--file", str(bare)], capsys) == (
+        "error: prompt 'user: <image>colour?' has image parts but no images: pass --image PATH for them, or give "
+        "the row an 'images' list"
+    )
+
+
+def test_merge_prompts_file_of_image_rows_compares_with_their_images(tmp_path, llava_dir):
+    from qlora_recipes.merge import quality
+
+    cfg, processor, _ = _image_splits(tmp_path, llava_dir)
+    rows = write_colour_rows(tmp_path / "asked", repeats=1)
+    batches, source = quality.compare_prompts(cfg, processor.tokenizer, str(rows), "chat", processor)
+    assert source == str(rows) and len(batches) == 4
+    assert all(tuple(b["pixel_values"].shape) == (1, 3, 28, 28) for b in batches)

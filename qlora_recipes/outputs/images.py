@@ -95,7 +95,7 @@ def image_prompt(prompt: Prompt, fmt: PromptFormat, images: list) -> ImagePrompt
             f"prompt {prompt.show()!r} holds {parts} image part(s) but {len(images)} image file(s) were given; "
             "give one file per part"
         )
-    if not parts:
+    if not parts and images:
         first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
         if first is None:
             raise UserError(f"prompt {prompt.show()!r}: no user turn to put the images in")

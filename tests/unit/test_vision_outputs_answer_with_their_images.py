@@ -66,6 +66,9 @@ def test_a_typed_prompt_asks_about_its_images_before_its_text():
     assert image_prompt(Prompt("messages", turns), fmt, ["a"]).messages == turns  # its own image part kept
     assert "1 image part(s) but 2 image file(s)" in _error(lambda: image_prompt(Prompt("messages", turns), fmt, "ab"))
     assert "--raw" in _error(lambda: image_prompt(Prompt("formatted", "user: colour?\n"), fmt, ["a"]))
+    alone = [{"role": "system", "content": "be brief"}]  # a row of a mixed file: no images, nothing to place
+    assert image_prompt(Prompt("messages", alone), fmt, []).messages == alone
+    assert "no user turn to put the images in" in _error(lambda: image_prompt(Prompt("messages", alone), fmt, ["a"]))
 
 
 def test_an_image_prompt_is_rendered_with_its_image_tokens_and_pixels(llava, images):

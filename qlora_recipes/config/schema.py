@@ -108,6 +108,13 @@ class ModelConfig:
         None,
         "a vision-language model (image rows, its processor, the vision tower unquantized); null: its config.json says",
     )
+    # model/vision.py: what a vision-language model's tower (its largest part beside the language model) does
+    vision_tower: str = option(
+        "frozen",
+        "a vision-language model's vision tower: frozen (unquantized in the compute dtype, untrained), quantized "
+        "(its linears in quant's format, frozen) or lora (unquantized, LoRA on its linears too)",
+        choices=("frozen", "quantized", "lora"),
+    )
     revision: str | None = option(None, "a hub branch, tag or commit; null: main")
     # config/attention.py: the default resolves to sdpa, or sdpa_varlen / flash for padding-free batches
     attn_implementation: str = option(

@@ -311,7 +311,8 @@ def make_trainable(cfg: TrainConfig, model):
         with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             warnings.filterwarnings("ignore", expert_lora.RANK_PATTERN_WARNING, RuntimeWarning)
-            peft_cfg = lora_on_language_model(cfg.peft, model) if vlm else cfg.peft
+            tower = cfg.model.vision_tower == "lora"
+            peft_cfg = lora_on_language_model(cfg.peft, model, tower) if vlm else cfg.peft
             model = get_peft_model(model, expert_lora.peft_config(peft_cfg, model))
         expert_lora.saved_as_peft_loads_it(model)
     except ValueError as err:  # e.g. target modules not found in the base

@@ -63,6 +63,9 @@ def config_is_vision_language(cj: dict) -> bool:
 def refuse_untried(cfg) -> None:
     """One line for what a vision-language model does not train with yet (tried: one process or DDP,
     objective=sft, no offloading), before anything is planned, loaded or written."""
+    from . import vision_tower
+
+    vision_tower.check(cfg, is_vision_language(cfg.model))  # model.vision_tower: a choice it cannot carry out
     if not is_vision_language(cfg.model):
         return
     untried = {
@@ -154,8 +157,10 @@ def skipped_from_quantization(model: ModelConfig, user: list[str] | None) -> lis
     from transformers.quantizers.base import get_keys_to_not_convert
 
     meta = meta_model(_config_dir(model), bool(model.trust_remote_code))
+    from .vision_tower import left_unquantized
+
     default = set(get_keys_to_not_convert(meta))
-    return sorted(default | set(user or ()) | set(vision_prefixes(meta)))
+    return sorted(default | set(user or ()) | set(left_unquantized(meta, vision_prefixes(meta), model.vision_tower)))
 
 
 def _config_dir(model: ModelConfig) -> str:
@@ -171,11 +176,13 @@ def _config_dir(model: ModelConfig) -> str:
 def keep_vision_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """The vision parts back in the compute dtype after k-bit prep (which upcasts every non-4-bit weight
     to fp32): they are frozen and unquantized, and fp32 copies would double their memory."""
-    for prefix in vision_prefixes(model):
-        model.get_submodule(prefix).to(dtype)
+    from .vision_tower import cast_unquantized
+
+    for prefix in vision_prefixes(model):  # a quantized tower's 4-bit weights stay as they are
+        cast_unquantized(model.get_submodule(prefix), dtype)
 
 
-def lora_on_language_model(peft_cfg: PeftConfig, model: torch.nn.Module) -> PeftConfig:
+def lora_on_language_model(peft_cfg: PeftConfig, model: torch.nn.Module, tower: bool = False) -> PeftConfig:
     """`peft_cfg` with its target modules limited to the language model: all-linear, or a list of leaf
     names, becomes a regular expression over the language model's linears. A regular expression the
     user wrote is theirs and stays as given."""
@@ -192,6 +199,12 @@ def lora_on_language_model(peft_cfg: PeftConfig, model: torch.nn.Module) -> Peft
             "LoRA on a vision-language model adapts its language model"
         )
     pattern = rf"{re.escape(lm_name)}\..*\.({'|'.join(map(re.escape, names))})"
+    if tower:  # model.vision_tower=lora: the tower's linears too
+        from .vision_tower import lora_pattern
+
+        tower_pattern, tower_names = lora_pattern(model, vision_prefixes(model))
+        log.info("peft: LoRA on the vision tower's linears too (%s)", ", ".join(tower_names))
+        return dataclasses.replace(peft_cfg, target_modules=f"(?:{pattern})|(?:{tower_pattern})")
     log.info(
         "peft: LoRA on the language model's linears (%s); the vision tower and projector stay frozen", ", ".join(names)
     )

@@ -244,3 +244,25 @@ def build_smolvlm(out: Path) -> Path:
     )
     processor = {"processor_class": "SmolVLMProcessor", "image_seq_len": 1}
     return _save_parts(SmolVLMForConditionalGeneration, config, tokenizer, image_processor, processor, out)
+
+
+def add_wide_rows(rows: Path) -> int:
+    """Rows whose squares sit on a 56 x 28 picture, appended to `rows`: a second shape for the processor
+    (mllama's 1x2 aspect-ratio tiles, Idefics3's 2x1 sub-images, Qwen's resize to its pixel bounds).
+    Returns how many rows were added."""
+    import json
+
+    from helpers_vision import COLOURS, colour_row
+    from PIL import Image, ImageDraw
+
+    folder = rows.parent / "images"
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for name, rgb in COLOURS.items():
+        image = Image.new("RGB", (56, 28), (0, 0, 0))
+        ImageDraw.Draw(image).rectangle((4, 4, 51, 23), fill=rgb)
+        image.save(folder / f"wide-{name}.png")
+        lines.append(json.dumps(colour_row(name, f"images/wide-{name}.png")) + "\n")
+    with rows.open("a") as f:
+        f.writelines(lines)
+    return len(lines)

@@ -22,6 +22,7 @@ HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 def test_each_vision_language_family_trains_on_image_rows_with_nf4_and_paged8bit(kind, tmp_path):
     model = getattr(fam, f"build_{kind}")(tmp_path / "model")
     rows = write_colour_rows(tmp_path / "data")
+    wide = fam.add_wide_rows(rows)  # a second image shape: tiles, sub-images, a resize
     run_dir = tmp_path / "run"
     proc = _train_py(
         f"model.name_or_path={model}",
@@ -44,6 +45,7 @@ def test_each_vision_language_family_trains_on_image_rows_with_nf4_and_paged8bit
     metrics = json.loads((run_dir / "metrics.json").read_text())
     losses = metrics["train_losses"]
     assert metrics["steps"] == 20 and all(math.isfinite(x) for x in losses)
+    assert sum(metrics["data"]["rows"].values()) == 4 * 8 + wide  # every row trained or held out, none dropped
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.2, losses  # it learns
     adapter = run_dir / "adapter"
     assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "processor_config.json").is_file()

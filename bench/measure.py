@@ -33,6 +33,10 @@ TIMING_METRICS = (
 )
 
 
+# A profiled step's chrome trace larger than this (gzipped) stays in the work dir, out of the results.
+TRACE_KEEP_BYTES = 8 << 20
+
+
 def tidy(run_dir: Path) -> None:
     """Drop the adapters and checkpoints (hundreds of MB at 70B); keep metrics, plans and logs."""
     for sub in ("adapter", "checkpoints", "tb"):
@@ -69,10 +73,12 @@ class Measure:
         record: bool = True,
         launcher: tuple = (),
         extra: dict | None = None,
+        profile_step: int | None = None,
     ) -> dict:
         """Measure one stack (ours, and the baseline when asked); record it unless record=False.
         `launcher`: a module that runs ours's train.py (`python -m MODULE ARGS train.py ...`, e.g. the
-        card-size cap of bench/card_check.py); `extra`: fields recorded in the entry."""
+        card-size cap of bench/card_check.py); `extra`: fields recorded in the entry; `profile_step`:
+        that optimizer step of the first pair's runs under torch.profiler (bench/profile_step.py)."""
         steps, warmup = steps or self.s.steps, self.s.warmup if warmup is None else warmup
         kept = self.results.kept("stacks", name) if record else None
         if kept:
@@ -83,6 +89,7 @@ class Measure:
             "steps": steps,
             "warmup_steps": warmup,
             **(extra or {}),
+            **({"profile_step": profile_step} if profile_step else {}),
         }
         full = self.child_overrides(overrides, steps)
         entry["train_py"] = "python train.py " + " ".join(full)
@@ -130,10 +137,12 @@ class Measure:
             except ValueError as err:
                 entry["baseline"] = {"status": "skipped", "error": str(err)}
         ours_runs, base_runs = [], []
+        profile = entry.get("profile_step")
         for i in range(repeats):
-            ours_runs.append(self._run_ours(name, i, full, warmup, launcher))
+            step = profile if i == 0 else None  # one profiled pair; the medians barely feel it
+            ours_runs.append(self._run_ours(name, i, full, warmup, launcher, step))
             if with_base:
-                base_runs.append(self._run_baseline(name, i, cfg, warmup))
+                base_runs.append(self._run_baseline(name, i, cfg, warmup, step))
         entry["status"] = "ok"
         entry["ours"] = {**summarize(ours_runs), "runs": ours_runs}
         if with_base:
@@ -162,26 +171,50 @@ class Measure:
             msg += f" | error: {o.get('error')}"
         print(msg, flush=True)
 
-    def _run_ours(self, name: str, i: int, full: list[str], warmup: int, launcher: tuple = ()) -> dict:
+    def _run_ours(
+        self, name: str, i: int, full: list[str], warmup: int, launcher: tuple = (), profile: int | None = None
+    ) -> dict:
         run_dir = self.s.work / name / f"ours-{i}"
         shutil.rmtree(run_dir, ignore_errors=True)
+        if profile:  # the profiler's launcher runs train.py (a stack with its own launcher is not profiled)
+            launcher = ("bench.profile_step", str(profile), str(run_dir / "profile"))
         prefix = ["-m", *launcher] if launcher else []
         argv = [sys.executable, *prefix, str(REPO / "train.py"), *full, f"hydra.run.dir={run_dir}"]
         child = run_child(argv, self.s.work / name / f"ours-{i}.log", self.s.env, self.s.timeout)
         rec = read_ours(run_dir, child, warmup, self.s.gpu)
+        self._keep_profile(rec, run_dir / "profile", f"{name}-ours")
         tidy(run_dir)
         return rec
 
-    def _run_baseline(self, name: str, i: int, cfg: Any, warmup: int) -> dict:
+    def _run_baseline(self, name: str, i: int, cfg: Any, warmup: int, profile: int | None = None) -> dict:
         out = self.s.work / name / f"baseline-{i}"
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True, exist_ok=True)
         metrics = out / "metrics.json"
         argv = baseline_argv(cfg, out, metrics)
+        if profile:  # argv[1:] is `-m bench.baseline ...`
+            argv = [argv[0], "-m", "bench.profile_step", str(profile), str(out / "profile"), *argv[1:]]
         child = run_child(argv, self.s.work / name / f"baseline-{i}.log", self.s.env, self.s.timeout)
         rec = read_baseline(metrics, child, warmup, self.s.gpu)
+        self._keep_profile(rec, out / "profile", f"{name}-baseline")
         tidy(out)
         return rec
+
+    def _keep_profile(self, rec: dict, prof_dir: Path, label: str) -> None:
+        """A profiled run's table into its record; its chrome trace beside the results file when small."""
+        summary = prof_dir / "profile.json"
+        if not summary.is_file():
+            return
+        rec["profile"] = json.loads(summary.read_text())
+        trace = prof_dir / "trace.json.gz"
+        size = trace.stat().st_size if trace.is_file() else 0
+        if 0 < size <= TRACE_KEEP_BYTES:
+            kept = self.results.path.with_name(f"{self.results.path.stem}-profile-{label}.json.gz")
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(trace, kept)
+            rec["profile"]["trace"] = kept.name
+        elif size:
+            rec["profile"]["trace"] = f"not kept: {size / 2**20:.1f} MiB gzipped (over {TRACE_KEEP_BYTES >> 20} MiB)"
 
     def timing(self, t: dict) -> None:
         """A whole command `repeats` times: wall and CPU seconds, the median against the goal."""

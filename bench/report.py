@@ -101,6 +101,31 @@ def _ratio_rows(stacks: list[dict]) -> list[str]:
     return lines
 
 
+def _profile_rows(stacks: list[dict]) -> list[str]:
+    """Each profiled run's key-averages table (bench/profile_step.py), ours and the baseline in turn."""
+    lines: list[str] = []
+    for s in stacks:
+        for side in ("ours", "baseline"):
+            prof = next((r["profile"] for r in (s.get(side) or {}).get("runs", []) if r.get("profile")), None)
+            if prof is None:
+                continue
+            by = "device" if prof["sort_by"].startswith("device") else "CPU"
+            lines += _titled(
+                f"torch.profiler, {s['name']} ({side}), step {prof['step']}: {fmt(prof['step_wall_s'], 3)} s wall, "
+                f"all ops' own time {fmt(prof['self_device_ms_all'], 1)} ms device, "
+                f"{fmt(prof['self_cpu_ms_all'], 1)} ms CPU; top {len(prof['rows'])} ops by total {by} time; "
+                f"chrome trace: {prof.get('trace', 'none')}",
+                "| op | calls | self device ms | device total ms | self CPU ms | CPU total ms |",
+                6,
+            )
+            lines += [
+                f"| `{r['op']}` | {r['calls']} | {fmt(r['self_device_ms'], 2)} | {fmt(r['device_total_ms'], 2)} | "
+                f"{fmt(r['self_cpu_ms'], 2)} | {fmt(r['cpu_total_ms'], 2)} |"
+                for r in prof["rows"]
+            ]
+    return lines
+
+
 def _header(res: Mapping[str, Any]) -> list[str]:
     lines = [f"### {res.get('suite')} suite — {res['device']['name']} — {res.get('date')}", ""]
     for run in res.get("runs", []):
@@ -185,6 +210,7 @@ def render_markdown(res: Mapping[str, Any]) -> str:
     stacks = res.get("stacks", [])
     if stacks:
         lines += ["", *_stack_rows(stacks, gpu), *_efficiency_rows(stacks), *_ratio_rows(stacks)]
+        lines += _profile_rows(stacks)
     lines += _timing_rows(res.get("timings", []))
     for sec in res.get("slope", []):
         lines += _slope_rows(sec)

@@ -46,6 +46,7 @@ def stage_stacks(b: Any, key: str, st: dict) -> None:
             baseline=s.get("baseline", False),
             repeats=s.get("repeats"),
             requires=tuple(s.get("requires", ())),
+            profile_step=s.get("profile_step"),
         )
 
 

@@ -145,6 +145,11 @@ def test_gpu_check_runs_every_part_in_shrink_mode_on_cpu(tmp_path):
         assert s["ours"]["status"] == "ok", (s["name"], s["ours"])
     pair = stacks["8b-nf4-paged8bit-ckpt"]
     assert pair["baseline"]["status"] == "ok" and pair["ratios"]["peak_gib"] > 0
+    for side in ("ours", "baseline"):  # one step of each under torch.profiler, its trace beside the results
+        prof = pair[side]["runs"][0]["profile"]
+        assert prof["step"] == pair["profile_step"] and prof["rows"] and prof["activities"] == ["cpu"]
+        assert (path.parent / prof["trace"]).is_file()
+    assert "torch.profiler, 8b-nf4-paged8bit-ckpt (baseline)" in path.with_suffix(".md").read_text()
     assert "trainer.gradient_checkpointing=auto" in stacks["8b-ckpt-auto"]["train_py"]
     assert stacks["8b-mixed-padding-free"]["ours"]["token_efficiency"] == pytest.approx(1.0)
     moe = stacks["moe-gpt-oss-20b-16gb-L1"]

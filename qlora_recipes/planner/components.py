@@ -500,8 +500,9 @@ def backward_working_bytes(st: StackSpec, b: int, on_cpu: bool = False, bb: Bloc
         norm_temps = 2 * h if st.lean_norms else 4 * 2 * h
         rest = b * s * (norm_temps + c * 2 * fig.num_heads * fig.head_dim)
         w = b * s * r * 2 * h + max(mlp, rest)
-    if not mlp_tiled(st, b):  # a routed layer's backward, its MLP not run a tile at a time
-        w = max(w, moe.routed_backward_bytes(st, b * s, r))
+    if not mlp_tiled(st, b):  # a routed layer's backward or its recompute, its MLP not run a tile at a time
+        c = act_dtypes(st, on_cpu)[0]
+        w = max(w, moe.routed_backward_bytes(st, b * s, r), moe.routed_recompute_bytes(st, b * s, c, r))
     if eager(st):
         rows, n = attention_rows(st, b)
         w += rows * fig.num_heads * n * n * 4  # fp32 gradient of the softmax

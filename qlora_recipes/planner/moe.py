@@ -53,3 +53,17 @@ def routed_backward_bytes(st: StackSpec, tokens: int, r: int) -> int:
     if not fig.num_experts or fig.traits.router == "sigmoid":
         return 0
     return tokens * r * fig.hidden_size * (2 + 3 * fig.experts_per_token)
+
+
+def routed_recompute_bytes(st: StackSpec, tokens: int, c: int, r: int) -> int:
+    """A routed layer's forward (the recompute, under checkpointing) at its down projection, beside all the
+    layer has saved by then: the projection's base output, with expert LoRA its update and their sum, with
+    expert biases (a top-k-softmax router's experts: gpt-oss) the gathered bias rows and the biased sum,
+    h-wide routed-row tensors in the compute dtype; the weighted rows saved_per_token counts come after
+    (bench trace, gpt-oss-20b with 16-bit hidden states at 32,768 and 131,072 tokens: five such tensors
+    at the layer-backward peak). 0 for a dense model and for Llama 4's batched experts."""
+    fig = st.fig
+    if not fig.num_experts or fig.traits.router == "sigmoid":
+        return 0
+    rows = 1 + (2 if st.expert_r else 0) + (2 if fig.traits.router == "topk_softmax" else 0)
+    return tokens * fig.routed_rows * fig.hidden_size * max(0, c * rows - r)

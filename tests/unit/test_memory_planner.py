@@ -406,7 +406,8 @@ def test_layer_activation_tally_matches_what_autograd_keeps_on_cpu(tiny_models, 
         f"trainer.micro_batch_size={b}",
         f"trainer.seq_len={s}",
     )
-    st = spec_from_cfg(compose_cfg("precision=bf16", *overrides), world_size=1)  # the bf16 autocast below
+    # the bf16 autocast below; fp32 adapters, as peft's LoraConfig below makes them
+    st = spec_from_cfg(compose_cfg("precision=bf16", "peft.adapter_dtype=float32", *overrides), world_size=1)
     layer_bytes = next(bb for blk, bb in components.block_bytes(st) if blk.name == "model.layers.1")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

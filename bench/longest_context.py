@@ -411,7 +411,8 @@ def main(argv: list[str], prog: str = "python -m bench longest-context") -> None
         results.append(measure(case, args.trace, recorded.get(key)))
         print(f"  longest_seq {results[-1]['longest_seq']}, traced {results[-1].get('traced_gib')}", flush=True)
     doc = {
-        "regenerate": " ".join([prog, *argv]),
+        # the whole table's command: --only, --trace and --out re-measure or move it, its rows stay the same
+        "regenerate": " ".join([prog, *(shlex.quote(f"--extra={e}") for e in args.extra)]),
         "lean_options": [*LEAN_OPTIONS, *args.extra],
         "unsloth_settings": list(UNSLOTH_SETTINGS),
         "host_ram": HOST_RAM,

@@ -8,7 +8,8 @@ greedy generations) both call `generate`. Prompts are formatted by `prompts.rend
 data was (its chat template, the Alpaca template, or the prefix/suffix its prompts shared), as the run
 recorded it in metrics.json (a run dir from before that record: as its config.yaml's data gives it); a
 merged dir carries it in its merge_report.json; without either, prompts go in as they are (`--chat`
-forces the template).
+forces the template). A vision-language model's dir comes with its processor (info["processor"], one
+line when it is missing); prompts with images go through `outputs.images`, which shares the stop tokens.
 
 Bounds: each prompt is cut to its last `max_prompt_tokens` tokens (the run's trainer.seq_len; the BOS
 kept), and at most `max_new_tokens` are generated. Generation stops on any of the stop tokens

@@ -147,14 +147,17 @@ def generate_with_images(
     max_prompt_tokens: int | None = None,
 ) -> list[str]:
     """One completion per prompt, without the prompt, cut at the first stop token (generation's stop
-    tokens: the tokenizer's EOS, the model's eos ids, the template's end-of-turn token)."""
+    tokens: the tokenizer's EOS, the model's eos ids, the template's end-of-turn token or its text)."""
     import torch
 
-    from .generation import _compute_device, stop_token_ids
+    from .generation import _compute_device, _cut_at, stop_strings, stop_token_ids
 
     tokenizer = processor.tokenizer
     device = _compute_device(model)
     sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature else {"do_sample": False}
+    stops = stop_strings(tokenizer, PromptFormat(style="chat"))  # an end-of-turn marker of several tokens
+    if stops:
+        sampling.update(stop_strings=stops, tokenizer=tokenizer)
     eos_ids = stop_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     dtype = vision_dtype(model)
@@ -173,7 +176,7 @@ def generate_with_images(
                 eos_token_id=eos_ids or None,
                 **sampling,
             )
-        outputs.append(tokenizer.decode(out[0, n:], skip_special_tokens=True))
+        outputs.append(_cut_at(tokenizer.decode(out[0, n:], skip_special_tokens=True), stops))
     if long:
         log.warning(
             "%d of %d image prompts are longer than the run's trainer.seq_len=%d; generated from them whole "

@@ -81,9 +81,10 @@ def held_out_rows(data: DataConfig, seed: int) -> tuple[Any, str]:
     not rendered, and where it came from: the prompts the merge's quality check asks with."""
     from .splits import _eval_fraction, _hold_out
 
-    train, source = _load(data.path, data.split or "train", "data.path")
+    limit = data.image_file_max_pixels
+    train, source = _load(data.path, data.split or "train", "data.path", limit)
     if data.eval_path not in (None, ""):
-        eval_ds, eval_source = _load(data.eval_path, data.split or "train", "data.eval_path")
+        eval_ds, eval_source = _load(data.eval_path, data.split or "train", "data.eval_path", limit)
         return eval_ds, f"eval data of the run ({eval_source})"
     if _eval_fraction(data.eval_fraction) > 0:
         _, eval_ds, eval_source = _hold_out(train, data.eval_fraction, source, seed, data.eval_max_rows)

@@ -286,3 +286,12 @@ def test_merge_prompts_file_of_image_rows_compares_with_their_images(tmp_path, l
     batches, source = quality.compare_prompts(cfg, processor.tokenizer, str(rows), "chat", processor)
     assert source == str(rows) and len(batches) == 4
     assert all(tuple(b["pixel_values"].shape) == (1, 3, 28, 28) for b in batches)
+
+
+def test_merge_reads_the_held_out_rows_under_the_runs_image_bound(tmp_path, llava_dir):
+    from qlora_recipes.data.images import held_out_rows
+
+    cfg, _, _ = _image_splits(tmp_path, llava_dir, "data.eval_fraction=0.5")
+    assert len(held_out_rows(cfg.data, cfg.seed)[0]) == 4
+    cfg.data.image_file_max_pixels = 500  # below the squares' 28 x 28
+    assert "over data.image_file_max_pixels=500" in _error(lambda: held_out_rows(cfg.data, cfg.seed))

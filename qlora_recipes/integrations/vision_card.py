@@ -67,6 +67,26 @@ def example(cfg: TrainConfig) -> tuple[str, str]:
     return DEFAULT_EXAMPLE
 
 
+def _tower(cfg: TrainConfig, vision: str, kind: str) -> str:
+    """What the run did with the vision parts (model.vision_tower), and what the merge wrote of them."""
+    choice = getattr(cfg.model, "vision_tower", "frozen")
+    merged = kind == "merged"
+    if choice == "lora":
+        return (
+            f"LoRA adapted the vision tower's linears too ({vision} unquantized in {cfg.precision.dtype}, their "
+            "base weights frozen)." + (" The merge added each adapter into its weights." if merged else "")
+        )
+    if choice == "quantized":
+        return f"the vision tower's linears were loaded {cfg.quant.method} too, frozen, with no LoRA ({vision})." + (
+            " The merge wrote them dequantized, as the run computed with them." if merged else ""
+        )
+    return f"{vision} stayed unquantized in {cfg.precision.dtype}, frozen, with no LoRA." + (
+        f" The merge added the adapter into the language model; {vision} are the base's tensors, unchanged."
+        if merged
+        else ""
+    )
+
+
 def vision_lines(cfg: TrainConfig, run_dir: Path, kind: str) -> list[str]:
     """The card's vision-language section: what is quantized, what LoRA adapts, the processor, an example."""
     if not is_vision_run(cfg):
@@ -75,18 +95,12 @@ def vision_lines(cfg: TrainConfig, run_dir: Path, kind: str) -> list[str]:
     quant = "unquantized" if cfg.quant.method == "none" else f"in {cfg.quant.method} (bitsandbytes)"
     processor = _processor_class(run_dir) or "the base's processor"
     where = "beside the adapter" if kind == "adapter" else "beside the merged weights"
-    merged = (
-        f" The merge added the adapter into the language model; {vision} are the base's tensors, unchanged."
-        if kind == "merged"
-        else ""
-    )
     question, image = example(cfg)
     return [
         "## Vision-language model",
         "",
         f"The base is a vision-language model. Its language model (`{lm}`) was loaded {quant} and trained with "
-        f"LoRA on its linear layers; {vision} stayed unquantized in {cfg.precision.dtype}, frozen, with no "
-        f"LoRA.{merged}",
+        f"LoRA on its linear layers; {_tower(cfg, vision, kind)}",
         "",
         f"The processor (`{processor}`: tokenizer, image processor, chat template) is saved {where}; prompts "
         "are rendered with its chat template, images as image parts.",

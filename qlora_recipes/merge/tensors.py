@@ -236,19 +236,33 @@ def original_merged_tensors(model, cfg) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def vision_keys(model) -> set[str]:
-    """The checkpoint names of a vision-language model's vision tower and projector tensors (none for a
-    text model): the loaded names under the vision prefixes, put back in the checkpoint's layout."""
+    """The checkpoint names of a vision-language model's vision tower and projector tensors that the run
+    held as the base stored them (none for a text model): not under a LoRA layer (model.vision_tower=lora:
+    those merge like the language model's) nor quantized (model.vision_tower=quantized: the dequantized
+    weights the run trained with are written, as for the language model)."""
     from ..model.vision import config_is_vision_language, vision_prefixes
 
     base = model.get_base_model()
     if not config_is_vision_language(base.config.to_dict()):
         return set()
-    names = {f"{p}.{n}": t for p in vision_prefixes(base) for n, t in base.get_submodule(p).state_dict().items()}
+    names = {}
+    for prefix in vision_prefixes(base):
+        part = base.get_submodule(prefix)
+        touched = [name for name, module in part.named_modules() if name and _adapted_or_quantized(module)]
+        for name, tensor in part.state_dict().items():
+            if not any(name.startswith(t + ".") for t in touched):
+                names[f"{prefix}.{name}"] = tensor
     if getattr(base, "_weight_conversions", None):
         from transformers.core_model_loading import revert_weight_conversion
 
         names = revert_weight_conversion(base, names)
     return set(names)
+
+
+def _adapted_or_quantized(module) -> bool:
+    _, BaseTunerLayer, ModulesToSaveWrapper, AuxiliaryTrainingWrapper = _peft_types()
+    wrapped = isinstance(module, (BaseTunerLayer, ModulesToSaveWrapper, AuxiliaryTrainingWrapper))
+    return wrapped or bool(bnb_kind(module)) or bool(_param_wrappers(module)[0])
 
 
 def original_vision(cfg, keys: set[str], tensors: Iterator[tuple[str, torch.Tensor]]):

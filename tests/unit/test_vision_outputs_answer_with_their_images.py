@@ -228,7 +228,11 @@ def test_a_vision_runs_card_names_its_parts_its_processor_and_an_image_example(t
     assert "`LlavaProcessor`" in card and 'qlora generate RUN_DIR/merged "colour?" --image red.png' in card
     use = "\n".join(vision_usage("merged", "org/tuned", None, cfg))
     assert 'AutoModelForImageTextToText.from_pretrained("org/tuned")' in use and '"path": "red.png"' in use
+    assert "are the base's tensors, unchanged" in card
     assert vision_lines(compose_cfg(*SMOKE), tmp_path / "run", "adapter") == []  # a text run: no such section
+    cfg.model.vision_tower = "lora"
+    card = "\n".join(vision_lines(cfg, tmp_path / "run", "merged"))
+    assert "LoRA adapted the vision tower's linears too" in card and "unchanged" not in card
 
 
 def test_image_rows_of_a_prompts_file_keep_their_images_read_from_the_files_folder(tmp_path):
@@ -295,3 +299,19 @@ def test_merge_reads_the_held_out_rows_under_the_runs_image_bound(tmp_path, llav
     assert len(held_out_rows(cfg.data, cfg.seed)[0]) == 4
     cfg.data.image_file_max_pixels = 500  # below the squares' 28 x 28
     assert "over data.image_file_max_pixels=500" in _error(lambda: held_out_rows(cfg.data, cfg.seed))
+
+
+def test_the_merge_copies_only_the_vision_tensors_no_lora_adapted(llava_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from qlora_recipes.merge.tensors import vision_keys
+
+    base = AutoModelForImageTextToText.from_pretrained(str(llava_dir), dtype=torch.float32)
+    targets = r"model\.(vision_tower\..*\.q_proj|language_model\..*\.v_proj)"  # model.vision_tower=lora's shape
+    model = get_peft_model(base, LoraConfig(r=2, target_modules=targets))
+    keys = vision_keys(model)
+    assert not any("q_proj" in k or "lora_" in k or "base_layer" in k for k in keys)  # merged, not copied
+    assert "vision_tower.encoder.layers.0.self_attn.k_proj.weight" in keys  # the checkpoint's own names
+    assert any("multi_modal_projector" in k for k in keys)
+    assert not any("language_model" in k for k in keys)

@@ -1,7 +1,7 @@
 """How a device's rows add up to its peak. The rows of plan.json are static (weights, adapters,
 gradients, optimizer state), fixed (CUDA context, process baseline, offload staging) or transient;
 the transient rows do not coexist: a device's peak is its fixed and static rows plus the largest
-phase - train (activations + max(lm_head_loss, layer_working + dequant_scratch, reference_forward); kl_forward), optimizer step
+phase - train (activations + max(lm_head_loss, layer_working + dequant_scratch, reference_forward); kl_forward; vision_forward), optimizer step
 (optimizer_scratch), eval (eval_transient) or loading (load_transient: the checkpoint's mapped
 pages on CPU, k-bit prep's upcast) - plus
 allocator overhead. The allocated peak leaves
@@ -35,6 +35,7 @@ TRANSIENT = (
     "reference_forward",
     "kl_forward",
     "sampling",
+    "vision_forward",
     "dequant_scratch",
     "optimizer_scratch",
     "eval_transient",
@@ -57,6 +58,8 @@ def _phases(row: Callable[[str], int]) -> dict[str, int]:
     }
     if row("kl_forward"):  # kto: its KL batch's forward, before the policy's, when nothing is kept yet
         phases["train: KL forward"] = row("kl_forward")
+    if row("vision_forward"):  # a VLM: its vision tower's forward, before the decoder layers keep anything
+        phases["train: vision forward"] = row("vision_forward")
     if row("sampling"):  # grpo: its completions generated before the step's forward (no activations held)
         phases["train: sampling"] = row("sampling")
     return phases

@@ -28,6 +28,7 @@ _LABELS = {
     "reference_forward": "* reference forward",
     "kl_forward": "* KL forward (no grad)",
     "sampling": "* sampling (generate)",
+    "vision_forward": "* vision tower forward (no grad)",
     "dequant_scratch": "* dequant scratch",
     "optimizer_scratch": "* optimizer step",
     "eval_transient": "* eval batch",

@@ -51,7 +51,7 @@ from .placement import (
 )
 from .process import baseline_source, cpu_process_baseline
 from .spec import StackSpec, data_note
-from .vision import add_vision_rows
+from .vision import add_vision_eval, add_vision_rows, add_vision_upcast
 
 
 def _rows() -> defaultdict[str, defaultdict[str, int]]:
@@ -88,7 +88,7 @@ def plan_single(st: StackSpec, hw: _dev.Hardware) -> dict:
     exec_dev, dmap, max_memory = resolve_placement(st, hw, bbs, notes)
     t = _tally_blocks(st, hw, bbs, dmap, exec_dev)
     comp = t.comp
-    add_vision_rows(st, comp, t.counts, exec_dev, notes)  # a VLM's vision tower and projector, unquantized
+    vision = add_vision_rows(st, comp, t.counts, exec_dev, notes)  # a VLM's vision tower and projector, unquantized
     if t.disk_read and rewrites_offloaded(st):
         comp["other_params"]["disk"] += t.disk_read  # re-saved to offload.folder in the load dtype
     disk_bytes = sum(comp[k].get("disk", 0) for k in ("quantized_weights", "other_params", "buffers"))
@@ -96,6 +96,9 @@ def plan_single(st: StackSpec, hw: _dev.Hardware) -> dict:
     _activation_rows(st, t)
     _prep_rows(t)
     _load_rows(st, hw, t)
+    add_vision_upcast(st, comp, vision, exec_dev, notes)
+    if vision:
+        add_vision_eval(st, comp, exec_dev)
     # offload staging: room on the execution device for one offloaded layer
     if t.offloaded_max and hw.has_gpu:
         comp["offload_staging"][exec_dev] += t.offloaded_max

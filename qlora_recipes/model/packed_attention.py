@@ -95,21 +95,24 @@ def varlen_attention_forward(
     drop = dropout if module.training else 0.0
     bounds = sequence_bounds(n, query.shape[0], kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"))
     rows = []
-    for b, row_bounds in enumerate(bounds):
-        qkv = tuple(t[b : b + 1] for t in (query, key, value))
-        parts = [_sequence(qkv, start, end, drop, scaling, sliding_window) for start, end in pairwise(row_bounds)]
-        rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
+    # split, not slices: a split's backward is one cat of its parts' gradients, where every slice's
+    # would be a zero tensor the size of the whole row, added up
+    for row_bounds, *qkv in zip(bounds, query.split(1), key.split(1), value.split(1), strict=True):
+        lengths = [end - start for start, end in pairwise(row_bounds)]
+        parts = zip(*(t.split(lengths, dim=2) for t in qkv), strict=True)
+        outs = [_sequence(q, k, v, drop, scaling, sliding_window) for q, k, v in parts]
+        rows.append(torch.cat(outs, dim=2) if len(outs) > 1 else outs[0])
     out = torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
     return out.transpose(1, 2).contiguous(), None
 
 
-def _sequence(qkv, start: int, end: int, dropout: float, scaling, sliding_window):
+def _sequence(q, k, v, dropout: float, scaling, sliding_window):
     """Causal SDPA over one packed sequence (native GQA; a window inside it when it is longer)."""
     import torch.nn.functional as F
 
-    q, k, v = (t[:, :, start:end] for t in qkv)
-    windowed = sliding_window is not None and end - start > sliding_window
-    mask = _window_mask(end - start, sliding_window, q.device) if windowed else None
+    length = q.shape[2]
+    windowed = sliding_window is not None and length > sliding_window
+    mask = _window_mask(length, sliding_window, q.device) if windowed else None
     gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=gqa

@@ -96,6 +96,10 @@ FAMILY_CONFIG = {
     },
 }
 FAMILY_MODELS = tuple(FAMILY_CONFIG)
+# A vision-language model: bench/vlm_model.py's LLaVA (a 12-layer CLIP-B/16 tower at 224 px, 196 image
+# tokens a row) around the language model of these figures, trained on its image rows
+VLM_MODELS = {"llava-50m-clip12": "llama-50m"}
+VLM_STACKS = [("nf4-paged8bit-images", [])]
 
 # The stacks every model runs: (name, overrides). Batch x seq is per model size (below).
 STACKS = [
@@ -148,6 +152,10 @@ def cases() -> list[dict]:
             groups = [f"objective.num_generations={b}"] if grpo else []
             ov = [*overrides, *groups, f"trainer.micro_batch_size={b}", f"trainer.seq_len={s - 32 if grpo else s}"]
             out.append({"name": f"{model}/{stack}", "model": model, "stack": stack, "overrides": ov, "data": data})
+    for model in VLM_MODELS:
+        for stack, overrides in VLM_STACKS:
+            ov = [*overrides, "trainer.micro_batch_size=4", "trainer.seq_len=256"]
+            out.append({"name": f"{model}/{stack}", "model": model, "stack": stack, "overrides": ov, "data": "images"})
     return out
 
 
@@ -157,6 +165,8 @@ def data_overrides(case: dict, model_dir: Path) -> list[str]:
         return [f"data.path={model_dir / 'pairs.jsonl'}", "data.format=preference"]
     if case.get("data") == "prompts":
         return [f"data.path={prompts_file(model_dir, _prompt_bound(case))}", "data.format=prompt"]
+    if case.get("data") == "images":
+        return [f"data.path={model_dir / 'rows.jsonl'}", "data.format=messages"]
     return []
 
 
@@ -238,6 +248,12 @@ def build_model(name: str, cache: Path) -> Path:
     out = cache / name
     if (out / "done").is_file():
         return out
+    if name in VLM_MODELS:
+        from bench.vlm_model import build_llava
+
+        build_llava(out, model_config(VLM_MODELS[name]))
+        (out / "done").write_text("ok\n")
+        return out
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -257,6 +273,11 @@ def planning_dir(name: str, cache: Path) -> Path:
     if (cache / name / "done").is_file():
         return cache / name
     out = cache / f"{name}-config"
+    if name in VLM_MODELS and not (out / "processor_config.json").is_file():
+        from bench.vlm_model import write_planning_dir
+
+        out.mkdir(parents=True, exist_ok=True)
+        return write_planning_dir(out, model_config(VLM_MODELS[name]))
     if not (out / "config.json").is_file():
         model_config(name).save_pretrained(out)
     return out
@@ -397,7 +418,7 @@ def main(argv: list[str], prog: str = "python -m bench planner-cpu") -> None:
     results = Path(args.results)
     todo = [c for c in todo if not ((args.resume or args.replan) and kept.get(c["name"], {}).get("status") == "ok")]
     for e in kept.values():  # re-scored by the planner as it is now
-        if e.get("status") == "ok" and e["model"] in MODELS:
+        if e.get("status") == "ok" and (e["model"] in MODELS or e["model"] in VLM_MODELS):
             replan(e, planning_dir(e["model"], cache))
     if args.collect:  # finished run dirs of a harness that was stopped (their processes ran on)
         for name, e in collect(todo, args.collect, lambda d: (d / "metrics.json").is_file(), read_case).items():

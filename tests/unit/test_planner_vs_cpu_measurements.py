@@ -9,6 +9,7 @@ import pytest
 from conftest import REPO
 
 from bench import planner_cpu
+from bench.vlm_model import write_planning_dir
 
 RESULTS = REPO / "bench" / "results" / "planner-cpu.json"
 
@@ -21,7 +22,7 @@ def results() -> dict:
 def test_the_suite_spans_sizes_families_and_stacks():
     cases = planner_cpu.cases()
     assert len(cases) >= 30
-    families = {planner_cpu.MODELS[c["model"]][0] for c in cases}
+    families = {planner_cpu.MODELS[planner_cpu.VLM_MODELS.get(c["model"], c["model"])][0] for c in cases}
     assert families >= {"llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "smollm3"}
     assert families >= {"qwen3_5_text", "gemma4_text", "llama4_text"}
     per_model = {m: [c for c in cases if c["model"] == m] for m in planner_cpu.MODELS}
@@ -57,6 +58,8 @@ def test_committed_plans_are_todays_plans(results, tmp_path):
     reads config.json, never the weights): the planned figure in the file must be today's."""
     for name in planner_cpu.MODELS:
         planner_cpu.model_config(name).save_pretrained(tmp_path / name)
+    for name, text in planner_cpu.VLM_MODELS.items():
+        write_planning_dir(tmp_path / name, planner_cpu.model_config(text))
     for e in results["cases"]:
         again = dict(e)
         planner_cpu.replan(again, tmp_path / e["model"])
@@ -82,3 +85,4 @@ def test_each_family_the_planner_knows_is_measured_within_10_percent(results):
     for name, e in measured.items():
         assert planner_cpu.MODELS[name][0] in KNOWN_ARCHITECTURES, name
         assert e["status"] == "ok" and abs(e["ratio"] - 1) <= 0.10, e
+

@@ -86,3 +86,10 @@ def test_each_family_the_planner_knows_is_measured_within_10_percent(results):
         assert planner_cpu.MODELS[name][0] in KNOWN_ARCHITECTURES, name
         assert e["status"] == "ok" and abs(e["ratio"] - 1) <= 0.10, e
 
+
+def test_a_vision_language_model_is_measured_within_10_percent(results):
+    """A LLaVA-shaped model (a 12-layer CLIP-B/16 tower at 224 px, 196 image tokens a row) trained on
+    image rows: its tower's weights, k-bit prep's fp32 copy of it and its forward in the plan."""
+    measured = [e for e in results["cases"] if e["model"] in planner_cpu.VLM_MODELS]
+    assert measured and all(e["status"] == "ok" and abs(e["ratio"] - 1) <= 0.10 for e in measured), measured
+    assert all(e["params_total"] > 80e6 for e in measured)  # the tower's 86 M parameters are counted

@@ -88,7 +88,8 @@ def plan_single(st: StackSpec, hw: _dev.Hardware) -> dict:
     exec_dev, dmap, max_memory = resolve_placement(st, hw, bbs, notes)
     t = _tally_blocks(st, hw, bbs, dmap, exec_dev)
     comp = t.comp
-    vision = add_vision_rows(st, comp, t.counts, exec_dev, notes)  # a VLM's vision tower and projector, unquantized
+    # a VLM's tower and projector (its adapters among the trainable tensors under model.vision_tower=lora)
+    vision = add_vision_rows(st, comp, t.counts, exec_dev, notes, t.trainable_shapes[exec_dev])
     if t.disk_read and rewrites_offloaded(st):
         comp["other_params"]["disk"] += t.disk_read  # re-saved to offload.folder in the load dtype
     disk_bytes = sum(comp[k].get("disk", 0) for k in ("quantized_weights", "other_params", "buffers"))

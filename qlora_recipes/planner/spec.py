@@ -90,6 +90,8 @@ class StackSpec:
     # grpo: the tokens a sampled completion may have (objective.max_completion_length); 0: no sampling in
     # training. seq_len is then a prompt's bound plus these (the sequences TRL trains on).
     completion_len: int = 0
+    # model.vision_tower (model/vision_tower.py): frozen, quantized (its linears in quant's format) or lora
+    vision_tower: str = "frozen"
 
     @property
     def sample_rows(self) -> int:
@@ -190,6 +192,7 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         reference=reference,
         kl_batch=objective.kl_batch,
         completion_len=completion,
+        vision_tower=str(getattr(model, "vision_tower", "frozen")),
     )
 
 

@@ -3,13 +3,19 @@
 The figures (figures.py) describe a VLM's language model, from its config.json's text_config: its layers,
 activations and loss are planned as a text model's at seq_len, where seq_len (and the data's longest row)
 counts each image's tokens, as the processor renders the rows (data/images.py). Beside it:
-- the vision tower and projector load unquantized and stay in the compute dtype (model/vision.py): their
-  weights are a static row, counted from the model transformers builds on the meta device;
+- the vision tower and projector as model.vision_tower loads them (model/vision_tower.py): frozen, both
+  unquantized in the compute dtype; quantized, the tower's linears in quant's format (components'
+  quantized_linear_bytes, as the language model's), the rest in the compute dtype; lora, as frozen plus
+  the adapters on the tower's linears (weights, gradients, optimizer state, as the language model's).
+  Counted from the model transformers builds on the meta device;
 - k-bit prep (peft 0.21's prepare_model_for_kbit_training) casts every bf16/fp16 parameter that is not
-  4-bit to fp32, the whole tower included, before model/vision.keep_vision_in casts it back: the load
-  phase holds the tower in fp32 at its end;
-- the tower's forward on a micro-batch's images (vision_forward.py): no gradient, nothing kept, a phase
-  of its own before the decoder layers run, beside the text embeddings the image features go into.
+  4-bit to fp32, the tower's unquantized ones included, before model/vision.keep_vision_in casts them
+  back: the load phase holds them in fp32 at its end;
+- the tower's forward on a micro-batch's images (vision_forward.py): a phase of its own before the
+  decoder layers run, beside the text embeddings the image features go into. Frozen or quantized, the
+  tower has no gradient and keeps nothing; under lora, gradients flow into its adapters and it keeps its
+  activations for backward (each layer's input when checkpointed: transformers' gradient_checkpointing_enable
+  reaches every GradientCheckpointingLayer of the model, the tower's layers too).
 The vision config comes from the run's config.json, or from a conf/model entry's vision_config (carried
 on the figures as vision_config_json); without either the model is a text model.
 """
@@ -23,9 +29,17 @@ from typing import Any
 
 from ..errors import UserError
 from ..units import dtype_bytes
-from .components import act_dtypes, eager
+from .components import act_dtypes, eager, quantized_linear_bytes
 from .spec import StackSpec
-from .vision_forward import forward_bytes, image_tokens, images_per_row, merge_bytes, vision_shape
+from .vision_forward import (
+    TowerLora,
+    forward_bytes,
+    image_tokens,
+    images_per_row,
+    lora_kept_bytes,
+    merge_bytes,
+    vision_shape,
+)
 
 
 def vision_config(st: StackSpec) -> dict[str, Any] | None:
@@ -79,34 +93,52 @@ def _filled(vc: dict[str, Any]) -> dict[str, Any]:
 
 def vision_params(st: StackSpec) -> int:
     """Parameters of the vision tower and projector of the model `st` plans, 0 for a text model."""
-    if vision_config(st) is None:
+    parts = _vision_parts(st) if vision_config(st) is not None else None
+    if parts is None:
         return 0
+    model, prefixes = parts
+    return sum(p.numel() for prefix in prefixes for p in model.get_submodule(prefix).parameters())
+
+
+def tower_linears(st: StackSpec) -> list[tuple[int, int]]:
+    """(in, out) features of every nn.Linear in the vision tower (model/vision_tower.tower_prefix): what
+    model.vision_tower quantizes or adapts."""
+    import torch
+
+    from ..model.vision_tower import tower_prefix
+
+    model, prefixes = _vision_parts(st)
+    tower = model.get_submodule(tower_prefix(model, prefixes))
+    return [(m.in_features, m.out_features) for m in tower.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def _vision_parts(st: StackSpec):
+    """The model on the meta device and its vision parts' prefixes: the run's config.json's VLM, a
+    conf/model entry's VLM from its figures (figures.hf_config), else its vision tower alone."""
     from ..model.vision import meta_model, vision_prefixes
 
     if st.fig.config_dir:
         meta = meta_model(st.fig.config_dir, bool(st.fig.trust_remote_code))
-        return sum(p.numel() for prefix in vision_prefixes(meta) for p in meta.get_submodule(prefix).parameters())
-    return _entry_params(st)
+        return meta, vision_prefixes(meta)
+    return _entry_parts(st.fig)
 
 
-def _entry_params(st: StackSpec) -> int:
-    """A conf/model entry's VLM built on the meta device from its figures (figures.hf_config), else its
-    vision tower alone from the vision_config."""
+@functools.lru_cache(maxsize=4)
+def _entry_parts(fig):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModel, AutoModelForImageTextToText
 
     from ..model.vision import vision_prefixes
     from .figures import hf_config
 
-    config = hf_config(st.fig)
+    config = hf_config(fig)
     with init_empty_weights():
         if getattr(config, "vision_config", None) is not None:
-            meta = AutoModelForImageTextToText.from_config(config, trust_remote_code=st.fig.trust_remote_code)
-            return sum(p.numel() for pre in vision_prefixes(meta) for p in meta.get_submodule(pre).parameters())
-        vc = json.loads(str(getattr(st.fig, "vision_config_json", None)))
+            meta = AutoModelForImageTextToText.from_config(config, trust_remote_code=fig.trust_remote_code)
+            return meta, vision_prefixes(meta)
+        vc = json.loads(str(getattr(fig, "vision_config_json", None)))
         kwargs = {k: v for k, v in vc.items() if k != "model_type"}
-        tower = AutoModel.from_config(AutoConfig.for_model(str(vc.get("model_type")), **kwargs))
-    return sum(p.numel() for p in tower.parameters())
+        return AutoModel.from_config(AutoConfig.for_model(str(vc.get("model_type")), **kwargs)), [""]
 
 
 def processor_settings(st: StackSpec) -> dict[str, Any]:
@@ -125,34 +157,91 @@ def processor_settings(st: StackSpec) -> dict[str, Any]:
     return {}
 
 
-def add_vision_rows(st: StackSpec, comp: dict, counts: dict, device: str, notes: list[str]) -> int:
-    """The vision parts' weights in the compute dtype, and their forward, on the device the model
-    computes on; returns the parameter count (0 for a text model)."""
+def add_vision_rows(st: StackSpec, comp: dict, counts: dict, device: str, notes: list[str], shapes: list) -> int:
+    """The vision parts' weights as model.vision_tower loads them, the tower's adapters (their shapes
+    added to the trainable `shapes`), and their forward, on the device the model computes on; returns the
+    parameters left unquantized (0 for a text model)."""
     cj = vision_config(st)
     params = vision_params(st) if cj is not None else 0
     if not params:
         return 0
-    comp["other_params"][device] += params * dtype_bytes(st.dtype)
+    kept = _weights(st, comp, counts, device, params, shapes)
     counts["params_total"] += params
-    note = (
-        f"vision: the vision tower and projector ({params:,} params) stay unquantized in {st.dtype}; the "
-        "sequence counts each image's tokens"
-    )
+    note = f"vision: {_weights_words(st, params)}; the sequence counts each image's tokens"
     shape = vision_shape(cj, st.fig.hidden_size)
     if shape is None:
         notes.append(
             f"{note}; not counted: the tower's forward (its vision_config lacks its layers/hidden/heads/patch)"
         )
-        return params
+        return kept
     img = image_tokens(shape, processor_settings(st), st.seq_len)
     comp["vision_forward"][device] += _forward(st, shape, img, st.train_rows, device)
+    tower_kept = _tower_kept(st, shape, img, cj, device)
+    comp["activations"][device] += tower_kept
     notes.append(
         f"{note}; the tower's forward ({shape.layers} layers of {img.tiles * img.patches} patches an image, "
-        f"{img.tokens} image tokens each from {img.source}) is a phase of its own (and part of the eval "
-        f"batch's), nothing of it kept for backward; planned for one image a row (seq_len holds up to "
-        f"{images_per_row(img, st.seq_len)}: more images a row, more memory)"
+        f"{_tokens_words(shape, img)} from {img.source}) is a phase of its own (and part of the eval "
+        f"batch's), {_kept_words(st, tower_kept)}; planned for one image a row (seq_len "
+        f"holds up to {images_per_row(img, st.seq_len)}: more images a row, more memory)"
     )
-    return params
+    return kept
+
+
+def _weights(st: StackSpec, comp: dict, counts: dict, device: str, params: int, shapes: list) -> int:
+    """The tower's linears in quant's format (quantized) or with their adapters (lora); every other vision
+    weight in the compute dtype. Returns the parameters left unquantized."""
+    linears = tower_linears(st) if st.vision_tower != "frozen" else []
+    plain = params
+    if st.vision_tower == "quantized" and st.quantized:
+        for n_in, n_out in linears:
+            data, state = quantized_linear_bytes(n_in * n_out, n_out, st.quant, st.double_quant, st.quant_storage_bytes)
+            comp["quantized_weights"][device] += data + state
+            counts["params_quantized"] += n_in * n_out
+            counts["quant_state_bytes"] += state
+            plain -= n_in * n_out
+    elif st.vision_tower == "lora":
+        tensors = [t for n_in, n_out in linears for t in ((st.r, n_in), (n_out, st.r))]
+        numel = sum(x * y for x, y in tensors)
+        comp["lora_weights"][device] += st.adapter_bytes * numel
+        comp["gradients"][device] += st.adapter_bytes * numel
+        counts["lora_params"] += numel
+        shapes += tensors
+    comp["other_params"][device] += plain * dtype_bytes(st.dtype)
+    return plain
+
+
+def _weights_words(st: StackSpec, params: int) -> str:
+    if st.vision_tower == "quantized" and st.quantized:
+        return (
+            f"the vision tower and projector ({params:,} params): the tower's linears in {st.quant}, the rest "
+            f"unquantized in {st.dtype}"
+        )
+    if st.vision_tower == "lora":
+        return f"the vision tower and projector ({params:,} params) in {st.dtype}, LoRA r={st.r} on the tower's linears"
+    return f"the vision tower and projector ({params:,} params) stay unquantized in {st.dtype}"
+
+
+def _tokens_words(shape, img) -> str:
+    if shape.tiles:  # mllama: one token an image in the row, the text cross-attends to the tiles' features
+        return f"one image token each in the row, the text cross-attending to its {img.tiles * img.patches} features"
+    return f"{img.tokens} image tokens each"
+
+
+def _tower_kept(st: StackSpec, shape, img, cj: dict, device: str) -> int:
+    """The tower's saved activations under lora (0 otherwise: a frozen tower's forward keeps nothing)."""
+    if st.vision_tower != "lora":
+        return 0
+    c, _, _ = act_dtypes(st, device == "cpu")
+    act = str(cj["vision_config"].get("hidden_act") or "")
+    lora = TowerLora(st.r, st.lora_dropout > 0, st.checkpointing, act in ("quick_gelu", "silu", "swish"))
+    return lora_kept_bytes(shape, img, st.train_rows, c, eager(st), lora)
+
+
+def _kept_words(st: StackSpec, kept: int) -> str:
+    if not kept:
+        return "nothing of it kept for backward"
+    how = "each layer's input (checkpointed with the rest)" if st.checkpointing else "every layer's saved tensors"
+    return f"its LoRA keeps {how} for backward ({kept / 2**20:,.1f} MiB, in the activations)"
 
 
 def _forward(st: StackSpec, shape, img, rows: int, device: str) -> int:
@@ -176,8 +265,8 @@ def add_vision_eval(st: StackSpec, comp: dict, device: str) -> None:
 
 
 def add_vision_upcast(st: StackSpec, comp: dict, params: int, device: str, notes: list[str]) -> None:
-    """k-bit prep's fp32 copy of the whole tower (every non-4-bit bf16/fp16 parameter is cast, the
-    tower's too), until keep_vision_in casts it back: the load phase holds it beside the rest."""
+    """k-bit prep's fp32 copy of the vision parts' unquantized `params` (every non-4-bit bf16/fp16
+    parameter is cast), until keep_vision_in casts them back: the load phase holds it beside the rest."""
     extra = 4 - dtype_bytes(st.dtype)
     if not (params and st.quantized and st.upcast_frozen and extra > 0):
         return

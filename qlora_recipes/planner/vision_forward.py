@@ -180,3 +180,47 @@ def merge_bytes(images: int, img: ImageTokens, text_hidden: int, a: int, r: int)
     """The image features cast to the embeddings' dtype, beside the projector's output, while
     masked_scatter writes them into a copy of the text embeddings (counted by the caller)."""
     return images * img.tokens * text_hidden * (a + r)
+
+
+@dataclass(frozen=True)
+class TowerLora:
+    """What sizes the tower's saved activations under model.vision_tower=lora."""
+
+    r: int
+    dropout: bool  # peft's dropout: its output and mask per adapted linear (nn.Identity at 0)
+    checkpointed: bool  # transformers checkpoints every GradientCheckpointingLayer, the tower's layers too
+    sigmoid_act: bool  # quick_gelu / silu: x * sigmoid(x) saves its input and the sigmoid's output
+
+
+def lora_kept_bytes(shape: VisionShape, img: ImageTokens, images: int, a: int, eager: bool, lora: TowerLora) -> int:
+    """What autograd keeps of the tower and projector's forward for backward when LoRA adapts the tower's
+    linears: checkpointed, each layer's input; else each layer's saved tensors. Beside them the inputs
+    of the norms before and after the layers (CLIP's pre- and post-layernorm; the embeddings need a
+    gradient, as enable_input_require_grads makes them) and the projector's activation input (its
+    linears are frozen: they save no input)."""
+    seqs = images * img.tiles
+    n = seqs * img.patches
+    inner = shape.hidden * shape.merge**2 if shape.merge > 1 else shape.out_hidden
+    ends = 2 * n * shape.hidden * a + images * img.tokens * inner * a
+    per_layer = (
+        n * shape.hidden * a
+        if lora.checkpointed
+        else _layer_saved(shape, n, seqs * shape.heads, img.patches, a, eager, lora)
+    )
+    return shape.layers * per_layer + ends
+
+
+def _layer_saved(shape: VisionShape, n: int, heads: int, p: int, a: int, eager: bool, lora: TowerLora) -> int:
+    """One tower layer's saved tensors (pre-norm attention and MLP, LoRA on q, k, v, the output, fc1,
+    fc2): the norms' inputs and fp32 statistics, the attention's q, k, v and output (sdpa's fp32
+    log-sum-exp, or eager's scores and probabilities), the activation's input, each adapter's input
+    (the dropout's output and mask) and its rank-r hidden state; the frozen linears save no input."""
+    hv, iv = shape.hidden, shape.intermediate
+    norms = 2 * (n * hv * a + 8 * n)
+    attention = 4 * n * hv * a + (heads * p * p * (2 * a + 4) if eager else heads * p * 4)
+    act = n * iv * a * (2 if lora.sigmoid_act else 1)
+    if lora.dropout:  # q, k, v each drop their shared input apart
+        inputs = 5 * n * hv * (a + 1) + n * iv * (a + 1)
+    else:  # q, k, v's shared input, the attention's output, fc1's input; fc2 reads the activation's output
+        inputs = 3 * n * hv * a + n * iv * a
+    return norms + attention + act + inputs + 6 * n * lora.r * a

@@ -30,6 +30,7 @@ from typing import Any
 from ..errors import UserError
 from ..units import dtype_bytes
 from .components import act_dtypes, eager, quantized_linear_bytes
+from .cross_attention import add_cross_attention, eval_bytes
 from .spec import StackSpec
 from .vision_forward import (
     TowerLora,
@@ -167,8 +168,9 @@ def add_vision_rows(st: StackSpec, comp: dict, counts: dict, device: str, notes:
         return 0
     kept = _weights(st, comp, counts, device, params, shapes)
     counts["params_total"] += params
-    note = f"vision: {_weights_words(st, params)}; the sequence counts each image's tokens"
     shape = vision_shape(cj, st.fig.hidden_size)
+    seq = "one token an image" if shape is not None and shape.tiles else "each image's tokens"
+    note = f"vision: {_weights_words(st, params)}; the sequence counts {seq}"
     if shape is None:
         notes.append(
             f"{note}; not counted: the tower's forward (its vision_config lacks its layers/hidden/heads/patch)"
@@ -184,6 +186,8 @@ def add_vision_rows(st: StackSpec, comp: dict, counts: dict, device: str, notes:
         f"batch's), {_kept_words(st, tower_kept)}; planned for one image a row (seq_len "
         f"holds up to {images_per_row(img, st.seq_len)}: more images a row, more memory)"
     )
+    if shape.tiles:  # the text cross-attends to the tiles' features (mllama)
+        add_cross_attention(st, comp, device, img.tiles * img.patches, notes)
     return kept
 
 
@@ -254,14 +258,16 @@ def _forward(st: StackSpec, shape, img, rows: int, device: str) -> int:
 
 
 def add_vision_eval(st: StackSpec, comp: dict, device: str) -> None:
-    """The eval batch runs the tower too: its forward on the eval rows, when larger than the eval phase."""
+    """The eval batch runs the tower too: its forward on the eval rows, when larger than the eval phase
+    (whose decoder forward holds, for a cross-attending model, the features, the mask and one layer's k/v)."""
     cj = vision_config(st) if st.evaluates else None
     shape = vision_shape(cj, st.fig.hidden_size) if cj is not None else None
     if shape is None:
         return
     img = image_tokens(shape, processor_settings(st), st.seq_len)
     here = _forward(st, shape, img, st.eval_rows, device)
-    comp["eval_transient"][device] = max(comp["eval_transient"].get(device, 0), here)
+    cross = eval_bytes(st, device, img.tiles * img.patches) if shape.tiles else 0
+    comp["eval_transient"][device] = max(comp["eval_transient"].get(device, 0) + cross, here)
 
 
 def add_vision_upcast(st: StackSpec, comp: dict, params: int, device: str, notes: list[str]) -> None:

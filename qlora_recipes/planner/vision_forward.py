@@ -92,7 +92,8 @@ def image_tokens(shape: VisionShape, settings: dict[str, Any], seq_len: int) -> 
     ip = settings.get("image_processor") if isinstance(settings.get("image_processor"), dict) else settings
     if shape.image_size is None:
         return _pixel_budget(shape, ip, seq_len)
-    add = _first(settings, "num_additional_image_tokens")
+    # the tower's own tokens: the processor's count (CLIP's CLS), or a tiled tower's class token a tile (mllama)
+    add = _first(settings, "num_additional_image_tokens") or (1 if shape.tiles else 0)
     drop = 1 if add and settings.get("vision_feature_select_strategy") == "default" else 0
     edge, source = _fixed_edge(shape, ip)
     grid = (edge // shape.patch) ** 2

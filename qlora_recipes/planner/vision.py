@@ -181,7 +181,8 @@ def add_vision_rows(st: StackSpec, comp: dict, counts: dict, device: str, notes:
     tower_kept = _tower_kept(st, shape, img, cj, device)
     comp["activations"][device] += tower_kept
     notes.append(
-        f"{note}; the tower's forward ({shape.layers} layers of {img.tiles * img.patches} patches an image, "
+        f"{note}; the tower's forward ({shape.layers} layers of {img.tiles * img.patches} patches an image"
+        f"{_window_words(shape, img)}, "
         f"{_tokens_words(shape, img)} from {img.source}) is a phase of its own (and part of the eval "
         f"batch's), {_kept_words(st, tower_kept)}; planned for one image a row (seq_len "
         f"holds up to {images_per_row(img, st.seq_len)}: more images a row, more memory)"
@@ -223,6 +224,12 @@ def _weights_words(st: StackSpec, params: int) -> str:
     if st.vision_tower == "lora":
         return f"the vision tower and projector ({params:,} params) in {st.dtype}, LoRA r={st.r} on the tower's linears"
     return f"the vision tower and projector ({params:,} params) stay unquantized in {st.dtype}"
+
+
+def _window_words(shape, img) -> str:
+    if not shape.windowed:
+        return ""
+    return f", {shape.windowed} of them attending within windows of {min(shape.window, img.patches)} patches"
 
 
 def _tokens_words(shape, img) -> str:

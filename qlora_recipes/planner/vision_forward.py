@@ -7,6 +7,9 @@ image_processor, or preprocessor_config.json) give the image size it renders, Qw
 Idefics' splitting into tiles; without them the vision_config's image size, or for a pixel-budget tower the
 sequence length (no row holds more image tokens than that).
 
+Qwen2.5-VL's layers attend within windows of window_size pixels a side, all but fullatt_block_indexes:
+their attention is sized at the window, the others' at the whole image.
+
 The tower runs on a micro-batch's images with frozen weights and inputs that need no gradient: autograd
 keeps nothing of it, and its forward holds, for a moment, one layer's tensors at a time beside the
 pixels, the hidden state the projector reads, and the text embeddings it is merged into.
@@ -35,6 +38,13 @@ class VisionShape:
     out_hidden: int = 0  # the projector's output: the language model's hidden size
     pooled: int = 0  # image tokens an image when the projector pools the patches to a fixed count (Gemma 3)
     tiles: int = 0  # tiles an image when the tower always takes that many (mllama's max_num_tiles)
+    window: int = 0  # patches a window of the windowed layers (Qwen2.5-VL's window_size); 0: none
+    full_layers: tuple[int, ...] = ()  # with a window, the layers that attend the whole image
+
+    @property
+    def windowed(self) -> int:
+        """Layers that attend within windows (the rest attend the whole image)."""
+        return self.layers - len({i for i in self.full_layers if 0 <= i < self.layers}) if self.window else 0
 
 
 def vision_shape(cj: dict[str, Any], text_hidden: int) -> VisionShape | None:
@@ -64,7 +74,19 @@ def vision_shape(cj: dict[str, Any], text_hidden: int) -> VisionShape | None:
         out_hidden=_first(vc, "out_hidden_size") or text_hidden,
         pooled=_first(cj, "mm_tokens_per_image"),
         tiles=_first(vc, "max_num_tiles"),
+        **_windows(vc),
     )
+
+
+def _windows(vc: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2.5-VL's windowed layers: all but fullatt_block_indexes attend within windows of window_size
+    pixels a side, in whole merge units (transformers' get_vision_window_index)."""
+    merge, patch, size = _first(vc, "spatial_merge_size") or 1, _first(vc, "patch_size"), _first(vc, "window_size")
+    full = vc.get("fullatt_block_indexes")
+    if not (size and patch and isinstance(full, list | tuple)):
+        return {}
+    side = size // merge // patch
+    return {"window": max(1, side) ** 2 * merge**2, "full_layers": tuple(int(i) for i in full)}
 
 
 def _first(d: dict, *keys: str) -> int:
@@ -151,6 +173,14 @@ def images_per_row(img: ImageTokens, seq_len: int) -> int:
     return max(1, seq_len // max(1, img.tokens))
 
 
+def scores(shape: VisionShape, img: ImageTokens, seqs: int, windowed: bool) -> int:
+    """Attention scores of one layer over `seqs` sequences (per head, query x key): each patch against
+    its window's patches in a windowed layer (transformers splits the sequence at the window bounds),
+    else against the whole image."""
+    keys = min(shape.window, img.patches) if windowed and shape.window else img.patches
+    return seqs * shape.heads * img.patches * keys
+
+
 def forward_bytes(shape: VisionShape, img: ImageTokens, images: int, a: int, eager: bool) -> int:
     """The tower and projector's forward on `images` images, no gradient, activations of `a` bytes: the
     largest of one layer's tensors (attention or MLP), beside the pixels (fp32 from the processor and their
@@ -166,7 +196,8 @@ def forward_bytes(shape: VisionShape, img: ImageTokens, images: int, a: int, eag
     # attention: the input and its norm, Q, K, V, the output and its contiguous copy
     attention = 7 * n * hv * a
     if eager:  # the scores, their fp32 softmax and its cast back, per sequence; the output before its transpose
-        attention += seqs * shape.heads * img.patches**2 * (2 * a + 4) + n * hv * a
+        widest = scores(shape, img, seqs, windowed=shape.windowed == shape.layers)  # one layer at a time
+        attention += widest * (2 * a + 4) + n * hv * a
     # the MLP: the input, its norm and the residual sum; fc1 (or gate and up), the activation, its product
     mlp = n * (3 * hv + 3 * iv) * a
     tower = max(embedding, pixels + n * hv * a + max(attention, mlp))  # the hidden state the projector reads
@@ -203,22 +234,21 @@ def lora_kept_bytes(shape: VisionShape, img: ImageTokens, images: int, a: int, e
     n = seqs * img.patches
     inner = shape.hidden * shape.merge**2 if shape.merge > 1 else shape.out_hidden
     ends = 2 * n * shape.hidden * a + images * img.tokens * inner * a
-    per_layer = (
-        n * shape.hidden * a
-        if lora.checkpointed
-        else _layer_saved(shape, n, seqs * shape.heads, img.patches, a, eager, lora)
-    )
-    return shape.layers * per_layer + ends
+    if lora.checkpointed:
+        return shape.layers * n * shape.hidden * a + ends
+    windowed = _layer_saved(shape, n, scores(shape, img, seqs, True), seqs * shape.heads * img.patches, a, eager, lora)
+    full = _layer_saved(shape, n, scores(shape, img, seqs, False), seqs * shape.heads * img.patches, a, eager, lora)
+    return shape.windowed * windowed + (shape.layers - shape.windowed) * full + ends
 
 
-def _layer_saved(shape: VisionShape, n: int, heads: int, p: int, a: int, eager: bool, lora: TowerLora) -> int:
+def _layer_saved(shape: VisionShape, n: int, score: int, rows: int, a: int, eager: bool, lora: TowerLora) -> int:
     """One tower layer's saved tensors (pre-norm attention and MLP, LoRA on q, k, v, the output, fc1,
     fc2): the norms' inputs and fp32 statistics, the attention's q, k, v and output (sdpa's fp32
     log-sum-exp, or eager's scores and probabilities), the activation's input, each adapter's input
     (the dropout's output and mask) and its rank-r hidden state; the frozen linears save no input."""
     hv, iv = shape.hidden, shape.intermediate
     norms = 2 * (n * hv * a + 8 * n)
-    attention = 4 * n * hv * a + (heads * p * p * (2 * a + 4) if eager else heads * p * 4)
+    attention = 4 * n * hv * a + (score * (2 * a + 4) if eager else rows * 4)  # rows: sdpa's per head and query
     act = n * iv * a * (2 if lora.sigmoid_act else 1)
     if lora.dropout:  # q, k, v each drop their shared input apart
         inputs = 5 * n * hv * (a + 1) + n * iv * (a + 1)

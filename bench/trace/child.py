@@ -83,7 +83,7 @@ def trace(spec: dict) -> dict:
         "overrides": list(spec["overrides"]),
         "device": device,
         "fake": fake,
-        "layers_traced": int(model.config.num_hidden_layers),
+        "layers_traced": int(model.config.get_text_config().num_hidden_layers),
         "peak": tracker.peak,
         "peak_phase": tracker.peak_phase,
         "peak_components": tracker.peak_components,

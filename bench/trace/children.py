@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bench import REPO
 
-PHASES = ("prefill", "decode", "kl", "forward", "loss", "reference", "backward", "optimizer")
+PHASES = ("prefill", "decode", "kl", "vision", "forward", "loss", "reference", "backward", "optimizer")
 
 
 def child_env() -> dict:

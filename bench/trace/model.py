@@ -50,9 +50,9 @@ def hf_config(cfg: Any, layers: int | None = None):
         # build an explicit mask (memory-efficient SDPA) where the real model runs flash
         config.sliding_window = None
     if layers is not None:
-        config.num_hidden_layers = int(layers)
-        if getattr(config, "layer_types", None):
-            config.layer_types = list(config.layer_types)[: int(layers)]
+        from bench.trace.vision import set_layers
+
+        set_layers(config, int(layers))
     config.use_cache = False
     return config
 
@@ -111,8 +111,9 @@ def meta_base(cfg: Any, layers: int | None = None, device_map: dict | None = Non
     whose cpu/disk modules the quantizer leaves unquantized as the loader's does. Returns (model,
     hf_quantizer or None)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from bench.trace.vision import is_vlm, skip_list
     from qlora_recipes.config.attention import VARLEN
     from qlora_recipes.model.hf_configs import bnb_config
     from qlora_recipes.units import torch_dtype
@@ -130,10 +131,13 @@ def meta_base(cfg: Any, layers: int | None = None, device_map: dict | None = Non
         # fake tensors hold no sequence bounds to read: one causal call per row allocates what the
         # row's per-sequence calls allocate together
         packed_attention.sequence_bounds = lambda n, batch, *args: [[0, n]] * batch
+    auto = AutoModelForImageTextToText if is_vlm(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        model = auto.from_config(config, dtype=dtype, attn_implementation=attn)
     quantizer = None
     if qconf is not None:
+        if is_vlm(config):  # the vision tower and projector stay in the compute dtype, as the loader's
+            qconf.llm_int8_skip_modules = skip_list(cfg, model)
         from transformers.quantizers.auto import AutoHfQuantizer
 
         quantizer = AutoHfQuantizer.from_config(qconf, pre_quantized=False)

@@ -29,6 +29,7 @@ __all__ = ["compare", "extrapolate", "plan_for", "recipe_gpus", "run_child", "sl
 # kl: KTO's no_grad forward of its KL batch; prefill and decode: GRPO's generation, the plan's
 # sampling phase the larger of the two; forward has no row of its own in a plan)
 PLAN_PHASE = {
+    "vision": "train: vision forward",
     "prefill": "train: sampling",
     "decode": "train: sampling",
     "kl": "train: KL forward",
@@ -164,6 +165,8 @@ def _plan_transient(comps: dict, device: str, phase: str) -> int:
         return row("activations") + row("reference_forward")
     if phase == "train: KL forward":
         return row("kl_forward")
+    if phase == "train: vision forward":
+        return row("vision_forward")
     if phase == "train: sampling":
         return row("sampling")
     return row("optimizer_scratch")

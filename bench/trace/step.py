@@ -40,14 +40,17 @@ from bench.trace import objectives
 STEPS = 2
 
 
-def _batch(cfg: Any, device: str, vocab: int):
+def _batch(cfg: Any, device: str, vocab: int, config=None):
     """A micro-batch as TRL's collator makes it, moved to the device: micro_batch_size rows of
     seq_len tokens, labels on every position. At b > 1 the last row is one token short, so the batch
     is padded as real data makes it (and transformers builds the attention mask on real tensors too;
-    on fake ones it always does). Padding-free flattens the rows into one."""
+    on fake ones it always does). Padding-free flattens the rows into one. A vision-language model's
+    `config`: image rows (bench/trace/vision.py)."""
     import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
+    from bench.trace.vision import image_rows, is_vlm
     from qlora_recipes.config.schema import padding_free_on
 
     b, s = objectives.train_rows_and_len(cfg)
@@ -55,10 +58,8 @@ def _batch(cfg: Any, device: str, vocab: int):
     collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=padding_free)
     lengths = [s] * b if padding_free or b == 1 else [s] * (b - 1) + [s - 1]
     rows = [{"input_ids": [1 + (i + j) % (vocab - 1) for j in range(n)]} for i, n in enumerate(lengths)]
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     with unset_fake_temporarily():  # the collator computes on real values (position ids, padding)
-        batch = collator(rows)
+        batch = image_rows(config, b, s) if config is not None and is_vlm(config) else collator(rows)
     if b == 1 and not padding_free:
         batch.pop("attention_mask", None)
     from torch._guards import active_fake_mode
@@ -190,8 +191,11 @@ def run_step(cfg: Any, model, device: str, tracker, kernel_mode=None) -> dict:
     across steps (a cycle through autograd nodes), which a real run does not have."""
     import torch
 
+    from bench.trace.vision import checks_hold, phase_hooks
+
     backbone = model.get_base_model().model
-    batch = _batch(cfg, device, model.config.vocab_size)
+    vocab = model.config.get_text_config().vocab_size
+    batch = _batch(cfg, device, vocab, model.config)
     optimizer, args = _optimizer(cfg, model)
     offload = _offload_ctx(cfg, model)
     # every label valid (the tracer's batch), grpo's completions alone
@@ -225,7 +229,7 @@ def run_step(cfg: Any, model, device: str, tracker, kernel_mode=None) -> dict:
         held_bytes.append(held)
 
     def one_step(micro_batches: int) -> None:
-        objectives.sample(cfg, model, device, tracker, model.config.vocab_size)  # grpo: the step's completions
+        objectives.sample(cfg, model, device, tracker, vocab)  # grpo: the step's completions
         for _ in range(micro_batches):
             micro_batch()
         tracker.phase = "optimizer"
@@ -235,23 +239,25 @@ def run_step(cfg: Any, model, device: str, tracker, kernel_mode=None) -> dict:
         model.zero_grad(set_to_none=True)
         tracker.phase = "idle"
 
-    handle = backbone.register_forward_hook(to_loss)
-    try:
-        for _ in range(STEPS - 1):
+    handles = [backbone.register_forward_hook(to_loss), *phase_hooks(model, tracker)]
+    with checks_hold(model.config):  # a VLM's image-token check, on fake tensors
+        try:
+            for _ in range(STEPS - 1):
+                started = time.perf_counter()
+                with kernel_mode(None) if kernel_mode else contextlib.nullcontext():
+                    one_step(1)
+                times.append(time.perf_counter() - started)
             started = time.perf_counter()
-            with kernel_mode(None) if kernel_mode else contextlib.nullcontext():
-                one_step(1)
+            static = _label_live(tracker, model, optimizer, tensors, device)
+            before = tracker.current()
+            tracker_on = True
+            with tracker:
+                with kernel_mode(tracker) if kernel_mode else contextlib.nullcontext():
+                    one_step(accumulate)
             times.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        static = _label_live(tracker, model, optimizer, tensors, device)
-        before = tracker.current()
-        tracker_on = True
-        with tracker:
-            with kernel_mode(tracker) if kernel_mode else contextlib.nullcontext():
-                one_step(accumulate)
-        times.append(time.perf_counter() - started)
-    finally:
-        handle.remove()
+        finally:
+            for handle in handles:
+                handle.remove()
     return {
         "optimizer": type(optimizer).__name__,
         "step_s": [round(t, 2) for t in times],

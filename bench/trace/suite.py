@@ -193,7 +193,7 @@ def run_suite(args: Any, command: str) -> None:
             if tuple(case["overrides"]) in done:
                 continue
             print(f"tracing {case['case']} ...", flush=True)
-            entry = _trace_case(case, log_root)
+            entry = {**_trace_case(case, log_root), "command": command}  # each case's own: --resume keeps older ones
             res["cases"] = [c for c in res["cases"] if tuple(c["overrides"]) != tuple(case["overrides"])] + [entry]
             _write(path, res)
             print(f"  {_line(entry)}", flush=True)

@@ -38,6 +38,7 @@ TRANSIENT = (
     "reference_forward",
     "kl_forward",
     "sampling",
+    "vision_forward",
     "other",
 )
 HELD = "held_by_tracker"
@@ -51,6 +52,7 @@ PHASE_COMPONENT = {
     "kl": "kl_forward",  # KTO: the policy's no_grad forward of its KL batch
     "prefill": "sampling",  # GRPO: the step's generation, its prompts' forward
     "decode": "sampling",  # and its decoding steps
+    "vision": "vision_forward",  # a VLM: its vision tower's and projector's forward on the images
 }
 
 

@@ -10,9 +10,9 @@ sequence length (no row holds more image tokens than that).
 Qwen2.5-VL's layers attend within windows of window_size pixels a side, all but fullatt_block_indexes:
 their attention is sized at the window, the others' at the whole image.
 
-The tower runs on a micro-batch's images with frozen weights and inputs that need no gradient: autograd
-keeps nothing of it, and its forward holds, for a moment, one layer's tensors at a time beside the
-pixels, the hidden state the projector reads, and the text embeddings it is merged into.
+The tower's forward holds, for a moment, one layer's tensors at a time beside the pixels, the hidden
+state the projector reads, and the text embeddings it is merged into; what autograd keeps of it for
+backward (lora_kept_bytes) is counted with the activations (planner/vision.py says when).
 """
 
 from __future__ import annotations

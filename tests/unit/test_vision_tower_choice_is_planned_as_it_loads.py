@@ -75,7 +75,6 @@ def test_a_lora_tower_plans_its_adapters_as_peft_makes_them(llava, tmp_path):
     assert _row(lora, "gradients") - _row(frozen, "gradients") == held
     state, _ = optimizer_bytes("paged_adamw_8bit", [tuple(p.shape) for p in adapters])
     assert _row(lora, "optimizer_state") - _row(frozen, "optimizer_state") == state
-    assert _row(lora, "activations") > _row(frozen, "activations")
     assert any("its LoRA keeps each layer's input" in n for n in lora["notes"])
 
 
@@ -100,25 +99,45 @@ def _kept(model, images: int) -> int:
     return held - sum(f.numel() * f.element_size() for f in features)
 
 
-@pytest.mark.parametrize("checkpointing", [True, False])
-def test_a_lora_tower_keeps_what_the_tiny_llava_tower_holds_for_backward(llava, tmp_path, checkpointing):
-    from transformers import AutoConfig
+@pytest.mark.parametrize("choice,checkpointing", [("lora", True), ("lora", False), ("frozen", True), ("frozen", False)])
+def test_the_tower_keeps_what_the_tiny_llava_tower_holds_for_backward(llava, tmp_path, choice, checkpointing):
+    """LoRA's gradients need the tower's activations; checkpointing keeps each tower layer's input
+    whatever the choice (its patch embeddings require grad then); a frozen tower without it keeps none."""
+    from qlora_recipes.planner import vision
 
-    overrides = ("model.vision_tower=lora", f"trainer.gradient_checkpointing={str(checkpointing).lower()}")
+    overrides = (f"model.vision_tower={choice}", f"trainer.gradient_checkpointing={str(checkpointing).lower()}")
     model = _loaded(llava, tmp_path, *overrides)
     model.train()
     images = 256  # enough that the tensors, not overheads, count
     measured = _kept(model, images)
-    config = AutoConfig.from_pretrained(llava).to_dict()
-    shape = vision_shape(config, config["text_config"]["hidden_size"])
-    st = spec_from_cfg(_cfg(llava, *overrides), 1)
-    img = image_tokens(shape, {"num_additional_image_tokens": 1, "vision_feature_select_strategy": "full"}, 64)
-    lora = TowerLora(st.r, st.lora_dropout > 0, checkpointing, sigmoid_act=True)  # CLIP's quick_gelu
-    planned = lora_kept_bytes(shape, img, images, 2, eager=False, lora=lora)
-    print(f"checkpointing={checkpointing}: the tower keeps {measured} B, planned {planned} B")
-    assert abs(planned - measured) / measured < 0.05
+    st = spec_from_cfg(_cfg(llava, *overrides, f"trainer.micro_batch_size={images}"), 1)
+    cj = vision.vision_config(st)
+    shape = vision_shape(cj, st.fig.hidden_size)
+    img = image_tokens(shape, vision.processor_settings(st), st.seq_len)
+    planned = vision._tower_kept(st, shape, img, cj, "cpu")
+    print(f"{choice} checkpointing={checkpointing}: the tower keeps {measured} B, planned {planned} B")
+    if planned == 0:
+        assert measured < 4096  # nothing of the tower's activations
+    else:
+        assert abs(planned - measured) / measured < 0.05
     # the plan's activations row carries it for a micro-batch's images
-    frozen = _plan(llava, "trainer.micro_batch_size=2", overrides[1])
-    with_lora = _plan(llava, "trainer.micro_batch_size=2", *overrides)
-    added = _row(with_lora, "activations") - _row(frozen, "activations")
-    assert added == lora_kept_bytes(shape, img, 2, 2, eager=False, lora=lora)
+    with_tower = _plan(llava, "trainer.micro_batch_size=2", *overrides)
+    notes = "\n".join(with_tower["notes"])
+    assert ("nothing of it kept for backward" in notes) == (planned == 0)
+
+
+def test_without_checkpointing_only_a_lora_tower_keeps_activations(llava):
+    overrides = ("trainer.micro_batch_size=2", "trainer.gradient_checkpointing=false")
+    frozen, lora = _plan(llava, *overrides), _plan(llava, *overrides, "model.vision_tower=lora")
+    config = _config(llava)
+    shape = vision_shape(config, config["text_config"]["hidden_size"])
+    img = image_tokens(shape, {"num_additional_image_tokens": 1, "vision_feature_select_strategy": "full"}, 64)
+    st = spec_from_cfg(_cfg(llava, "model.vision_tower=lora"), 1)
+    lora_kept = lora_kept_bytes(shape, img, 2, 2, False, TowerLora(st.r, True, False, sigmoid_act=True))
+    assert _row(lora, "activations") - _row(frozen, "activations") == lora_kept
+
+
+def _config(llava) -> dict:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(llava).to_dict()

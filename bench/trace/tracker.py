@@ -204,6 +204,13 @@ class PlanTracker(MemTracker):
                 moved += winfo.mem_consumed
         return moved
 
+    def relabel_live(self, old: str, new: str) -> None:
+        """Move what is still alive under `old` to `new` (a VLM's tower tensors kept for backward past
+        its forward: activations, as the plan counts them)."""
+        for winfo, _ in list(self._WINFO.values()):
+            if getattr(winfo, "component", None) == old:
+                self._move(winfo, new)
+
     def note_peak(self) -> None:
         for device, snap in self._curr_mem_snap.items():
             dev = str(device)

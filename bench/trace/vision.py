@@ -99,7 +99,8 @@ def image_rows(config, rows: int, seq: int) -> dict:
 
 def phase_hooks(model, tracker) -> list:
     """Phase `vision` from the tower's forward to the projector's output (the plan's vision forward),
-    then `forward` again. Returns the hook handles."""
+    then `forward` again, what the tower keeps for backward then counted as activations (the plan's
+    row for it). Returns the hook handles."""
     from qlora_recipes.model.vision import vision_prefixes
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -115,6 +116,7 @@ def phase_hooks(model, tracker) -> list:
     def end(module, args, output):
         if tracker.phase == "vision":
             tracker.phase = "forward"
+            tracker.relabel_live("vision_forward", "activations")  # the checkpointed tower layers' inputs
 
     return [first.register_forward_pre_hook(start), last.register_forward_hook(end)]
 

@@ -184,6 +184,20 @@ def _label_live(tracker, model, optimizer, inputs: dict, device: str) -> dict:
     return static
 
 
+def _loss_phase_hook(tracker):
+    """A forward hook on the backbone: its output starts the loss phase, the gradient reaching it the backward."""
+
+    def to_loss(module, inputs, output):
+        if tracker.phase == "reference":  # the reference's head: still its no_grad forward
+            return
+        tracker.phase = "loss"
+        hidden = output.last_hidden_state
+        if hidden.requires_grad:
+            hidden.register_hook(lambda grad: setattr(tracker, "phase", "backward"))
+
+    return to_loss
+
+
 def run_step(cfg: Any, model, device: str, tracker, kernel_mode=None) -> dict:
     """STEPS training steps; the last under the tracker (entered here, with `kernel_mode(tracker)`
     above it). The earlier steps run untracked: they leave what a run leaves (the optimizer state),
@@ -205,14 +219,6 @@ def run_step(cfg: Any, model, device: str, tracker, kernel_mode=None) -> dict:
     times = []
     held_bytes: list[int] = []
     tracker_on = False
-
-    def to_loss(module, inputs, output):
-        if tracker.phase == "reference":  # the reference's head: still its no_grad forward
-            return
-        tracker.phase = "loss"
-        hidden = output.last_hidden_state
-        if hidden.requires_grad:
-            hidden.register_hook(lambda grad: setattr(tracker, "phase", "backward"))
 
     def micro_batch() -> None:
         tracker.reset_mod_stats()  # MemTracker's module stats are per forward (the last micro-batch's)
@@ -239,7 +245,7 @@ def run_step(cfg: Any, model, device: str, tracker, kernel_mode=None) -> dict:
         model.zero_grad(set_to_none=True)
         tracker.phase = "idle"
 
-    handles = [backbone.register_forward_hook(to_loss), *phase_hooks(model, tracker)]
+    handles = [backbone.register_forward_hook(_loss_phase_hook(tracker)), *phase_hooks(model, tracker)]
     with checks_hold(model.config):  # a VLM's image-token check, on fake tensors
         try:
             for _ in range(STEPS - 1):

@@ -12,20 +12,23 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE_SIZE = 28  # two 14-px patches a side
-# The tiny base's template, with a content list's parts rendered in order (an image part as <image>)
-# and the assistant's turn inside {% generation %}: the loss is on what the assistant says.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['content'] is string %}{% set parts = [{'type': 'text', 'text': m['content']}] %}"
-    "{% else %}{% set parts = m['content'] %}{% endif %}"
-    "{% if m['role'] == 'assistant' %}assistant: {% generation %}"
-    "{% for p in parts %}{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}"
-    "{{ eos_token }}{% endgeneration %}{{ '\\n' }}"
-    "{% else %}{{ m['role'] }}: "
-    "{% for p in parts %}{% if p['type'] == 'image' %}<image>{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}"
-    "{% endfor %}\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
+
+
+def chat_template(image: str = "<image>") -> str:
+    """The tiny base's template, with a content list's parts rendered in order (an image part as `image`)
+    and the assistant's turn inside {% generation %}: the loss is on what the assistant says."""
+    return (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% if m['content'] is string %}{% set parts = [{'type': 'text', 'text': m['content']}] %}"
+        "{% else %}{% set parts = m['content'] %}{% endif %}"
+        "{% if m['role'] == 'assistant' %}assistant: {% generation %}"
+        "{% for p in parts %}{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}"
+        "{{ eos_token }}{% endgeneration %}{{ '\\n' }}"
+        "{% else %}{{ m['role'] }}: "
+        "{% for p in parts %}{% if p['type'] == 'image' %}" + image + "{% elif p['type'] == 'text' %}{{ p['text'] }}"
+        "{% endif %}{% endfor %}\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
 
 
 def build(out: Path, base: Path = REPO / "assets" / "tiny-llama", seed: int = 0) -> Path:
@@ -75,7 +78,7 @@ def build(out: Path, base: Path = REPO / "assets" / "tiny-llama", seed: int = 0)
         patch_size=14,
         vision_feature_select_strategy="full",
         num_additional_image_tokens=1,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template(),
     )
     processor.save_pretrained(str(out))
     print(f"saved a tiny LLaVA ({sum(p.numel() for p in model.parameters()):,} params) to {out}")

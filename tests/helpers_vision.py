@@ -2,6 +2,7 @@
 tokenizer with an `<image>` token, a LlavaProcessor whose chat template renders image parts) and image rows
 that name small PNGs drawn here: what the vision-language tests load and train."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -11,20 +12,18 @@ TINY = Path(__file__).resolve().parents[1] / "assets" / "tiny-llama"
 IMAGE_SIZE = 28  # two 14-px patches a side: 4 image tokens per image
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 30)}
 
-# The shipped template, with a content list's parts rendered in order (an image part as <image>) and the
-# assistant's turn inside {% generation %}: the loss is on what the assistant says.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['content'] is string %}{% set parts = [{'type': 'text', 'text': m['content']}] %}"
-    "{% else %}{% set parts = m['content'] %}{% endif %}"
-    "{% if m['role'] == 'assistant' %}assistant: {% generation %}"
-    "{% for p in parts %}{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}"
-    "{{ eos_token }}{% endgeneration %}{{ '\\n' }}"
-    "{% else %}{{ m['role'] }}: "
-    "{% for p in parts %}{% if p['type'] == 'image' %}<image>{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}"
-    "{% endfor %}\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
+
+def _shipped_vlm_script():
+    """scripts/make_tiny_vlm.py (no package): the chat template the shipped tiny VLM renders image parts with."""
+    path = TINY.parents[1] / "scripts" / "make_tiny_vlm.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_vlm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+chat_template = _shipped_vlm_script().chat_template
+CHAT_TEMPLATE = chat_template("<image>")
 
 
 def build_llava(out: Path) -> Path:

@@ -7,27 +7,10 @@ token and marks the assistant's turn with {% generation %}. The colour rows of h
 from pathlib import Path
 
 from helpers_families import COMMON
-from helpers_vision import TINY
+from helpers_vision import TINY, chat_template
 
 # the model_types built here
 FAMILIES = ("qwen2_5_vl", "gemma3", "mllama", "idefics3", "smolvlm", "qwen3_vl")
-
-
-def chat_template(image: str) -> str:
-    """The shipped template's shape, with an image part rendered as `image` and the assistant's turn
-    inside {% generation %}: the loss is on what the assistant says."""
-    return (
-        "{{ bos_token }}{% for m in messages %}"
-        "{% if m['content'] is string %}{% set parts = [{'type': 'text', 'text': m['content']}] %}"
-        "{% else %}{% set parts = m['content'] %}{% endif %}"
-        "{% if m['role'] == 'assistant' %}assistant: {% generation %}"
-        "{% for p in parts %}{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}"
-        "{{ eos_token }}{% endgeneration %}{{ '\\n' }}"
-        "{% else %}{{ m['role'] }}: "
-        "{% for p in parts %}{% if p['type'] == 'image' %}" + image + "{% elif p['type'] == 'text' %}{{ p['text'] }}"
-        "{% endif %}{% endfor %}\n{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}assistant: {% endif %}"
-    )
 
 
 def _tokenizer(*special: str):

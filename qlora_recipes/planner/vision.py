@@ -117,12 +117,19 @@ def tower_linears(st: StackSpec) -> list[tuple[int, int]]:
 def _vision_parts(st: StackSpec):
     """The model on the meta device and its vision parts' prefixes: the run's config.json's VLM, a
     conf/model entry's VLM from its figures (figures.hf_config), else its vision tower alone."""
+    if st.fig.config_dir:
+        return _dir_parts(st.fig.config_dir, bool(st.fig.trust_remote_code))
+    return _entry_parts(st.fig)
+
+
+@functools.lru_cache(maxsize=4)
+def _dir_parts(folder: str, trust: bool):
+    """Built once per folder: a plan asks for the parts several times, and the ladder and the searches plan
+    many stacks of one model (as _dir_config reads its config.json once)."""
     from ..model.vision import meta_model, vision_prefixes
 
-    if st.fig.config_dir:
-        meta = meta_model(st.fig.config_dir, bool(st.fig.trust_remote_code))
-        return meta, vision_prefixes(meta)
-    return _entry_parts(st.fig)
+    meta = meta_model(folder, trust)
+    return meta, vision_prefixes(meta)
 
 
 @functools.lru_cache(maxsize=4)

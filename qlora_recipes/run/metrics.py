@@ -70,7 +70,7 @@ def exact_match(
         )
     finally:
         model.train(was_training)
-    return sum(g.strip() == ref.strip() for g, (_, ref) in zip(new, pairs, strict=True)) / len(pairs)
+    return _matched(new, pairs)
 
 
 @torch.no_grad()
@@ -90,13 +90,13 @@ def image_exact_match(
         new = generate_with_images(model, processor, prompts, max_new_tokens, max_prompt_tokens=max_prompt_tokens)
     finally:
         model.train(was_training)
-    return sum(g.strip() == ref.strip() for g, (_, ref) in zip(new, pairs, strict=True)) / len(pairs)
+    return _matched(new, pairs)
 
 
 def image_pairs(eval_ds, limit: int | None) -> list:
     """(ImagePrompt, reference) of the first `limit` image rows: the turns before the last assistant turn
     with the images of their image parts, and that turn's text."""
-    from ..outputs.images import ImagePrompt
+    from ..outputs.images import ImagePrompt, image_parts
 
     if eval_ds is None or (limit is not None and limit <= 0):
         return []
@@ -108,10 +108,14 @@ def image_pairs(eval_ds, limit: int | None) -> list:
         if not last:
             continue  # no turn before the answer to ask with
         turns = messages[:last]
-        count = sum(1 for m in turns for p in m["content"] if p["type"] == "image")
         answer = "".join(p["text"] or "" for p in messages[last]["content"] if p["type"] == "text")
-        pairs.append((ImagePrompt(turns, list(row["images"][:count])), answer))
+        pairs.append((ImagePrompt(turns, list(row["images"][: image_parts(turns)])), answer))
     return pairs
+
+
+def _matched(answers: list[str], pairs: list) -> float:
+    """The share of answers equal to their pair's reference, surrounding whitespace aside."""
+    return sum(g.strip() == ref.strip() for g, (_, ref) in zip(answers, pairs, strict=True)) / len(pairs)
 
 
 def perplexity(loss: float | None) -> float | None:

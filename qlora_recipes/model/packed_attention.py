@@ -94,16 +94,38 @@ def varlen_attention_forward(
         )
     drop = dropout if module.training else 0.0
     bounds = sequence_bounds(n, query.shape[0], kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"))
+    query, key, value = _as_autocast_casts(query, key, value)
     rows = []
     # split, not slices: a split's backward is one cat of its parts' gradients, where every slice's
-    # would be a zero tensor the size of the whole row, added up
-    for row_bounds, *qkv in zip(bounds, query.split(1), key.split(1), value.split(1), strict=True):
+    # would be a zero tensor the size of the whole row, added up; and no split of one part (its
+    # backward would still copy the gradient through a cat)
+    for row_bounds, qkv in zip(bounds, _parts((query, key, value), [1] * len(bounds), 0), strict=True):
         lengths = [end - start for start, end in pairwise(row_bounds)]
-        parts = zip(*(t.split(lengths, dim=2) for t in qkv), strict=True)
-        outs = [_sequence(q, k, v, drop, scaling, sliding_window) for q, k, v in parts]
+        outs = [_sequence(q, k, v, drop, scaling, sliding_window) for q, k, v in _parts(qkv, lengths, 2)]
         rows.append(torch.cat(outs, dim=2) if len(outs) > 1 else outs[0])
     out = torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _parts(tensors, sizes: list[int], dim: int):
+    """Each of `tensors` split into `sizes` along `dim`, grouped by part: [(a0, b0, ..), (a1, b1, ..), ..]."""
+    if len(sizes) == 1:
+        return [tuple(tensors)]
+    return list(zip(*(t.split(sizes, dim=dim) for t in tensors), strict=True))
+
+
+def _as_autocast_casts(*tensors):
+    """The tensors as autocast would hand them to SDPA (one of its lower-precision ops): cast here once for
+    the whole row, else autocast casts every sequence's part on its own, and the backward casts every
+    part's gradient back (two kernels per sequence, per layer). The values are the same either way."""
+    import torch
+
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    # autocast leaves float64 and non-float tensors alone
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
 
 
 def _sequence(q, k, v, dropout: float, scaling, sliding_window):

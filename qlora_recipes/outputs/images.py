@@ -8,9 +8,11 @@
 `qlora generate --image`, the merge's quality check and the exact-match metric on image rows all come
 here. A prompt is rendered by the processor's chat template with its image parts, as the trainer's
 collator rendered the rows (TRL's `prepare_multimodal_messages`, no special tokens added beside what the
-template writes), then the processor turns each image into pixels and its image tokens. Prompts go one
-at a time (each its own images), greedy unless a temperature is given; only the new tokens are decoded.
-A prompt is never cut to the run's seq_len: a cut would split an image's tokens from its pixels.
+template writes), then the processor turns each image into pixels and its image tokens. Prompts go
+`batch_size` at a time through the processor's batch call, left-padded, as text prompts go
+(generation.generate: at most `max_batch_tokens` positions a batch, a longer prompt alone), greedy
+unless a temperature is given; only the new tokens are decoded. A prompt is never cut to the run's
+seq_len: a cut would split an image's tokens from its pixels.
 """
 
 from __future__ import annotations
@@ -108,24 +110,45 @@ def image_prompt(prompt: Prompt, fmt: PromptFormat, images: list) -> ImagePrompt
 def image_inputs(processor, prompt: ImagePrompt):
     """The processor's tensors for one prompt: rendered by its chat template with the generation prompt,
     images turned into pixels and image tokens (as the trainer's collator did for the rows)."""
+    return _rendered(processor, [prompt])
+
+
+def _batch_inputs(processor, prompts: list[ImagePrompt]):
+    """The processor's batch call on several prompts, left-padded (generation continues on the right)."""
+    return _rendered(processor, prompts, {"padding": True, "padding_side": "left"})
+
+
+def _rendered(processor, prompts: list[ImagePrompt], padding: dict | None = None):
     from trl.data_utils import prepare_multimodal_messages
 
-    images = [_as_image(i) for i in prompt.images]
-    messages = prepare_multimodal_messages([dict(m) for m in prompt.messages], images=images)
+    conversations = [
+        prepare_multimodal_messages([dict(m) for m in p.messages], images=[_as_image(i) for i in p.images])
+        for p in prompts
+    ]
     try:
         return processor.apply_chat_template(
-            messages,
+            conversations if padding else conversations[0],
             add_generation_prompt=True,
             tokenize=True,
             return_dict=True,
             return_tensors="pt",
-            processor_kwargs={"add_special_tokens": False},  # the template writes them
+            processor_kwargs={"add_special_tokens": False, **(padding or {})},  # the template writes them
         )
     except (ValueError, TypeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(
-            f"prompt {prompt.show()!r}: the processor could not render it with its images ({first})"
-        ) from None
+        shown = " | ".join(repr(p.show()) for p in prompts)
+        raise UserError(f"prompt {shown}: the processor could not render it with its images ({first})") from None
+
+
+def _index_batches(ids: list[list[int]], size: int, max_tokens: int | None, new: int) -> list[list[int]]:
+    """generation._batches of the tokenized prompts, as the prompts' indices."""
+    from .generation import _batches
+
+    out, start = [], 0
+    for group in _batches(ids, size, max_tokens, new):
+        out.append(list(range(start, start + len(group))))
+        start += len(group)
+    return out
 
 
 def _as_image(value: Any):
@@ -145,6 +168,8 @@ def generate_with_images(
     temperature: float | None = None,
     top_p: float = 1.0,
     max_prompt_tokens: int | None = None,
+    batch_size: int = 1,
+    max_batch_tokens: int | None = None,
 ) -> list[str]:
     """One completion per prompt, without the prompt, cut at the first stop token (generation's stop
     tokens: the tokenizer's EOS, the model's eos ids, the template's end-of-turn token or its text)."""
@@ -161,11 +186,14 @@ def generate_with_images(
     eos_ids = stop_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     dtype = vision_dtype(model)
-    outputs, long = [], 0
-    for prompt in prompts:
-        inputs = image_inputs(processor, prompt)
+    # each prompt alone first: its length for the batch bound, and one line naming it if it does not render
+    alone = [image_inputs(processor, prompt) for prompt in prompts]
+    ids = [inputs["input_ids"][0].tolist() for inputs in alone]
+    long = sum(bool(max_prompt_tokens and len(i) > max_prompt_tokens) for i in ids)
+    outputs: list[str] = []
+    for batch in _index_batches(ids, max(1, int(batch_size)), max_batch_tokens, max_new_tokens):
+        inputs = alone[batch[0]] if len(batch) == 1 else _batch_inputs(processor, [prompts[i] for i in batch])
         n = int(inputs["input_ids"].shape[1])
-        long += bool(max_prompt_tokens and n > max_prompt_tokens)
         tensors = {k: _to(v, device, dtype) for k, v in inputs.items()}
         with torch.no_grad():
             out = model.generate(
@@ -176,7 +204,7 @@ def generate_with_images(
                 eos_token_id=eos_ids or None,
                 **sampling,
             )
-        outputs.append(_cut_at(tokenizer.decode(out[0, n:], skip_special_tokens=True), stops))
+        outputs += [_cut_at(text, stops) for text in tokenizer.batch_decode(out[:, n:], skip_special_tokens=True)]
     if long:
         log.warning(
             "%d of %d image prompts are longer than the run's trainer.seq_len=%d; generated from them whole "

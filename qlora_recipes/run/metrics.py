@@ -75,10 +75,18 @@ def exact_match(
 
 @torch.no_grad()
 def image_exact_match(
-    model, processor, pairs: list, max_new_tokens: int, max_prompt_tokens: int | None = None
+    model,
+    processor,
+    pairs: list,
+    max_new_tokens: int,
+    max_prompt_tokens: int | None = None,
+    batch_size: int = 32,
+    max_batch_tokens: int | None = None,
 ) -> float | None:
     """exact_match on image rows: each held-out row's turns answered greedily with its images (the one
-    image generation helper, outputs.images), scored as text rows are. None when there is nothing to score."""
+    image generation helper, outputs.images), scored as text rows are. None when there is nothing to score.
+    Batched as exact_match batches text prompts (`batch_size` prompts and at most `max_batch_tokens`
+    positions a batch, left-padded), but never cut: `max_prompt_tokens` only names the longer ones."""
     from ..outputs.images import generate_with_images
 
     if not pairs:
@@ -87,7 +95,15 @@ def image_exact_match(
     model.eval()
     try:
         prompts = [prompt for prompt, _ in pairs]
-        new = generate_with_images(model, processor, prompts, max_new_tokens, max_prompt_tokens=max_prompt_tokens)
+        new = generate_with_images(
+            model,
+            processor,
+            prompts,
+            max_new_tokens,
+            max_prompt_tokens=max_prompt_tokens,
+            batch_size=batch_size,
+            max_batch_tokens=max_batch_tokens,
+        )
     finally:
         model.train(was_training)
     return _matched(new, pairs)

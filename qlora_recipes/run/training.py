@@ -371,11 +371,14 @@ def _exact_match(cfg: TrainConfig, model, tokenizer, pairs, plan: dict) -> float
     """The task metric: prompts cut to seq_len tokens, at most max_new_tokens generated, batches no
     larger than an eval batch of the planned length (eval_batch_size x the plan's seq_len
     positions): the bound the memory plan counts (planner/loss.py). Image rows (`tokenizer` is then
-    the processor) go one at a time, with their images."""
+    the processor) go in batches under the same bound, with their images, never cut."""
     t = cfg.trainer
-    if vision.is_vision_language(cfg.model):
-        return metrics.image_exact_match(model, tokenizer, pairs, cfg.data.max_new_tokens, t.seq_len)
     planned_len = plan.get("stack", {}).get("seq_len") or t.seq_len
+    if vision.is_vision_language(cfg.model):
+        budget = t.eval_batch_size * planned_len
+        return metrics.image_exact_match(
+            model, tokenizer, pairs, cfg.data.max_new_tokens, t.seq_len, max_batch_tokens=budget
+        )
     return metrics.exact_match(
         model,
         tokenizer,

@@ -109,3 +109,85 @@ def write_colour_rows(folder: Path, repeats: int = 8) -> Path:
     path = folder / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+WIDE_IMAGE_SIZE = 448  # 32 x 32 patches of 14 px and CLS: 1,025 image tokens an image, a tower forward of some size
+
+
+def build_wide_llava(out: Path) -> Path:
+    """A tiny LLaVA whose tower's work is a large part of a CPU run's peak: a 2-layer CLIP tower 256 wide
+    at WIDE_IMAGE_SIZE px (1,025 tokens an image, the "full" strategy keeping CLS) around the 2-layer Llama,
+    with the positions for rows of several images."""
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    vision = CLIPVisionConfig(
+        hidden_size=256,
+        intermediate_size=2048,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=WIDE_IMAGE_SIZE,
+        patch_size=14,
+        projection_dim=256,
+    )
+    text = LlamaConfig(**{**COMMON, "vocab_size": len(tokenizer), "max_position_embeddings": 4096})
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+    )
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(str(out))
+    edge = {"height": WIDE_IMAGE_SIZE, "width": WIDE_IMAGE_SIZE}
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessorPil(size={"shortest_edge": WIDE_IMAGE_SIZE}, crop_size=edge),
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="full",
+        num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(str(out))
+    return out
+
+
+def write_multi_image_rows(folder: Path, counts: tuple[int, ...], size: int = WIDE_IMAGE_SIZE) -> Path:
+    """rows.jsonl beside images/: a row for each of `counts`, holding that many squares (colours in turn),
+    asked their colours in order."""
+    from PIL import Image, ImageDraw
+
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    names = list(COLOURS)
+    for name, rgb in COLOURS.items():
+        image = Image.new("RGB", (size, size), (0, 0, 0))
+        ImageDraw.Draw(image).rectangle((size // 7, size // 7, size - size // 7, size - size // 7), fill=rgb)
+        image.save(folder / "images" / f"{name}.png")
+    rows = []
+    for i, n in enumerate(counts):
+        colours = [names[(i + j) % len(names)] for j in range(n)]
+        content = [{"type": "image"} for _ in colours] + [{"type": "text", "text": "colours?"}]
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": content},
+                    {"role": "assistant", "content": [{"type": "text", "text": " ".join(colours)}]},
+                ],
+                "images": [f"images/{c}.png" for c in colours],
+            }
+        )
+    path = folder / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -41,6 +41,7 @@ def check_stack(cfg: TrainConfig) -> None:
             hint = f" {f.metadata['choices_hint']}" if "choices_hint" in f.metadata else ""
             raise UserError(f"{key}={value} is not an option; choose one of: {names}{hint}")
     _check_seq_len(cfg.trainer)
+    _check_images_per_row(cfg.data.images_per_row)
     _check_batch_and_checkpointing(cfg.trainer)
     for key, f, value in values(cfg):
         if f.metadata.get("positive") and (value is None or value <= 0):
@@ -102,6 +103,15 @@ def _check_seq_len(t: TrainerConfig) -> None:
         raise UserError(f"trainer.eval_batch_size={rows} must be a positive number of rows, or auto (from the plan)")
     if not 0 < t.seq_len_percentile <= 100:
         raise UserError(f"trainer.seq_len_percentile={t.seq_len_percentile} must be in (0, 100]; 100: the longest row")
+
+
+def _check_images_per_row(value) -> None:
+    """data.images_per_row: a whole number of images, 1 or more, or auto (planner/vision.py reads the data)."""
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise UserError(
+            f"data.images_per_row={value} must be a whole number of images a row, 1 or more, or auto (the most "
+            "any row of the data holds)"
+        )
 
 
 def _check_batch_and_checkpointing(t: TrainerConfig) -> None:

@@ -191,6 +191,8 @@ class DataConfig:
         "size.longest_edge); null: the processor's own",
         range=">= 1|null",
     )
+    # the plan counts them (planner/vision.py); auto: a run reads them from its rows, a plan without the data 1
+    images_per_row: int | str = option("auto", "image rows: most images a row; auto: the rows' most", resume_safe=True)
     image_file_max_pixels: int = option(
         89_478_485,
         "image rows: the largest image (width x height) a row may hold; a larger one is refused (the default is "

@@ -12,7 +12,9 @@ scored as text rows are. TRL's SFTTrainer, given the processor, renders and toke
 batch (the processor turns each image into pixels and its image tokens) with the loss on the assistant
 turns. Here each row is
 rendered once to count its tokens, image tokens included: trainer.seq_len=auto reads them, and a row
-longer than seq_len is never truncated (a cut would split an image's tokens from its pixels).
+longer than seq_len is never truncated (a cut would split an image's tokens from its pixels). The most
+images a row holds is counted as the rows are checked: data.images_per_row=auto plans for it, and a row
+holding more than a number set there is refused (the plan would count too few).
 """
 
 from __future__ import annotations
@@ -40,12 +42,14 @@ def load_image_splits(data: DataConfig, processor: Any, seq_len: Any, seed: int)
     _check_options(data)
     bound_processor(processor, data)  # before the rows are counted: seq_len=auto counts bounded images
     limit = data.image_file_max_pixels
-    train, source = _load(data.path, data.split or "train", "data.path", limit)
+    train, source, most = _load_counted(data.path, data.split or "train", "data.path", limit)
     eval_ds, eval_source = None, None
     if data.eval_path not in (None, ""):
-        eval_ds, eval_source = _load(data.eval_path, data.split or "train", "data.eval_path", limit)
+        eval_ds, eval_source, eval_most = _load_counted(data.eval_path, data.split or "train", "data.eval_path", limit)
+        most = max(most, eval_most, key=lambda m: m[0])
     elif _eval_fraction(data.eval_fraction) > 0:
         train, eval_ds, eval_source = _hold_out(train, data.eval_fraction, source, seed, data.eval_max_rows)
+    _within_images_per_row(data.images_per_row, most)
     stats: dict[str, Any] = {
         "format": "messages",
         "detected": "messages",
@@ -62,6 +66,7 @@ def load_image_splits(data: DataConfig, processor: Any, seq_len: Any, seed: int)
         "identical_pairs": None,
         "truncated": {"train": 0, "eval": 0},
         "dropped_by_truncation": {"train": 0, "eval": 0},
+        "images_per_row": {"images": most[0], "where": most[1]},  # data.images_per_row=auto reads it
     }
     splits = {"train": train} if eval_ds is None else {"train": train, "eval": eval_ds}
     kept = _fit_seq_len(stats, splits, processor)
@@ -106,16 +111,34 @@ def _check_options(data: DataConfig) -> None:
 def _load(spec: Any, split: str, field: str, max_pixels: int = MAX_FILE_PIXELS) -> tuple[Any, str]:
     """The checked rows of one source as a dataset, and the source's name; an image over max_pixels
     (width x height) is refused."""
+    ds, source, _ = _load_counted(spec, split, field, max_pixels)
+    return ds, source
+
+
+def _load_counted(spec: Any, split: str, field: str, max_pixels: int) -> tuple[Any, str, tuple[int, str]]:
+    """_load's dataset and source, and the most images a row holds with the first row holding them."""
     from datasets import Dataset, Image, List
 
     rows, source = read_source(spec, split, field, keep=("images",))
     base = _image_root(spec)
     columns: dict[str, list] = {"messages": [], "images": []}
+    most = (0, source)
     for key, row in rows.items():
         messages, images = convert_image_row(rows, key, row, base, max_pixels)
         columns["messages"].append(messages)
         columns["images"].append(images)
-    return Dataset.from_dict(columns).cast_column("images", List(Image())), source
+        if len(images) > most[0]:
+            most = (len(images), rows.where(key))
+    return Dataset.from_dict(columns).cast_column("images", List(Image())), source, most
+
+
+def _within_images_per_row(wanted: Any, most: tuple[int, str]) -> None:
+    """A row holding more images than data.images_per_row says: the plan would count too few."""
+    if wanted != "auto" and most[0] > int(wanted):
+        raise UserError(
+            f"{most[1]}: {most[0]} images in one row, more than data.images_per_row={wanted} (the memory plan "
+            f"counts that many a row); set data.images_per_row={most[0]}, or auto to read it from the data"
+        )
 
 
 def _image_root(spec: Any) -> Path | None:

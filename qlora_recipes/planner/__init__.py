@@ -46,6 +46,7 @@ from .seqlen import (
 from .sharded import CPU_RANKS, SHARDED, plan_cpu_rank, plan_sharded
 from .single import plan_single
 from .spec import spec_from_cfg
+from .vision import settle_images
 
 if TYPE_CHECKING:
     from ..config.schema import TrainConfig
@@ -207,15 +208,19 @@ def settle_eval_batch(cfg: TrainConfig, first_plan: dict) -> TrainConfig:
 
 def settle_for_data(cfg: TrainConfig, first_plan: dict, data_stats: dict, gpus: list[int] | None = None) -> tuple:
     """(cfg, plan) once the data is tokenized: trainer.seq_len=auto resolved to what the rows gave
-    (data_stats["seq_len"]), and the plan made for the batches the rows really make - their longest
-    row when shorter than seq_len (planner/seqlen.py), an eval batch of the eval split's rows when it
-    holds fewer than trainer.eval_batch_size (planner/evalbatch.py) - else as planned before the data."""
+    (data_stats["seq_len"]), data.images_per_row=auto to the most images a row holds (planner/vision.py),
+    and the plan made for the batches the rows really make - their longest row when shorter than seq_len
+    (planner/seqlen.py), an eval batch of the eval split's rows when it holds fewer than
+    trainer.eval_batch_size (planner/evalbatch.py) - else as planned before the data."""
     settled = with_seq_len(cfg, data_stats["seq_len"]) if is_auto(cfg) else cfg
+    settled, images = settle_images(settled, data_stats)  # data.images_per_row=auto: the rows' most
+    if images:
+        log.info("%s", images)
     longest = data_length(settled, data_stats.get("max_tokens"))
     eval_rows = evalbatch.rows_for_data(settled, int((data_stats.get("rows") or {}).get("eval") or 0))
-    if longest is None and eval_rows is None:
+    if longest is None and eval_rows is None and images is None:
         return settled, (first_plan if settled is cfg else plan(settled, gpus))
-    planned, notes = settled, []
+    planned, notes = settled, [images] if images else []
     if longest is not None:
         planned = with_seq_len(planned, longest)
         notes.append(data_note(longest, int(settled.trainer.seq_len)))

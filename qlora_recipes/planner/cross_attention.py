@@ -1,8 +1,8 @@
 """Cross-attention to image features (mllama): what the language model's cross-attention layers hold.
 
 The row holds one image token an image; the text cross-attends, at the layers figures.cross_attention_layers
-lists, to the projector's output: every tile's patches and class token (cross_attention_states, rows x
-features x hidden). That tensor is every cross-attention layer's input, kept for the whole forward and
+lists, to the projector's output: every image's tiles' patches and class tokens (cross_attention_states,
+rows x features x hidden, features = images a row x tiles x (patches + 1)). That tensor is every cross-attention layer's input, kept for the whole forward and
 backward, beside the cross-attention mask MllamaModel expands to (rows, 1, seq_len, features). Each such
 layer projects its k and v from it (kv heads x head_dim a feature), normalizes k in fp32 (its k_norm),
 and, with a mask, transformers' sdpa repeats k and v to every query head (repeat_kv: CUDA's masked sdpa
@@ -39,7 +39,8 @@ def eval_bytes(st: StackSpec, device: str, features: int) -> int:
 
 
 def add_cross_attention(st: StackSpec, comp: dict, device: str, features: int, notes: list[str]) -> None:
-    """The cross-attention layers' terms over a micro-batch's image features (one image a row)."""
+    """The cross-attention layers' terms over a micro-batch's image features (`features` a row: every
+    image's tiles' patches and class tokens)."""
     layers = len(st.fig.cross_attention_layers)
     if not (layers and features):
         return
@@ -53,6 +54,6 @@ def add_cross_attention(st: StackSpec, comp: dict, device: str, features: int, n
     held = "one layer's at a time (checkpointed)" if st.checkpointing else f"all {layers} layers'"
     notes.append(
         f"cross-attention: {layers} layers of the language model read {features} image features a row "
-        f"(tiles x (patches + class token)); counted: the features and the mask kept "
+        f"(images x tiles x (patches + class token)); counted: the features and the mask kept "
         f"({states / 2**20:,.0f} MiB) and the k/v over them, {held} ({per_layer / 2**20:,.0f} MiB a layer)"
     )

@@ -92,6 +92,9 @@ class StackSpec:
     completion_len: int = 0
     # model.vision_tower (model/vision_tower.py): frozen, quantized (its linears in quant's format) or lora
     vision_tower: str = "frozen"
+    # data.images_per_row: images a row holds, as the vision terms count them; auto before the data is read: 1
+    images_per_row: int = 1
+    images_auto: bool = False  # data.images_per_row=auto, not yet resolved from the rows (no data read)
 
     @property
     def sample_rows(self) -> int:
@@ -193,6 +196,8 @@ def spec_from_cfg(cfg: TrainConfig, world_size: int) -> StackSpec:
         kl_batch=objective.kl_batch,
         completion_len=completion,
         vision_tower=str(getattr(model, "vision_tower", "frozen")),
+        images_per_row=1 if data.images_per_row == "auto" else int(data.images_per_row),
+        images_auto=data.images_per_row == "auto",
     )
 
 

@@ -11,9 +11,10 @@ counts each image's tokens, as the processor renders the rows (data/images.py). 
 - k-bit prep (peft 0.21's prepare_model_for_kbit_training) casts every bf16/fp16 parameter that is not
   4-bit to fp32, the tower's unquantized ones included, before model/vision.keep_vision_in casts them
   back: the load phase holds them in fp32 at its end;
-- the tower's forward on a micro-batch's images (vision_forward.py): a phase of its own before the
-  decoder layers run, beside the text embeddings the image features go into. With gradient checkpointing
-  on, the tower keeps each layer's input for backward whatever the choice: transformers checkpoints every
+- the tower's forward on a micro-batch's images (vision_forward.py), micro_batch_size x data.images_per_row
+  of them (auto: the most any row of the data holds, 1 before a run reads its rows; no more than seq_len
+  holds at an image's tokens; settle_images): a phase of its own before the decoder layers run, beside
+  the text embeddings the image features go into. With gradient checkpointing on, the tower keeps each layer's input for backward whatever the choice: transformers checkpoints every
   GradientCheckpointingLayer, the tower's too, and calls enable_input_require_grads, whose hook on the
   tower's patch embeddings makes its activations need a gradient. Without it, under lora each layer keeps
   what its adapters' gradients need; frozen or quantized, nothing.
@@ -23,6 +24,7 @@ on the figures as vision_config_json); without either the model is a text model.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from pathlib import Path
@@ -40,6 +42,7 @@ from .vision_forward import (
     images_per_row,
     lora_kept_bytes,
     merge_bytes,
+    row_images,
     vision_shape,
 )
 
@@ -166,6 +169,20 @@ def processor_settings(st: StackSpec) -> dict[str, Any]:
     return {}
 
 
+def settle_images(cfg: Any, stats: dict) -> tuple[Any, str | None]:
+    """cfg with data.images_per_row=auto resolved to the most images a row of the data holds (counted as
+    data/images.py checks the rows), and the line saying so; else cfg as it was and None."""
+    most = stats.get("images_per_row") or {}
+    if cfg.data.images_per_row != "auto" or not most.get("images"):
+        return cfg, None
+    out = copy.deepcopy(cfg)
+    out.data.images_per_row = int(most["images"])
+    return (
+        out,
+        f"data.images_per_row=auto -> {most['images']} (the most images a row of the data holds: {most['where']})",
+    )
+
+
 def add_vision_rows(st: StackSpec, comp: dict, counts: dict, device: str, notes: list[str], shapes: list) -> int:
     """The vision parts' weights as model.vision_tower loads them, the tower's adapters (their shapes
     added to the trainable `shapes`), and their forward, on the device the model computes on; returns the
@@ -185,19 +202,33 @@ def add_vision_rows(st: StackSpec, comp: dict, counts: dict, device: str, notes:
         )
         return kept
     img = image_tokens(shape, processor_settings(st), st.seq_len)
-    comp["vision_forward"][device] += _forward(st, shape, img, st.train_rows, device)
+    n = row_images(st.images_per_row, img, st.seq_len, bool(shape.tiles))
+    comp["vision_forward"][device] += _forward(st, shape, img, st.train_rows, n, device)
     tower_kept = _tower_kept(st, shape, img, cj, device)
     comp["activations"][device] += tower_kept
     notes.append(
         f"{note}; the tower's forward ({shape.layers} layers of {img.tiles * img.patches} patches an image"
         f"{_window_words(shape, img)}, "
         f"{_tokens_words(shape, img)} from {img.source}) is a phase of its own (and part of the eval "
-        f"batch's), {_kept_words(st, tower_kept)}; planned for one image a row (seq_len "
-        f"holds up to {images_per_row(img, st.seq_len)}: more images a row, more memory)"
+        f"batch's), {_kept_words(st, tower_kept)}; planned for {_images_words(st, img, n, bool(shape.tiles))}"
     )
-    if shape.tiles:  # the text cross-attends to the tiles' features (mllama)
-        add_cross_attention(st, comp, device, img.tiles * img.patches, notes)
+    if shape.tiles:  # the text cross-attends to every image's tiles' features (mllama)
+        add_cross_attention(st, comp, device, n * img.tiles * img.patches, notes)
     return kept
+
+
+def _images_words(st: StackSpec, img, n: int, cross: bool) -> str:
+    """How many images a row the tower's terms count, and why."""
+    what = f"{n} image{'s' if n > 1 else ''} a row"
+    if st.images_auto:
+        holds = "" if cross else f"; seq_len holds up to {images_per_row(img, st.seq_len)}"
+        return (
+            f"{what} (data.images_per_row=auto with no data read: a run plans the most any row of its data "
+            f"holds{holds})"
+        )
+    if n < st.images_per_row:
+        return f"{what} (data.images_per_row={st.images_per_row}, capped at the {n} seq_len={st.seq_len} holds)"
+    return f"{what} (data.images_per_row={st.images_per_row})"
 
 
 def _weights(st: StackSpec, comp: dict, counts: dict, device: str, params: int, shapes: list) -> int:
@@ -247,16 +278,17 @@ def _tokens_words(shape, img) -> str:
 
 
 def _tower_kept(st: StackSpec, shape, img, cj: dict, device: str) -> int:
-    """The tower's saved activations: under lora, what its adapters' gradients need; with gradient
-    checkpointing, whatever the choice, each checkpointed tower layer's input (transformers'
-    checkpointing calls enable_input_require_grads, whose hook on the tower's patch embeddings makes its
-    output need a gradient); else (frozen or quantized, no checkpointing) nothing."""
+    """The tower's saved activations over the micro-batch's images: under lora, what its adapters'
+    gradients need; with gradient checkpointing, whatever the choice, each checkpointed tower layer's input
+    (transformers' checkpointing calls enable_input_require_grads, whose hook on the tower's patch
+    embeddings makes its output need a gradient); else (frozen or quantized, no checkpointing) nothing."""
     if st.vision_tower != "lora" and not (st.checkpointing and _embeddings_hooked(st)):
         return 0
     c, _, _ = act_dtypes(st, device == "cpu")
     act = str(cj["vision_config"].get("hidden_act") or "")
     lora = TowerLora(st.r, st.lora_dropout > 0, st.checkpointing, act in ("quick_gelu", "silu", "swish"))
-    return lora_kept_bytes(shape, img, st.train_rows, c, eager(st), lora)
+    images = st.train_rows * row_images(st.images_per_row, img, st.seq_len, bool(shape.tiles))
+    return lora_kept_bytes(shape, img, images, c, eager(st), lora)
 
 
 def _embeddings_hooked(st: StackSpec) -> bool:
@@ -291,13 +323,14 @@ def _kept_words(st: StackSpec, kept: int) -> str:
     return f"its LoRA keeps {how} for backward ({kept / 2**20:,.1f} MiB, in the activations)"
 
 
-def _forward(st: StackSpec, shape, img, rows: int, device: str) -> int:
-    """The tower's forward on `rows` rows, one image each (the planner does not read the data), beside
-    the text embeddings, then the features written into their copy."""
+def _forward(st: StackSpec, shape, img, rows: int, per_row: int, device: str) -> int:
+    """The tower's forward on `rows` rows of `per_row` images each, beside the text embeddings, then the
+    features written into their copy."""
     c, r, _ = act_dtypes(st, device == "cpu")
     embeds = rows * st.seq_len * st.fig.hidden_size * r
-    tower = forward_bytes(shape, img, rows, c, eager(st))
-    return embeds + max(tower, merge_bytes(rows, img, st.fig.hidden_size, c, r) + embeds)
+    images = rows * per_row
+    tower = forward_bytes(shape, img, images, c, eager(st))
+    return embeds + max(tower, merge_bytes(images, img, st.fig.hidden_size, c, r) + embeds)
 
 
 def add_vision_eval(st: StackSpec, comp: dict, device: str) -> None:
@@ -308,8 +341,9 @@ def add_vision_eval(st: StackSpec, comp: dict, device: str) -> None:
     if shape is None:
         return
     img = image_tokens(shape, processor_settings(st), st.seq_len)
-    here = _forward(st, shape, img, st.eval_rows, device)
-    cross = eval_bytes(st, device, img.tiles * img.patches) if shape.tiles else 0
+    n = row_images(st.images_per_row, img, st.seq_len, bool(shape.tiles))
+    here = _forward(st, shape, img, st.eval_rows, n, device)
+    cross = eval_bytes(st, device, n * img.tiles * img.patches) if shape.tiles else 0
     comp["eval_transient"][device] = max(comp["eval_transient"].get(device, 0) + cross, here)
 
 

@@ -173,6 +173,12 @@ def images_per_row(img: ImageTokens, seq_len: int) -> int:
     return max(1, seq_len // max(1, img.tokens))
 
 
+def row_images(wanted: int, img: ImageTokens, seq_len: int, cross: bool) -> int:
+    """Images a row is planned with: `wanted`, no more than seq_len holds at the largest image's tokens (a
+    longer row is refused or dropped); a cross-attending row holds one token an image, so no cap there."""
+    return max(1, wanted if cross else min(wanted, images_per_row(img, seq_len)))
+
+
 def scores(shape: VisionShape, img: ImageTokens, seqs: int, windowed: bool) -> int:
     """Attention scores of one layer over `seqs` sequences (per head, query x key): each patch against
     its window's patches in a windowed layer (transformers splits the sequence at the window bounds),

@@ -115,7 +115,8 @@ def test_a_vlm_plan_counts_the_tower_forward_and_its_upcast_and_a_text_model_nei
     plan = planner.plan(compose_cfg(f"model.name_or_path={llava}", *common), world_size=1, ladder=False)
     assert plan["components"]["vision_forward"]["cpu"] > 0
     assert "train: vision forward" in plan["devices"][0]["peak_by_phase"]
-    assert any("the tower's forward" in n and "one image a row (seq_len holds up to 12" in n for n in plan["notes"])
+    tower = next(n for n in plan["notes"] if "the tower's forward" in n)
+    assert "1 image a row (data.images_per_row=auto with no data read" in tower and "seq_len holds up to 12" in tower
     assert any("k-bit prep holds the tower in fp32" in n for n in plan["notes"])
     fp32_cfg = compose_cfg(f"model.name_or_path={llava}", *common[:1], "precision=fp32", *common[2:])
     fp32 = planner.plan(fp32_cfg, world_size=1, ladder=False)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..config.attention import unmasked_packing
 from ..errors import UserError
 from ..units import dtype_bytes
-from . import family_layers, linear_attention, moe
+from . import family_layers, linear_attention, lora_inputs, moe
 from .constants import (
     BNB_4BIT_BLOCKSIZE,
     BNB_4BIT_CODE_ELEMENTS,
@@ -30,6 +30,7 @@ from .constants import (
     TRL_OFFLOAD_MIN_BYTES,
 )
 from .figures import Block, inventory
+from .lora_inputs import LoraRead, source_of
 from .spec import StackSpec
 
 
@@ -134,6 +135,7 @@ class BlockBytes:
     max_dora: int = 0  # bytes of DoRA's weight-norm temporaries for the largest adapted linear
     lora_in: int = 0  # sum of in_features of adapted linears (dropout copies)
     mlp_lora_in: int = 0  # of which the MLP's (gate/up/down): what trainer.tiled_mlp runs per tile
+    lora_reads: list = field(default_factory=list)  # each adapted linear's input (lora_inputs.LoraRead)
     expert_lora_in: int = 0  # sum of in_features of LoRA-adapted expert weights (per routed row)
     dora_out: int = 0  # sum of out_features of DoRA-adapted linears
     dora_in: int = 0  # sum of in_features of DoRA-adapted linears
@@ -163,7 +165,8 @@ def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
         for lin in blk.linears:
             n = lin.numel
             bb.params_total += n + (lin.out_features if lin.bias else 0)
-            _add_weight(st, bb, n, lin.out_features, st.quantized and should_convert(lin.name, patterns))
+            quantized = st.quantized and should_convert(lin.name, patterns)
+            _add_weight(st, bb, n, lin.out_features, quantized)
             if lin.bias:
                 bb.other += lin.out_features * after
                 bb.other_at_load += lin.out_features * load
@@ -174,6 +177,7 @@ def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
                 bb.lora_in += lin.in_features
                 in_mlp = ".mlp." in lin.name or ".feed_forward." in lin.name  # Llama 4's
                 bb.mlp_lora_in += lin.in_features if in_mlp else 0
+                bb.lora_reads.append(LoraRead(lin.in_features, source_of(lin.name), in_mlp, quantized))
                 if st.peft == "dora":
                     bb.lora_tensors.append((lin.out_features,))
                     bb.dora_out += lin.out_features
@@ -406,7 +410,7 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
         and LoRA terms exist for one tile, in the recompute (backward_working_bytes)
         (bitsandbytes linears save no input: bnb 0.50 MatMul4Bit keeps only the packed weight)
       LoRA, per adapted linear: the c-byte input of lora_A (autocast cast) + dropout mask
-                                                            (c + mask) * in  (mask 0 without dropout)
+        (without dropout, once per tensor siblings read uncast: lora_inputs.py)   (c + mask) * in
       LoRA weights cast to c for autocast, kept by each matmul      c * adapter elements (c < 4)
       DoRA: base and LoRA results kept for the magnitude    2c*out
         and with dropout, F.linear(dropout(x), dequantized W) keeps its input and W
@@ -429,7 +433,8 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
     else:
         kv_saved = 2 * qd if kv < a and sdpa_masked(st, b) else 2 * kvd
         per_token += c * (2 * qd + kv_saved) + 4 * a
-    per_token += (c + (mask if st.lora_dropout > 0 else 0)) * (bb.lora_in - bb.mlp_lora_in)
+    kept = lora_inputs.output_kept(st, eager(st), on_cpu)  # the attention kernel keeps what o_proj reads
+    per_token += lora_inputs.kept_per_token(st, bb.lora_reads, mask, on_cpu, False, kept)
     per_token += 2 * c * (bb.dora_out - bb.mlp_dora_out)
     # the MLP's; tiled (trainer.tiled_mlp), only its input: its tiles are recomputed in backward
     total = b * s * (per_token + (h * r if mlp_tiled(st, b) else mlp_saved_per_token(st, bb, on_cpu)))
@@ -468,7 +473,7 @@ def mlp_saved_per_token(st: StackSpec, bb: BlockBytes, on_cpu: bool = False) -> 
     (and with dropout its inputs)."""
     c, r, mask = act_dtypes(st, on_cpu)
     fig = st.fig
-    per_token = 3 * r * fig.active_intermediate + (c + (mask if st.lora_dropout > 0 else 0)) * bb.mlp_lora_in
+    per_token = 3 * r * fig.active_intermediate + lora_inputs.kept_per_token(st, bb.lora_reads, mask, on_cpu, True)
     per_token += moe.saved_per_token(st, bb.expert_lora_in, c, r)
     per_token += 2 * c * bb.mlp_dora_out
     if bb.dora_out and st.lora_dropout > 0:

@@ -39,7 +39,7 @@ def _save(model_cls, config, processor, out: Path) -> Path:
 def _save_parts(model_cls, config, tokenizer, image_processor, processor: dict, out: Path) -> Path:
     """The model dir a hub checkout holds, laid out file by file: weights, tokenizer, image processor and
     processor_config.json. Qwen-VL and SmolVLM processors also build a video processor, which needs
-    torchvision; without it the processor object cannot be made here (nor loaded by a user)."""
+    torchvision: the dir holds none, as the processor the loader builds without torchvision has none."""
     import json
 
     _save(model_cls, config, None, out)

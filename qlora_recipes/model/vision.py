@@ -2,8 +2,9 @@
 
 A model is a VLM when its config.json has a `vision_config`, or transformers maps its config to an
 image-text-to-text class and not to a causal LM, or `model.vision=true` says so. It loads through
-AutoModelForImageTextToText with its AutoProcessor: the language model in 4 bits, the vision tower and
-projector unquantized in the compute dtype, LoRA on the language model's linears only.
+AutoModelForImageTextToText with its AutoProcessor (image-only without torchvision: model/processor.py):
+the language model in 4 bits, the vision tower and projector unquantized in the compute dtype, LoRA on the
+language model's linears only.
 
 The modules kept out of bitsandbytes are named by their full prefixes (`model.vision_tower`): transformers
 5.23 matches `llm_int8_skip_modules` against full module names, so the bare `vision_tower` skips
@@ -82,14 +83,16 @@ def refuse_untried(cfg) -> None:
 
 
 def load_processor(model: ModelConfig, source: dict):
-    """The model's AutoProcessor (its tokenizer, image processor and chat template), with a pad token."""
-    from transformers import AutoProcessor, ProcessorMixin
+    """The model's AutoProcessor (its tokenizer, image processor and chat template), with a pad token;
+    image-only when its video processor needs torchvision and torchvision is not installed."""
+    from transformers import ProcessorMixin
+
+    from . import processor as processors
 
     try:
-        processor = AutoProcessor.from_pretrained(**source)
-    except ImportError as err:  # Qwen-VL and SmolVLM processors build a video processor, which needs torchvision
-        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__).split(". ")[0]
-        fix = "the torchvision built for your torch" if "torchvision" in first.lower() else "the package it names"
+        processor = processors.from_pretrained(source)
+    except ImportError as err:  # a package the processor needs: SmolVLM's num2words, or torchvision itself
+        first, fix = processors.import_failure(err)
         raise UserError(
             f"could not load the processor of vision-language model.name_or_path={model.name_or_path} ({first}); "
             f"install {fix}, then run again"

@@ -119,12 +119,21 @@ def is_vision_dir(path: str | Path) -> bool:
 
 def load_processor_of(folder: Path, kind: str, trust_remote_code: bool = False):
     """The processor saved beside a VLM run's adapter (or in a merged dir): one line when it is missing."""
-    from transformers import AutoProcessor, ProcessorMixin
+    from transformers import ProcessorMixin
+
+    from ..model import processor as processors
 
     where = folder / "adapter" if kind == "run" else folder
     fix = "re-run training (train.py saves it beside the adapter)" if kind == "run" else "merge the run again"
-    try:
-        processor = AutoProcessor.from_pretrained(str(where), trust_remote_code=trust_remote_code)
+    try:  # image-only without torchvision, as training loaded it
+        processor = processors.from_pretrained(
+            {"pretrained_model_name_or_path": str(where), "trust_remote_code": trust_remote_code}
+        )
+    except ImportError as err:
+        first, package = processors.import_failure(err)
+        raise UserError(
+            f"{where}: the vision-language model's processor could not be loaded ({first}); install {package}"
+        ) from None
     except (OSError, ValueError, TypeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(

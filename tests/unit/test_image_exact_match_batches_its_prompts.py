@@ -2,6 +2,7 @@
 as the text metric does, bounded by prompts and positions a batch, and answers each prompt as it would
 alone: same answers, same scores, on the tiny LLaVA of helpers_vision."""
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from helpers_vision import build_llava, draw_images
 
 from qlora_recipes.outputs.images import generate_with_images, image_inputs, image_prompt, open_images
 from qlora_recipes.outputs.prompts import Prompt, PromptFormat
+from qlora_recipes.planner import loss
 from qlora_recipes.run import metrics
 
 # questions of different lengths (left padding in every batch), one or two images each
@@ -94,3 +96,10 @@ def test_image_exact_match_scores_the_same_batched_as_one_at_a_time(llava, promp
     batched = metrics.image_exact_match(model, processor, pairs, NEW)
     assert calls.rows == [len(prompts)]
     assert batched == alone == 2 / 5
+
+
+def test_image_batches_are_the_size_the_planner_counts_for_the_metric():
+    """The planner's generation term (planner/loss.py) counts GEN_METRIC_BATCH prompts under the eval
+    batch's positions, whatever the rows: image rows now batch to the same bound."""
+    batch = inspect.signature(metrics.image_exact_match).parameters["batch_size"].default
+    assert batch == loss.GEN_METRIC_BATCH == inspect.signature(metrics.exact_match).parameters["batch_size"].default

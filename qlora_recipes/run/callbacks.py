@@ -70,8 +70,8 @@ def memory_sample(tracker: PeakTracker | None = None) -> dict:
 
 
 class MemoryLogger(TrainerCallback):
-    """Every `every` steps and at the end: a memory sample into memory.jsonl and TensorBoard; at the
-    end memory.png, the measured timeline against the plan's prediction of the same quantity."""
+    """Every `every` steps and at the end: a memory sample into memory.jsonl and TensorBoard. memory.png
+    (draw_png) is drawn after the timed part of the run, so that training time and tokens/s leave it out."""
 
     def __init__(self, run_dir: Path, every: int, tb_writer=None, tracker: PeakTracker | None = None, planned=None):
         self.path, self.every, self.tb = run_dir / "memory.jsonl", max(1, every), tb_writer
@@ -96,13 +96,17 @@ class MemoryLogger(TrainerCallback):
         if not state.is_world_process_zero:
             return
         self._record(state.global_step)
-        plot_timeline(self.path, self.png, self.planned)
+
+    def draw_png(self) -> None:
+        """memory.png from the samples (none on a rank other than 0, or before the first step)."""
+        if self.path.exists():
+            plot_timeline(self.path, self.png, self.planned)
 
 
 def plot_timeline(jsonl: Path, png: Path, planned: tuple[float, str] | None = None) -> None:
     """The measured series per step, the y axis from 0, and the planned peak (GiB, the quantity it
     predicts) as a horizontal line. Drawn on a bare Agg canvas: pyplot (its backend switching and
-    figure manager) would add a third to the cost, and this runs inside train(), at its end."""
+    figure manager) would add a third to the cost, paid at the end of every run."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -285,11 +285,14 @@ def _fit(
     trainer_eval = eval_ds if OBJECTIVES[cfg.objective.name].trainer_evaluates else None
     extra = {"reward_funcs": reward_funcs} if reward_funcs is not None else {}  # grpo
 
+    memory_logs: list = []  # the last trainer's draws memory.png, after the timed part
+
     def make_trainer(c: TrainConfig):
         tb_callback = TensorBoardCallback(tb_writer=tb)
         tb_callback.logging_dir = str(run_dir / "tb")  # where it reopens after train() closes it
         tb_callbacks = [tb_callback] if "tensorboard" in trackers.enabled(c.logger) else []  # logger=none: no tb/
         memory_log = MemoryLogger(run_dir, c.trainer.memory_log_steps, tb, tracker, planned)
+        memory_logs.append(memory_log)
         dist.prepare_ranks(c.dist, gpu)
         args = trainer_args.trainer_config(c, run_dir, data_format, gpu, trainer_eval is not None)
         # sft: TRL's label, truncation and drop passes over our tokenized rows, vectorized
@@ -324,6 +327,9 @@ def _fit(
         )
     finally:
         preemption.uninstall()
+    seconds = time.time() - started
+    if memory_logs and trainer.is_world_process_zero():
+        memory_logs[-1].draw_png()
     if preemption.received and not preemption.stop:  # came after the ranks' last agreement: not swallowed
         os.kill(os.getpid(), getattr(signal, preemption.received))
     if preemption.stop:
@@ -335,7 +341,7 @@ def _fit(
         status = {"status": "preempted", "signal": preemption.stop, "steps": step, "checkpoint": checkpoint}
         _write_metrics(run_dir, status)
         raise lifecycle.Preempted(preemption.stop, step, checkpoint)
-    return _Fitted(trainer, result, fit_cfg, time.time() - started, before or None)
+    return _Fitted(trainer, result, fit_cfg, seconds, before or None)
 
 
 def _final_eval(trainer, eval_ds) -> dict | None:

@@ -1,5 +1,5 @@
-"""memory.png is drawn inside train(), at its end, so it counts in the run's training time: it is drawn
-on a bare Agg canvas, not through pyplot (whose import and figure manager cost a third more)."""
+"""memory.png is drawn at the end of every run (after the timed part, so not in its tokens/s): it is
+drawn on a bare Agg canvas, not through pyplot (whose import and figure manager cost a third more)."""
 
 import json
 import subprocess

@@ -19,7 +19,14 @@ from .hf_configs import bnb_config
 from .lean_rmsnorm import lean_rmsnorms
 from .moe_experts import quantize_experts, quantized_while_loading
 from .tiled_mlp import tile_mlps
-from .vision import is_vision_language, keep_vision_in, lora_on_language_model, skipped_from_quantization
+from .vision import (
+    is_vision_language,
+    keep_vision_in,
+    lora_on_language_model,
+    skipped_from_quantization,
+    vision_prefixes,
+)
+from .vision_tower import unhook_frozen_tower
 
 log = logging.getLogger(__name__)
 
@@ -317,6 +324,9 @@ def make_trainable(cfg: TrainConfig, model):
         expert_lora.saved_as_peft_loads_it(model)
     except ValueError as err:  # e.g. target modules not found in the base
         raise UserError(f"peft: {str(err).splitlines()[0]} (check peft.target_modules)") from None
+    if vlm:  # a tower that trains nothing needs no gradient: no autograd graph, nothing kept for backward
+        base = model.get_base_model()
+        unhook_frozen_tower(base, vision_prefixes(base))
     _adapters_off_meta(cfg.offload, model)
     _trainable_in(model, torch_dtype(adapter_dtype(cfg)))  # auto: as the run settled it and the plan counts it
     if cfg.init_from:  # a stage: the adapter starts as the earlier run's (run/stages.py checked the shape)

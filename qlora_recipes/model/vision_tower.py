@@ -75,3 +75,58 @@ def lora_pattern(model: torch.nn.Module, parts: list[str]) -> tuple[str, list[st
     if not names:
         raise UserError(f"model.vision_tower=lora: the vision tower {prefix} has no linear layers to adapt")
     return rf"{re.escape(prefix)}\..*\.({'|'.join(map(re.escape, names))})", names
+
+
+def unhook_frozen_tower(model: torch.nn.Module, parts: list[str]) -> None:
+    """transformers' enable_input_require_grads (called by our checkpointing, peft, TRL's trainers and the
+    Trainer's own checkpointing) hooks the input embeddings of every PreTrainedModel in `model`, the vision
+    tower's patch embeddings too: a tower that trains nothing would then build its forward's autograd graph
+    and keep each checkpointed layer's input. Drop that hook now and after every later call, while no
+    tower parameter requires grad (the language model's hook stays: its LoRA needs the gradient)."""
+    tower = model.get_submodule(tower_prefix(model, parts))
+    if "enable_input_require_grads" not in model.__dict__:  # an instance attribute: every later call too
+        own = model.enable_input_require_grads
+
+        def language_model_only() -> None:
+            own()
+            _drop_hooks(tower)
+
+        model.enable_input_require_grads = language_model_only
+    _drop_hooks(tower)
+
+
+def _drop_hooks(tower: torch.nn.Module) -> None:
+    """Remove every hook enable_input_require_grads put on the tower's input embeddings (whichever call
+    put it, its handle kept or not), unless the tower trains; and the tower's layers' checkpointing: with
+    no graph they have nothing to recompute (reentrant checkpointing would warn at each of them)."""
+    from transformers import PreTrainedModel
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if any(p.requires_grad for p in tower.parameters()):  # e.g. LoRA on it: its layers need the gradient
+        return
+    for layer in tower.modules():
+        if isinstance(layer, GradientCheckpointingLayer):
+            layer.gradient_checkpointing = False
+    ours = {c for c in PreTrainedModel.enable_input_require_grads.__code__.co_consts if hasattr(c, "co_name")}
+    for embedding in _input_embeddings(tower):
+        for key, hook in list(embedding._forward_hooks.items()):
+            if getattr(hook, "__code__", None) in ours:
+                embedding._forward_hooks.pop(key)
+                embedding._forward_hooks_with_kwargs.pop(key, None)
+                embedding._forward_hooks_always_called.pop(key, None)
+
+
+def _input_embeddings(tower: torch.nn.Module) -> list[torch.nn.Module]:
+    """The input embeddings of each PreTrainedModel in the tower, as enable_input_require_grads finds them."""
+    from transformers import PreTrainedModel
+
+    found = []
+    for sub in tower.modules():
+        if isinstance(sub, PreTrainedModel):
+            try:
+                embedding = sub.get_input_embeddings()
+            except NotImplementedError:
+                continue
+            if embedding is not None and hasattr(embedding, "_forward_hooks"):
+                found.append(embedding)
+    return found

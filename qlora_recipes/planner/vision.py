@@ -14,10 +14,10 @@ counts each image's tokens, as the processor renders the rows (data/images.py). 
 - the tower's forward on a micro-batch's images (vision_forward.py), micro_batch_size x data.images_per_row
   of them (auto: the most any row of the data holds, 1 before a run reads its rows; no more than seq_len
   holds at an image's tokens; settle_images): a phase of its own before the decoder layers run, beside
-  the text embeddings the image features go into. With gradient checkpointing on, the tower keeps each layer's input for backward whatever the choice: transformers checkpoints every
-  GradientCheckpointingLayer, the tower's too, and calls enable_input_require_grads, whose hook on the
-  tower's patch embeddings makes its activations need a gradient. Without it, under lora each layer keeps
-  what its adapters' gradients need; frozen or quantized, nothing.
+  the text embeddings the image features go into. Under lora the tower keeps what its adapters' gradients
+  need (each layer's input when checkpointed); frozen or quantized, nothing: the loader drops the hook
+  enable_input_require_grads puts on the tower's patch embeddings (model/vision_tower.unhook_frozen_tower),
+  so a tower that trains nothing builds no autograd graph.
 The vision config comes from the run's config.json, or from a conf/model entry's vision_config (carried
 on the figures as vision_config_json); without either the model is a text model.
 """
@@ -279,10 +279,9 @@ def _tokens_words(shape, img) -> str:
 
 def _tower_kept(st: StackSpec, shape, img, cj: dict, device: str) -> int:
     """The tower's saved activations over the micro-batch's images: under lora, what its adapters'
-    gradients need; with gradient checkpointing, whatever the choice, each checkpointed tower layer's input
-    (transformers' checkpointing calls enable_input_require_grads, whose hook on the tower's patch
-    embeddings makes its output need a gradient); else (frozen or quantized, no checkpointing) nothing."""
-    if st.vision_tower != "lora" and not (st.checkpointing and _embeddings_hooked(st)):
+    gradients need; frozen or quantized, nothing (no hook makes its patch embeddings require grad:
+    model/vision_tower.unhook_frozen_tower)."""
+    if st.vision_tower != "lora":
         return 0
     c, _, _ = act_dtypes(st, device == "cpu")
     act = str(cj["vision_config"].get("hidden_act") or "")
@@ -291,34 +290,9 @@ def _tower_kept(st: StackSpec, shape, img, cj: dict, device: str) -> int:
     return lora_kept_bytes(shape, img, images, c, eager(st), lora)
 
 
-def _embeddings_hooked(st: StackSpec) -> bool:
-    """enable_input_require_grads hooks the input embeddings of every PreTrainedModel in the model: does
-    the tower hold one with input embeddings (CLIP's, SigLIP's and mllama's patch convolution, Qwen's
-    patch embedding)?"""
-    from transformers import PreTrainedModel
-
-    from ..model.vision_tower import tower_prefix
-
-    model, prefixes = _vision_parts(st)
-    for sub in model.get_submodule(tower_prefix(model, prefixes)).modules():
-        if isinstance(sub, PreTrainedModel):
-            try:
-                if sub.get_input_embeddings() is not None:
-                    return True
-            except NotImplementedError:
-                continue
-    return False
-
-
 def _kept_words(st: StackSpec, kept: int) -> str:
     if not kept:
         return "nothing of it kept for backward"
-    if st.vision_tower != "lora":
-        return (
-            "each of its layers' inputs kept for backward (checkpointing makes the tower's patch embeddings "
-            f"require grad, as the language model's: enable_input_require_grads; {kept / 2**20:,.1f} MiB, in the "
-            "activations)"
-        )
     how = "each layer's input (checkpointed with the rest)" if st.checkpointing else "every layer's saved tensors"
     return f"its LoRA keeps {how} for backward ({kept / 2**20:,.1f} MiB, in the activations)"
 

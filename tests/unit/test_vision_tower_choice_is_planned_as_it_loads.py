@@ -101,8 +101,8 @@ def _kept(model, images: int) -> int:
 
 @pytest.mark.parametrize("choice,checkpointing", [("lora", True), ("lora", False), ("frozen", True), ("frozen", False)])
 def test_the_tower_keeps_what_the_tiny_llava_tower_holds_for_backward(llava, tmp_path, choice, checkpointing):
-    """LoRA's gradients need the tower's activations; checkpointing keeps each tower layer's input
-    whatever the choice (its patch embeddings require grad then); a frozen tower without it keeps none."""
+    """LoRA's gradients need the tower's activations (each layer's input when checkpointed); a frozen
+    tower keeps none, checkpointed or not (its patch embeddings are not made to require grad)."""
     from qlora_recipes.planner import vision
 
     overrides = (f"model.vision_tower={choice}", f"trainer.gradient_checkpointing={str(checkpointing).lower()}")

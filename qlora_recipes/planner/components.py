@@ -432,7 +432,7 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
         per_token += 3 * c * qd
     else:
         kv_saved = 2 * qd if kv < a and sdpa_masked(st, b) else 2 * kvd
-        per_token += c * (2 * qd + kv_saved) + 4 * a
+        per_token += c * (2 * qd + kv_saved) + 4 * a + family_layers.sink_renorm_per_token(fig, c)
     kept = lora_inputs.output_kept(st, eager(st), on_cpu)  # the attention kernel keeps what o_proj reads
     per_token += lora_inputs.kept_per_token(st, bb.lora_reads, mask, on_cpu, False, kept)
     per_token += 2 * c * (bb.dora_out - bb.mlp_dora_out)
@@ -507,7 +507,8 @@ def backward_working_bytes(st: StackSpec, b: int, on_cpu: bool = False, bb: Bloc
         w = b * s * r * 2 * h + max(mlp, rest)
     if not mlp_tiled(st, b):  # a routed layer's backward or its recompute, its MLP not run a tile at a time
         c = act_dtypes(st, on_cpu)[0]
-        w = max(w, moe.routed_backward_bytes(st, b * s, r), moe.routed_recompute_bytes(st, b * s, c, r))
+        saved, dequant = (mlp_saved_per_token(st, bb, on_cpu), bb.max_dequant * c) if bb else (0, 0)
+        w = max(w, moe.routed_working_bytes(st, b * s, c, r, saved, dequant))
     if eager(st):
         rows, n = attention_rows(st, b)
         w += rows * fig.num_heads * n * n * 4  # fp32 gradient of the softmax

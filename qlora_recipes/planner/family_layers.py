@@ -163,6 +163,14 @@ def saved_per_token(fig: Any, mixer: str, qd: int, kvd: int, r: int) -> int:
     return out + (3 * r * fig.per_layer_input + 4 * fig.hidden_size + 4 if fig.per_layer_input else 0)
 
 
+def sink_renorm_per_token(fig: Any, c: int) -> int:
+    """Attention sinks beside a fused kernel (flex attention; transformers renormalises the kernel's output
+    by the sinks after it, from its log-sum-exp): per head, the lse cast to the compute dtype, it and the
+    sink as an fp32 pair, their logsumexp and exp, and the kernel's second fp32 row beside the lse (bench
+    trace, gpt-oss-20b: 22 bytes a head at c = 2). The renormalised output is a copy o_proj reads."""
+    return (c + 20) * fig.num_heads if fig.traits.attention_sinks else 0
+
+
 def shared_bytes(fig: Any, tokens: int, r: int) -> int:
     """Gemma 4's per-layer inputs of all layers, read by each: its projection's normed fp32 input, the sum."""
     return tokens * fig.num_layers * fig.per_layer_input * (4 + r)

@@ -45,6 +45,41 @@ def saved_per_token(st: StackSpec, expert_lora_in: int, c: int, r: int) -> int:
     return per_token
 
 
+def routed_working_bytes(st: StackSpec, tokens: int, c: int, r: int, mlp_saved: int, dequant: int) -> int:
+    """A routed layer's backward working set beside all it saves (the layer-backward phase adds the
+    dequant scratch, `dequant` bytes): the larger of its moments. The top-k weights' product
+    (routed_backward_bytes) and the recompute at the down projection (routed_recompute_bytes) hold no
+    dequantized expert weight, so they count here net of it; the recompute's first expert projection
+    holds one (first_projection_bytes). 0 for a dense model and for Llama 4's batched experts."""
+    fig = st.fig
+    if not fig.num_experts or fig.traits.router == "sigmoid":
+        return 0
+    held = max(routed_backward_bytes(st, tokens, r), routed_recompute_bytes(st, tokens, c, r))
+    return max(held - dequant, first_projection_bytes(st, tokens, c, r, mlp_saved, dequant))
+
+
+def first_projection_bytes(st: StackSpec, tokens: int, c: int, r: int, mlp_saved: int, dequant: int) -> int:
+    """The recompute's first expert projection (gate and up, fused), against all the layer saves
+    (`mlp_saved` bytes a token of them its MLP's): of the MLP's, only the router's and the routed rows
+    (k x h) exist yet, beside the routed rows' gradient the backward came with (k x h) and
+    beside_recompute_per_token's tensors; and the larger of the projection's output beside its whole
+    weight dequantized (bench trace, gpt-oss-20b at 3,520 tokens: the layer-backward peak there) and,
+    that weight freed, its LoRA update, sums and bias rows (as at the down projection), net of `dequant`."""
+    fig = st.fig
+    k, h = fig.routed_rows, fig.hidden_size
+    kept = 8 * fig.num_experts + k * c * h
+    output = tokens * k * c * 2 * fig.expert_intermediate
+    projection = max(output, output * max(1, _routed_row_tensors(st) - 1) - dequant)
+    return tokens * (kept - mlp_saved + k * c * h + beside_recompute_per_token(st, r)) + projection
+
+
+def _routed_row_tensors(st: StackSpec) -> int:
+    """The routed-row tensors an expert projection makes: its base output, with expert LoRA the update
+    and their sum, with expert biases (a top-k-softmax router's experts: gpt-oss) the gathered bias
+    rows and the biased sum."""
+    return 1 + (2 if st.expert_r else 0) + (2 if st.fig.traits.router == "topk_softmax" else 0)
+
+
 def routed_backward_bytes(st: StackSpec, tokens: int, r: int) -> int:
     """moe_experts.routed_forward's top-k weights' product in backward: three h-wide routed-row tensors
     at once (output gradient scattered back, rows' gradient, their product with the rows), no dequantized
@@ -61,9 +96,24 @@ def routed_recompute_bytes(st: StackSpec, tokens: int, c: int, r: int) -> int:
     expert biases (a top-k-softmax router's experts: gpt-oss) the gathered bias rows and the biased sum,
     h-wide routed-row tensors in the compute dtype; the weighted rows saved_per_token counts come after
     (bench trace, gpt-oss-20b with 16-bit hidden states at 32,768 and 131,072 tokens: five such tensors
-    at the layer-backward peak). 0 for a dense model and for Llama 4's batched experts."""
+    at the layer-backward peak), and the hidden-width tensors beside them. 0 for a dense model and for
+    Llama 4's batched experts."""
     fig = st.fig
     if not fig.num_experts or fig.traits.router == "sigmoid":
         return 0
-    rows = 1 + (2 if st.expert_r else 0) + (2 if fig.traits.router == "topk_softmax" else 0)
-    return tokens * fig.routed_rows * fig.hidden_size * max(0, c * rows - r)
+    rows = _routed_row_tensors(st)
+    return tokens * (fig.routed_rows * fig.hidden_size * max(0, c * rows - r) + beside_recompute_per_token(st, r))
+
+
+def beside_recompute_per_token(st: StackSpec, r: int) -> int:
+    """The hidden-width tensors alive beside that recompute, not saved for backward (bench trace,
+    gpt-oss-20b at 8,192 tokens with expert widths unlike h): the layer output's gradient, which its
+    backward started from, and what the recomputing forward still holds, the attention block's residual
+    sum (unless the second norm keeps it itself: fp32, or trainer.lean_rmsnorm) and the MLP's normed input
+    (r bytes each). Under TRL's activation offloading with checkpointing,
+    also what the backward brought back from host RAM for the node before, kept until this node is done:
+    at the last layer the final norm's input, fp32 (its r-byte input under trainer.lean_rmsnorm)."""
+    h = st.fig.hidden_size
+    brought_back = (r if st.lean_norms else 4) * h if st.activation_offloading and st.checkpointing else 0
+    residual = r * h if r < 4 and not st.lean_norms else 0  # else the second norm keeps it, as saved
+    return 2 * r * h + residual + brought_back

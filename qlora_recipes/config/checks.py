@@ -442,11 +442,6 @@ def _check_lean_modules(cfg: TrainConfig) -> None:
                 f"trainer.{name}=true with trainer.liger=true: Liger replaces {what} with its own kernel, untested "
                 f"with trainer.{name}; drop one of the two"
             )
-    if t.tiled_mlp and traits(cfg.model.architecture).moe:
-        raise UserError(
-            f"trainer.tiled_mlp=true: {cfg.model.architecture}'s MLPs are routed experts, not one gate/up/down MLP "
-            "per layer to tile; drop trainer.tiled_mlp"
-        )
     if t.lean_rmsnorm and not traits(cfg.model.architecture).llama_rmsnorm:
         have = ", ".join(name for name, f in FAMILIES.items() if f.llama_rmsnorm)
         raise UserError(

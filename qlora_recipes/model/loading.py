@@ -19,6 +19,7 @@ from .hf_configs import bnb_config
 from .lean_rmsnorm import lean_rmsnorms
 from .moe_experts import quantize_experts, quantized_while_loading
 from .tiled_mlp import tile_mlps
+from .tiled_moe import tile_moe_blocks
 from .vision import (
     is_vision_language,
     keep_vision_in,
@@ -369,12 +370,15 @@ def load_init_adapter(model, adapter_dir: Path) -> None:
 
 
 def _tile_mlps(cfg: TrainConfig, model) -> None:
-    """trainer.tiled_mlp: every decoder layer's MLP over tiles of tokens (model/tiled_mlp.py)."""
+    """trainer.tiled_mlp: every decoder layer's MLP, dense (model/tiled_mlp.py) or sparse MoE block
+    (model/tiled_moe.py), over tiles of tokens."""
     hidden = model.get_base_model().config.get_text_config().hidden_size
-    if not tile_mlps(model, mlp_tile(cfg.trainer, hidden)):
+    tile = mlp_tile(cfg.trainer, hidden)
+    if not tile_mlps(model, tile) + tile_moe_blocks(model, tile):
         raise UserError(
-            f"trainer.tiled_mlp=true: {cfg.model.architecture} has no gate/up/down MLP to tile "
-            "(Llama, Mistral, Qwen2, Qwen3, Qwen3.5, SmolLM3, Gemma 2-4 have); drop trainer.tiled_mlp"
+            f"trainer.tiled_mlp=true: {cfg.model.architecture} has no gate/up/down MLP or MoE block to tile "
+            "(Llama, Mistral, Qwen2, Qwen3, Qwen3.5, SmolLM3, Gemma 2-4 and the MoE families have); drop "
+            "trainer.tiled_mlp"
         )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..config.attention import unmasked_packing
 from ..errors import UserError
 from ..units import dtype_bytes
-from . import family_layers, linear_attention, lora_inputs, moe
+from . import family_layers, linear_attention, lora_inputs, moe, tiled_moe
 from .constants import (
     BNB_4BIT_BLOCKSIZE,
     BNB_4BIT_CODE_ELEMENTS,
@@ -501,7 +501,7 @@ def backward_working_bytes(st: StackSpec, b: int, on_cpu: bool = False, bb: Bloc
         # (bench trace, 8B at 32k tokens: 12h less in all, 6h of them the fp32 copies it does not save)
         c, h, f = act_dtypes(st, on_cpu)[0], fig.hidden_size, fig.active_intermediate
         tile = mlp_tokens(st, b)
-        mlp = tile * (r * (2 * f + h) + mlp_saved_per_token(st, bb, on_cpu))
+        mlp = tiled_moe.block_tile_bytes(st, tile, mlp_saved_per_token(st, bb, on_cpu), r * (2 * f + h), c, r)
         norm_temps = 2 * h if st.lean_norms else 4 * 2 * h
         rest = b * s * (norm_temps + c * 2 * fig.num_heads * fig.head_dim)
         w = b * s * r * 2 * h + max(mlp, rest)

@@ -186,7 +186,7 @@ LEAN = ("adapter_dtype", "lean_rmsnorm", "host_embeddings", "tiled_mlp")
 
 def _lean_candidates(kind: str, st: StackSpec, hw: _dev.Hardware) -> list[tuple[StackSpec, dict[str, Any]]]:
     """The lean options where config/checks.py allows them (one process; bf16 adapters with the 8-bit
-    optimizers and LoRA; Llama's RMSNorm form; a dense MLP; untied, untrained embeddings on a GPU)."""
+    optimizers and LoRA; Llama's RMSNorm form; untied, untrained embeddings on a GPU)."""
     if st.world_size > 1:
         return []
     if kind == "adapter_dtype" and st.adapter_bytes == 4 and st.peft != "dora" and st.optim in BF16_ADAPTER_OPTIMS:
@@ -197,7 +197,7 @@ def _lean_candidates(kind: str, st: StackSpec, hw: _dev.Hardware) -> list[tuple[
     if kind == "host_embeddings" and hw.has_gpu and st.device_map is None and not st.embeddings_on_host:
         if not st.fig.tie_embeddings and not trained:
             return [(replace(st, embeddings_on_host=True), {"offload.embeddings": "true"})]
-    if kind == "tiled_mlp" and not st.mlp_tile and not st.fig.num_experts:
+    if kind == "tiled_mlp" and not st.mlp_tile:
         return [(replace(st, mlp_tile=max(1, st.fig.hidden_size)), {"trainer.tiled_mlp": "true"})]
     return []
 

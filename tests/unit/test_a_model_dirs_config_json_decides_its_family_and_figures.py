@@ -1,6 +1,6 @@
 """A model dir's own config.json decides `model.architecture` and the figures config.yaml records: with
 `model.name_or_path=DIR` alone the default entry's Llama figures give way to DIR's (a local dir, or a hub
-id whose config.json is in the HF cache), so the family checks (trainer.lean_rmsnorm, trainer.tiled_mlp)
+id whose config.json is in the HF cache), so the family checks (trainer.lean_rmsnorm)
 ask the right family; a conf/model entry or an override that contradicts the config.json is one line
 naming both."""
 
@@ -54,11 +54,10 @@ def test_lean_rmsnorm_is_decided_by_the_dirs_family(tmp_path):
         check_stack(gemma)
 
 
-def test_tiled_mlp_on_an_moe_family_names_that_family(tmp_path):
-    cfg = compose_cfg(f"model.name_or_path={config_only_dir(tmp_path, 'gpt_oss')}", "trainer.tiled_mlp=true")
-    with pytest.raises(UserError, match="^trainer.tiled_mlp=true: gpt_oss's MLPs are routed experts"):
-        check_stack(cfg)
-    check_stack(compose_cfg(f"model.name_or_path={config_only_dir(tmp_path, 'smollm3')}", "trainer.tiled_mlp=true"))
+def test_tiled_mlp_passes_on_an_moe_family_as_on_a_dense_one(tmp_path):
+    """model/tiled_moe.py tiles the sparse MoE blocks: no family is refused trainer.tiled_mlp."""
+    for family in ("gpt_oss", "qwen3_moe", "smollm3"):
+        check_stack(compose_cfg(f"model.name_or_path={config_only_dir(tmp_path, family)}", "trainer.tiled_mlp=true"))
 
 
 def test_an_entry_that_contradicts_the_dir_is_one_line_naming_both(tmp_path):

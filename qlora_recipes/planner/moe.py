@@ -69,15 +69,17 @@ def first_projection_bytes(st: StackSpec, tokens: int, c: int, r: int, mlp_saved
     k, h = fig.routed_rows, fig.hidden_size
     kept = 8 * fig.num_experts + k * c * h
     output = tokens * k * c * 2 * fig.expert_intermediate
-    projection = max(output, output * max(1, _routed_row_tensors(st) - 1) - dequant)
+    projection = max(output, output * _held_at_projection(st) - dequant)
     return tokens * (kept - mlp_saved + k * c * h + beside_recompute_per_token(st, r)) + projection
 
 
-def _routed_row_tensors(st: StackSpec) -> int:
-    """The routed-row tensors an expert projection makes: its base output, with expert LoRA the update
-    and their sum, with expert biases (a top-k-softmax router's experts: gpt-oss) the gathered bias
-    rows and the biased sum."""
-    return 1 + (2 if st.expert_r else 0) + (2 if st.fig.traits.router == "topk_softmax" else 0)
+def _held_at_projection(st: StackSpec) -> int:
+    """The routed-row tensors an expert projection holds at once (model/moe_experts._project): its base
+    output, with expert LoRA the update and their sum; with expert biases too (a top-k-softmax router's
+    experts: gpt-oss) the base output is freed by then and the update, sum, gathered bias rows and biased
+    sum are (bench trace: three at Qwen3-30B-A3B's down projection, four at gpt-oss-20b's)."""
+    lora, biased = bool(st.expert_r), st.fig.traits.router == "topk_softmax"
+    return 4 if lora and biased else 1 + 2 * lora + 2 * biased
 
 
 def routed_backward_bytes(st: StackSpec, tokens: int, r: int) -> int:
@@ -92,16 +94,15 @@ def routed_backward_bytes(st: StackSpec, tokens: int, r: int) -> int:
 
 def routed_recompute_bytes(st: StackSpec, tokens: int, c: int, r: int) -> int:
     """A routed layer's forward (the recompute, under checkpointing) at its down projection, beside all the
-    layer has saved by then: the projection's base output, with expert LoRA its update and their sum, with
-    expert biases (a top-k-softmax router's experts: gpt-oss) the gathered bias rows and the biased sum,
-    h-wide routed-row tensors in the compute dtype; the weighted rows saved_per_token counts come after
-    (bench trace, gpt-oss-20b with 16-bit hidden states at 32,768 and 131,072 tokens: five such tensors
-    at the layer-backward peak), and the hidden-width tensors beside them. 0 for a dense model and for
-    Llama 4's batched experts."""
+    layer has saved by then: what the projection holds at once (_held_at_projection) and the routed rows'
+    gradient the backward came with, h-wide routed-row tensors in the compute dtype, less the weighted
+    rows saved_per_token counts, which come after (bench trace at 8,192 and 16,384 tokens: five such
+    tensors in gpt-oss-20b's layer-backward peak, four in Qwen3-30B-A3B's); and the hidden-width tensors
+    beside them. 0 for a dense model and for Llama 4's batched experts."""
     fig = st.fig
     if not fig.num_experts or fig.traits.router == "sigmoid":
         return 0
-    rows = _routed_row_tensors(st)
+    rows = _held_at_projection(st) + 1  # and the routed rows' gradient the backward came with
     return tokens * (fig.routed_rows * fig.hidden_size * max(0, c * rows - r) + beside_recompute_per_token(st, r))
 
 

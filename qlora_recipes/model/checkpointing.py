@@ -22,10 +22,16 @@ def layers_to_checkpoint(value: Any, num_layers: int) -> int:
 
 
 def decoder_layers(model) -> list:
-    """The model's decoder layers, in forward order (transformers' GradientCheckpointingLayer instances)."""
+    """The model's decoder layers, in forward order (transformers' GradientCheckpointingLayer instances).
+    A vision-language model's tower layers come first in module order: its language model's layers only,
+    as the planner counts N (the tower keeps transformers' own setting)."""
+    import torch
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    root = decoder if isinstance(decoder, torch.nn.Module) else model
+    return [m for m in root.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def enable_checkpointing(model, value: Any, kwargs: dict) -> int:

@@ -92,3 +92,19 @@ def test_the_trace_of_a_partial_n_combines_its_three_slices_affinely_in_both_kin
     got = combine(*(slice_result(c, k) for c, k in SLICES), n - c0, layers - n - k0)
     assert got["peak"]["cuda:0"] == 5 + 100 * n + 1000 * (layers - n)
     assert got["peak_components"]["cuda:0"]["activations"] == 100 * n + 1000 * (layers - n)
+
+
+def test_a_vision_language_models_n_counts_its_language_model_layers_not_its_towers(tmp_path):
+    from helpers_vision import build_llava
+
+    from qlora_recipes.model.vision import language_model
+
+    model_dir = build_llava(tmp_path / "llava")
+    cfg = compose_cfg(f"model.name_or_path={model_dir}", *TINY[:-2], "trainer.gradient_checkpointing=1")
+    model = loading.make_trainable(cfg, loading.load_model(cfg, tmp_path))
+    base = model.get_base_model()
+    text_layers = [m for m in language_model(base)[1].modules() if m in set(decoder_layers(base))]
+    assert len(decoder_layers(base)) == len(text_layers) == 2  # the tower's two CLIP layers are not counted
+    assert _flags(base) == [True, False]
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    assert _flags(base) == [True, False]

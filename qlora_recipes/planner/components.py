@@ -497,12 +497,12 @@ def backward_working_bytes(st: StackSpec, b: int, on_cpu: bool = False, bb: Bloc
         # the larger of the MLP's backward (one tile) and the rest of the layer's, which the MLP's
         # tokens x 2f gradients no longer cover: fp32 RMSNorm-backward temporaries and the q and
         # attention-output gradients (bench trace, 8B at 32k and 64k tokens: the peak is there). The
-        # lean norm's backward (trainer.lean_rmsnorm) holds 6h bytes a token less there than autograd's
-        # (bench trace, 8B at 32k tokens: 12h less in all, 6h of them the fp32 copies it does not save)
+        # lean norm's backward (trainer.lean_rmsnorm) holds 6h bytes a token there, 2h less than autograd's
+        # (bench trace, 8B and 70B at 6k to 481k tokens with the shared LoRA input counted once)
         c, h, f = act_dtypes(st, on_cpu)[0], fig.hidden_size, fig.active_intermediate
         tile = mlp_tokens(st, b)
         mlp = tiled_moe.block_tile_bytes(st, tile, mlp_saved_per_token(st, bb, on_cpu), r * (2 * f + h), c, r)
-        norm_temps = 2 * h if st.lean_norms else 4 * 2 * h
+        norm_temps = 6 * h if st.lean_norms else 4 * 2 * h
         rest = b * s * (norm_temps + c * 2 * fig.num_heads * fig.head_dim)
         w = b * s * r * 2 * h + max(mlp, rest)
     if not mlp_tiled(st, b):  # a routed layer's backward or its recompute, its MLP not run a tile at a time

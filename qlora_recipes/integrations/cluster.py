@@ -10,6 +10,11 @@
   from the signal it would exit mid-step and lose the steps since the last save; we call it once
   our checkpoint is sealed (`hand_over`). The requeued job runs with resume=auto added to its
   overrides and continues from that checkpoint.
+- Ctrl-C to a local sweep. The parent of a hydra/launcher=local sweep passes a stop signal on to
+  each running job's trainer, which saves a checkpoint at that step and stops, and waits for it
+  (`stop_local_jobs`): left alone a job trains on, orphaned, after the sweep said it stopped. Its
+  controller never sees a terminal's Ctrl-C (`shield_local_controllers`): it would print a
+  traceback and kill its trainer a second later, mid-save.
 - Multi-node. `slurm_rendezvous` reads the node rank and the first node of the allocation from
   SLURM's variables, so `qlora launch RECIPE` under `srun` (launch/slurm/multinode.sbatch) builds
   the same torchrun / accelerate command on every node without MASTER_ADDR set by hand.
@@ -22,10 +27,15 @@ import logging
 import os
 import re
 import signal
+import threading
+import time
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = "29500"
+LOCAL_CONTROLLER = "submitit.local._local"  # the module submitit's local executor runs each job's controller as
+STOP_WAIT_S = 600.0  # a stopping job finishes its step and saves: minutes at most on a large model
+_STOPPING: list[str] = []  # the stop signals passed on to local jobs so far
 
 
 def preemption_signal() -> signal.Signals:
@@ -61,12 +71,99 @@ def stop_with_local_controller() -> None:
     (USR2 included), which would leave this process training on, orphaned, while the sweep fails.
     The kernel sends this process SIGTERM when the controller ends (PR_SET_PDEATHSIG): it saves a
     checkpoint at that step and stops. Linux only; elsewhere nothing changes."""
-    if os.environ.get("SUBMITIT_EXECUTOR") != "local" or not os.path.exists("/proc/self"):
+    if os.environ.get("SUBMITIT_EXECUTOR") != "local":
+        return
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # the sweep's, below; a Ctrl-C held till now lands here
+    if not os.path.exists("/proc/self"):
         return
     import ctypes
 
     pr_set_pdeathsig = 1  # linux/prctl.h
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+
+
+def shield_local_controllers() -> None:
+    """In the parent of a hydra/launcher=local sweep, before its jobs start: block SIGINT in this
+    thread, which starts them, so that their controllers inherit it blocked (a terminal's Ctrl-C
+    reaches every process of its group) and their trainers unblock it (stop_with_local_controller).
+    A thread started first, with SIGINT unblocked, receives it for this process: Python runs the
+    handler in the main thread all the same."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        return
+    threading.Thread(target=threading.Event().wait, name="sigint-receiver", daemon=True).start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def unshield() -> None:
+    if hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def stop_local_jobs(signame: str, wait_s: float = STOP_WAIT_S) -> int:
+    """In the parent of a hydra/launcher=local sweep: send `signame` to the trainer of each job still
+    running (not to its controller, which would SIGKILL it a second later) and wait until their
+    controllers have ended (a second Ctrl-C meanwhile exits at once). Returns the number of jobs
+    signalled; 0 elsewhere (no /proc, no local jobs)."""
+    wait_s = 0.0 if _STOPPING else wait_s  # a second signal: the line now, the jobs finish their saves alone
+    _STOPPING.append(signame)
+    sig = getattr(signal, signame)
+    controllers = [pid for pid in _children(os.getpid()) if LOCAL_CONTROLLER in _cmdline(pid)]
+    trainers = [pid for controller in controllers for pid in _children(controller)]
+    heard = [pid for controller in controllers if _pending(controller, sig) for pid in _children(controller)]
+    for pid in trainers:
+        if pid in heard:  # sent to the whole group (a terminal's Ctrl-C): a second one would cut its save short
+            continue
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):  # ended meanwhile
+            pass
+    deadline = time.monotonic() + wait_s
+    while controllers and time.monotonic() < deadline:
+        controllers = [pid for pid in controllers if not _ended(pid)]
+        time.sleep(0.05)
+    return len(trainers)
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of a process's children, from /proc (Linux); [] elsewhere or once it has ended."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    found = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found += [int(child) for child in f.read().split()]
+        except OSError:
+            continue
+    return found
+
+
+def _pending(pid: int, sig: signal.Signals) -> bool:
+    """`sig` waits, blocked, in that process (shield_local_controllers): it was sent to its group."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = [line.split()[1] for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except OSError:
+        return False
+    return any(int(mask, 16) >> (int(sig) - 1) & 1 for mask in masks)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _ended(pid: int) -> bool:
+    """A child of this process has ended (reaped here; submitit's Popen then reads it as ended too)."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:  # reaped already
+        return True
 
 
 def _resume_when_requeued(handler) -> None:

@@ -269,15 +269,45 @@ def started_sweep_dir() -> Path | None:
     return _STARTED[-1] if _STARTED else None
 
 
-def stopped_line(sweep_dir: Path, stopped: str) -> str:
+def stopped_line(sweep_dir: Path, stopped: str, jobs_stopped: int = 0) -> str:
     """What a stop signal to a sweep kept and how to go on (`stopped`: "stopped by SIGINT (Ctrl-C)"):
     the finished jobs; an Optuna study resumes with the same command (the cut-off trial first,
-    study.resume), other sweeps continue their stopped jobs with resume=auto."""
-    finished = sum(row["status"] == "ok" for row in collect(sweep_dir)) if sweep_dir.is_dir() else 0
-    kept = f"{stopped} during the sweep in {sweep_dir}: {finished} finished job(s) kept"
+    study.resume), other sweeps continue their stopped jobs with resume=auto. `jobs_stopped`: the
+    local launcher's jobs this process stopped (cluster.stop_local_jobs), named by what they left."""
+    rows = collect(sweep_dir) if sweep_dir.is_dir() else []
+    kept = (
+        f"{stopped} during the sweep in {sweep_dir}: {sum(row['status'] == 'ok' for row in rows)} finished job(s) kept"
+    )
     if (sweep_dir / "optuna.db").is_file():
         return f"{kept}, the study in {sweep_dir / 'optuna.db'}; run the same command again to resume it (the cut-off trial is run anew)"
+    if jobs_stopped:
+        kept += "".join(_unfinished_jobs(sweep_dir, rows))
     return f"{kept}; continue with the same command plus resume=auto (finished jobs are skipped, stopped ones resume)"
+
+
+def _unfinished_jobs(sweep_dir: Path, rows: list[dict]) -> list[str]:
+    """ ", job(s) 0 1 stopped at a checkpoint", ", job(s) 2 stopped before their first one (run
+    anew)": the jobs without a result, by whether a sound checkpoint is there to resume from."""
+    from ..run.checkpoints import CHECKPOINT, checkpoint_problem
+
+    saved, unsaved = [], []
+    for row in rows:
+        if row["status"] not in ("incomplete", "preempted"):  # finished, or failed / skipped / refused
+            continue
+        folder = sweep_dir / row["job"] / "checkpoints"
+        found = [p for p in folder.iterdir() if CHECKPOINT.match(p.name)] if folder.is_dir() else []
+        (saved if any(checkpoint_problem(p) is None for p in found) else unsaved).append(row["job"])
+    parts = [f", job(s) {' '.join(saved)} stopped at a checkpoint"] if saved else []
+    return parts + ([f", job(s) {' '.join(unsaved)} stopped before their first one (run anew)"] if unsaved else [])
+
+
+def interrupted_line(sweep_dir: Path, signame: str) -> str:
+    """The parent's line for a stop signal while it waits on the sweep's jobs; local jobs are stopped
+    at a checkpoint first, so that the line says what they left."""
+    from .. import interrupts
+    from .cluster import stop_local_jobs
+
+    return stopped_line(sweep_dir, f"stopped by {interrupts.described(signame)}", stop_local_jobs(signame))
 
 
 class SweepSummary(Callback):
@@ -288,9 +318,16 @@ class SweepSummary(Callback):
         _STARTED.append(sweep_dir)
         # a stop signal while no job of this process holds anything (waiting on a job's process):
         # what the sweep kept, not "while starting"
-        interrupts.install(lambda signame: stopped_line(sweep_dir, f"stopped by {interrupts.described(signame)}"))
+        interrupts.install(lambda signame: interrupted_line(sweep_dir, signame))
+        if "LocalLauncher" in str(config.hydra.launcher.get("_target_", "")):
+            from .cluster import shield_local_controllers
+
+            shield_local_controllers()
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        from .cluster import unshield
+
+        unshield()
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = write_summary(sweep_dir)
         for row in rows:

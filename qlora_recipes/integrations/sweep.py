@@ -286,8 +286,8 @@ def stopped_line(sweep_dir: Path, stopped: str, jobs_stopped: int = 0) -> str:
 
 
 def _unfinished_jobs(sweep_dir: Path, rows: list[dict]) -> list[str]:
-    """ ", job(s) 0 1 stopped at a checkpoint", ", job(s) 2 stopped before their first one (run
-    anew)": the jobs without a result, by whether a sound checkpoint is there to resume from."""
+    """The jobs without a result, by whether a sound checkpoint is there: ", job(s) 0 1 stopped at a
+    checkpoint", ", job(s) 2 stopped with no checkpoint to resume from (run anew)"."""
     from ..run.checkpoints import CHECKPOINT, checkpoint_problem
 
     saved, unsaved = [], []
@@ -298,7 +298,9 @@ def _unfinished_jobs(sweep_dir: Path, rows: list[dict]) -> list[str]:
         found = [p for p in folder.iterdir() if CHECKPOINT.match(p.name)] if folder.is_dir() else []
         (saved if any(checkpoint_problem(p) is None for p in found) else unsaved).append(row["job"])
     parts = [f", job(s) {' '.join(saved)} stopped at a checkpoint"] if saved else []
-    return parts + ([f", job(s) {' '.join(unsaved)} stopped before their first one (run anew)"] if unsaved else [])
+    if unsaved:
+        parts.append(f", job(s) {' '.join(unsaved)} stopped with no checkpoint to resume from (run anew)")
+    return parts
 
 
 def interrupted_line(sweep_dir: Path, signame: str) -> str:

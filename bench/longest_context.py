@@ -101,11 +101,9 @@ CASE_OPTIONS.update(
         ("qwen3-30b-a3b", 80): (ROPE_X4,),
     }
 )
-# Lean options a model's family refuses (config checks): MoE MLPs are routed experts, not one MLP to
-# tile; gpt-oss's RMSNorm is not Llama's form
+# Lean options a model's family refuses (config checks): gpt-oss's RMSNorm is not Llama's form
 NOT_FOR = {
-    "gpt-oss-20b": ("trainer.tiled_mlp=true", "trainer.lean_rmsnorm=true"),
-    "qwen3-30b-a3b": ("trainer.tiled_mlp=true",),
+    "gpt-oss-20b": ("trainer.lean_rmsnorm=true",),
 }
 PRINTED = re.compile(r"longest sequence that fits .*: (?:trainer\.seq_len=(\d+)|none)")
 
@@ -363,8 +361,8 @@ def compact(doc: dict) -> str:
         "[bench/results/longest-context.md](bench/results/longest-context.md) (unsloth's settings: 4-bit, LoRA r=32 "
         f"on all 7 linears, no LoRA dropout, batch 1; plus `{' '.join(doc['lean_options'])}`; past 131,072 tokens "
         f"`{ROPE_X4}`, on 80 GB `{PAGEABLE}`, and on 70B at 48 GB "
-        f"`{' '.join(CASE_OPTIONS[('llama3.1-70b', 48)])}`; the MoE models without the lean options their family "
-        f"refuses (no MLP tiling of routed experts, gpt-oss without lean_rmsnorm), gpt-oss with `{FLEX}`, "
+        f"`{' '.join(CASE_OPTIONS[('llama3.1-70b', 48)])}`; gpt-oss without the lean option its family "
+        f"refuses (lean_rmsnorm: its RMSNorm is not Llama's form), gpt-oss with `{FLEX}`, "
         f"Qwen3-30B-A3B past its 40,960 positions `{ROPE_X4}`); * the model's positions. "
         f"Unsloth: [docs]({UNSLOTH_8B}) (8B), [Llama 3.3 blog]({UNSLOTH_70B}) (70B, Llama-3.3 shape), "
         f"[gpt-oss docs]({UNSLOTH_GPT_OSS}) (gpt-oss-20b, 80 GB); – none published for the card."

@@ -1,7 +1,6 @@
 """trainer.tiled_mlp on an MoE model (model/tiled_moe.py): the smoke run of the tiny gpt-oss (4-bit experts
 with expert LoRA, its (hidden, router_scores) block output, TRL's load-balancing loss on) over 16-token
-tiles runs the tiled Function in each checkpointed layer's forward and backward, logs the aux loss from
-the tiles' router logits, and its loss falls."""
+tiles runs the tiled Function in each checkpointed layer's forward and backward, and its loss falls."""
 
 import math
 

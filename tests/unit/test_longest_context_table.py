@@ -78,15 +78,15 @@ def test_the_gpu_suites_long_context_stage_trains_the_cases_the_gpu_holds_at_the
     assert [c["seq_len"] for c in small] == [128] * 4  # cards of 8 to 24 GB, capped for --shrink
 
 
-def test_gpt_oss_at_its_positions_traces_its_layer_backward_at_most_five_percent_over_the_plan():
+def test_gpt_oss_at_its_positions_traces_its_layer_backward_within_five_percent_of_the_plan():
     """gpt-oss-20b at its 131,072 positions on 80 GB: the traced peak is the layer backward (the tracer
-    builds flex attention's block mask a band at a time, as the compiled builder holds no seq^2 mask), at
-    1.00-1.05 of the plan's training peak, which counts the routed recompute's down-projection rows; the
-    recorded plan is the planner's today."""
+    builds flex attention's block mask a band at a time, as the compiled builder holds no seq^2 mask), its
+    MoE blocks tiled (trainer.tiled_mlp), within 5 % of the plan's training peak; the recorded plan is the
+    planner's today."""
     from bench.longest_context import planned
 
     case = next(c for c in RECORDED["cases"] if (c["model"], c["card_gb"]) == ("gpt-oss-20b", 80))
     assert case["traced_phase"] == "train: layer backward"
-    assert 1.0 <= case["traced_over_planned_train"] <= 1.05, case["traced_over_planned_train"]
+    assert 0.95 <= case["traced_over_planned_train"] <= 1.05, case["traced_over_planned_train"]
     today = next(c for c in cases(()) if (c["model"], c["card_gb"]) == ("gpt-oss-20b", 80))
     assert planned(today, case["longest_seq"])["planned_allocated_gib"] == case["planned_allocated_gib"]

@@ -61,15 +61,7 @@ class TiledMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, forward, tile: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        device = x.device.type
-        ctx.forward, ctx.tile, ctx.device = forward, tile, device
-        ctx.autocast = (
-            (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-            if torch.amp.is_autocast_available(device)
-            else None
-        )
-        ctx.rng = _rng_state(x)
-        ctx.save_for_backward(x, *params)
+        remember(ctx, forward, tile, x, params)
         return tiled_forward(forward, tile, x)
 
     @staticmethod
@@ -95,12 +87,34 @@ class TiledMLPFunction(torch.autograd.Function):
                 if want_x:
                     gxt.copy_(grads[0])
                     grads = grads[1:]
-                for i, g in enumerate(grads):
-                    if g is not None:
-                        sums[i] = g if sums[i] is None else sums[i].add_(g)
-        it = iter(sums)
-        grad_params = [next(it) if need else None for need in ctx.needs_input_grad[3:]]
-        return None, None, grad_x, *grad_params
+                add_grads(sums, grads)
+        return None, None, grad_x, *param_grads(sums, ctx.needs_input_grad[3:])
+
+
+def remember(ctx, forward, tile: int, x: torch.Tensor, params) -> None:
+    """What a tiled backward replays: the forward, the tile, autocast and RNG as they were; x and params."""
+    device = x.device.type
+    ctx.forward, ctx.tile, ctx.device = forward, tile, device
+    ctx.autocast = (
+        (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        if torch.amp.is_autocast_available(device)
+        else None
+    )
+    ctx.rng = _rng_state(x)
+    ctx.save_for_backward(x, *params)
+
+
+def add_grads(sums: list, grads) -> None:
+    """A tile's parameter gradients added into the running sums (None: the tile did not reach it)."""
+    for i, g in enumerate(grads):
+        if g is not None:
+            sums[i] = g if sums[i] is None else sums[i].add_(g)
+
+
+def param_grads(sums: list, needs) -> list:
+    """The summed gradients in the autograd function's parameter slots, None where none was wanted."""
+    it = iter(sums)
+    return [next(it) if need else None for need in needs]
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 from transformers.utils import output_capturing
 
 from .moe_experts import experts_module
-from .tiled_mlp import _rng_as, _rng_state, _same, _tiles, autocast_as
+from .tiled_mlp import _rng_as, _same, _tiles, add_grads, autocast_as, param_grads, remember
 
 
 def _collect(keys: list[str]):
@@ -84,15 +84,8 @@ class TiledMoEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, forward, tile: int, keys: list[str], layout: dict, x: torch.Tensor, *params: torch.Tensor):
-        device = x.device.type
-        ctx.forward, ctx.tile, ctx.keys, ctx.device = forward, tile, keys, device
-        ctx.autocast = (
-            (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-            if torch.amp.is_autocast_available(device)
-            else None
-        )
-        ctx.rng = _rng_state(x)
-        ctx.save_for_backward(x, *params)
+        remember(ctx, forward, tile, x, params)
+        ctx.keys = keys
         ctx.set_materialize_grads(False)  # an output nobody used (router scores) gets no gradient
         whole = tiled_run(forward, tile, keys, x, layout)
         ctx.mark_non_differentiable(*[w for w in whole if not w.is_floating_point()])
@@ -128,12 +121,8 @@ class TiledMoEFunction(torch.autograd.Function):
                     if got[0] is not None:
                         tiles_gx[i].copy_(got[0])
                     got = got[1:]
-                for j, g in enumerate(got):
-                    if g is not None:
-                        sums[j] = g if sums[j] is None else sums[j].add_(g)
-        it = iter(sums)
-        grad_params = [next(it) if need else None for need in ctx.needs_input_grad[5:]]
-        return None, None, None, None, grad_x, *grad_params
+                add_grads(sums, got)
+        return None, None, None, None, grad_x, *param_grads(sums, ctx.needs_input_grad[5:])
 
 
 def _recording() -> list[str]:

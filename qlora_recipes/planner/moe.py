@@ -118,3 +118,21 @@ def beside_recompute_per_token(st: StackSpec, r: int) -> int:
     brought_back = (r if st.lean_norms else 4) * h if st.activation_offloading and st.checkpointing else 0
     residual = r * h if r < 4 and not st.lean_norms else 0  # else the second norm keeps it, as saved
     return 2 * r * h + residual + brought_back
+
+
+def load_balancing_loss(st: StackSpec) -> bool:
+    """Whether the step adds the router's load-balancing loss: every TRL trainer turns it on for a config
+    with output_router_logits and a nonzero router_aux_loss_coef (Qwen3-MoE, Qwen3.5-MoE, gpt-oss by
+    their config classes); the loader sets Llama 4's to 0 (model/loading.py: its forward adds none)."""
+    return bool(st.fig.num_experts) and st.fig.traits.router != "sigmoid"
+
+
+def router_logits_bytes(st: StackSpec, tokens: int, layers: int, c: int) -> int:
+    """What the load-balancing loss keeps beside the activations, in forward and backward alike: each
+    routed layer's router logits (tokens x experts, the router linear's c-byte output), recorded from
+    its forward through the loss; in backward the loss's softmax backwards run first (the newest nodes),
+    so each layer's logits' gradient, as large, waits from the loss until that layer's backward (tiny
+    qwen3_moe and gpt_oss on CPU: all of them alive when the last layer's backward starts)."""
+    if not load_balancing_loss(st):
+        return 0
+    return tokens * layers * st.fig.num_experts * c

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..config import devices as _dev
 from ..units import GiB, dtype_bytes
+from . import moe
 from .components import (
     BlockBytes,
     act_dtypes,
@@ -251,6 +252,7 @@ def _activation_rows(st: StackSpec, t: _Tally) -> None:
             stored, host = offloaded_activations(replace(st, checkpointing=False) if partial else st, per_layer)
             comp["activations"]["cpu"] += host
         comp["activations"][dev] += stored + shared_per_device_bytes(st, b, cpu)
+        comp["activations"][dev] += moe.router_logits_bytes(st, b * st.seq_len, len(layer_bbs), st.act_bytes)
         comp["layer_working"][dev] += working
         comp["dequant_scratch"][dev] += t.dequant_on[dev] + t.dora_on[dev]
     comp["lm_head_loss"][t.lm_dev] += train_loss_bytes(st, b, t.lm_dev == "cpu")

@@ -1,0 +1,76 @@
+"""The router's load-balancing loss, which TRL turns on for MoE configs, keeps each routed layer's router
+logits from the forward through the loss, and their gradients from the loss until each layer's backward:
+the planner counts tokens x experts x layers in the compute dtype beside the activations, measured here
+on tiny qwen3_moe and gpt_oss models as the router logits' gradients alive when the last layer's
+backward starts."""
+
+import pytest
+import torch
+from conftest import compose_cfg
+from helpers_families import build_family
+
+from qlora_recipes.planner import moe
+from qlora_recipes.planner.spec import spec_from_cfg
+
+TOKENS = 512
+
+
+def _spec(folder):
+    overrides = ("precision=bf16", "trainer.micro_batch_size=1", f"trainer.seq_len={TOKENS}")
+    return spec_from_cfg(compose_cfg(f"model.name_or_path={folder}", *overrides), world_size=1)
+
+
+def _model(folder):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def _softmax_nodes(fn) -> list:
+    """The SoftmaxBackward nodes under the aux loss's grad_fn (one per routed layer)."""
+    found, seen, stack = [], set(), [fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "Softmax" in node.name():
+            found.append(node)
+        else:
+            stack += [nxt for nxt, _ in node.next_functions]
+    return found
+
+
+def _held_at_last_layer_backward(model, aux: bool) -> int:
+    """Bytes of the router logits' gradients the loss's softmax backwards produced before the first
+    decoder layer's backward (the last layer's) consumes its logits' one: each waits in autograd's buffers
+    until its layer's backward."""
+    produced, held = [], []
+    ids = torch.randint(3, 100, (1, TOKENS))
+    out = model(input_ids=ids, labels=ids, output_router_logits=aux)
+    for node in _softmax_nodes(out.aux_loss.grad_fn) if aux else ():
+        node.register_hook(lambda grads, _: produced.append(sum(g.numel() * g.element_size() for g in grads)))
+    for logits in out.router_logits or ():
+        logits.register_hook(lambda g: held.append(sum(produced)) if not held else None)
+    out.loss.backward()
+    return held[0] if held else 0
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_the_load_balancing_loss_keeps_what_the_planner_counts(tmp_path, model_type):
+    folder = build_family(model_type, tmp_path / model_type)
+    st = _spec(folder)
+    measured = _held_at_last_layer_backward(_model(folder), aux=True)
+    planned = moe.router_logits_bytes(st, TOKENS, st.fig.num_layers, st.act_bytes)
+    assert moe.load_balancing_loss(st)
+    assert measured > 0 and abs(planned - measured) <= 0.03 * measured
+    assert _held_at_last_layer_backward(_model(folder), aux=False) == 0
+
+
+def test_llama4_whose_loader_zeroes_the_coefficient_plans_no_load_balancing_loss(tmp_path):
+    folder = build_family("llama4_text", tmp_path / "llama4_text")
+    st = _spec(folder)
+    assert st.fig.num_experts and not moe.load_balancing_loss(st)
+    assert moe.router_logits_bytes(st, TOKENS, st.fig.num_layers, st.act_bytes) == 0

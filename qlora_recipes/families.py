@@ -138,3 +138,9 @@ UNKNOWN = FamilyTraits(tie_embeddings=True, known=False)
 def traits(architecture: str) -> FamilyTraits:
     """The traits of `architecture` (a model_type, any case); UNKNOWN for a family not in the table."""
     return FAMILIES.get(str(architecture).lower(), UNKNOWN)
+
+
+# peft's v4-to-v5 MoE remap (utils/transformers_weight_conversion.py) turns these leaf names into the fused
+# experts' parameters and the router's weight (here, not in model/moe_experts.py: the planner reads it
+# without loading torch)
+V4_EXPERT_NAMES = frozenset({"gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})

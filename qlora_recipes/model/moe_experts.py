@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 
 from ..config.schema import PeftConfig, QuantConfig
+from ..families import V4_EXPERT_NAMES
 from ..units import torch_dtype
 
 log = logging.getLogger(__name__)
@@ -346,8 +347,3 @@ def plain_linear(module: torch.nn.Module) -> bool:
     cls = type(module)
     own = cls.forward is not torch.nn.Linear.forward and not cls.__module__.startswith("bitsandbytes.")
     return isinstance(module, torch.nn.Linear) and not own
-
-
-# peft's v4-to-v5 MoE remap (utils/transformers_weight_conversion.py) turns these leaf names into the fused
-# experts' parameters and the router's weight
-V4_EXPERT_NAMES = frozenset({"gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..config.attention import unmasked_packing
 from ..errors import UserError
+from ..families import V4_EXPERT_NAMES
 from ..units import dtype_bytes
 from . import family_layers, linear_attention, lora_inputs, moe, tiled_moe
 from .constants import (
@@ -87,10 +88,8 @@ def _lora_targets(st: StackSpec, blocks: tuple[Block, ...]) -> tuple[set[str], s
     tm = st.target_modules
     if isinstance(tm, str) and tm == "all-linear":
         # peft: every linear except the output layer (lm_head); beside fused experts, not the names peft
-        # maps onto them (moe_experts.linear_targets spells the list out so; that import loads torch)
-        skip: frozenset[str] = frozenset()
-        if any(b.experts for b in blocks):
-            from ..model.moe_experts import V4_EXPERT_NAMES as skip
+        # maps onto them (moe_experts.linear_targets spells the list out so)
+        skip = V4_EXPERT_NAMES if any(b.experts for b in blocks) else frozenset()
         return {n for n in linear_names if n != "lm_head" and n.rsplit(".", 1)[-1] not in skip}, set()
 
     def match(name: str) -> bool:

@@ -32,6 +32,11 @@ def keep_on_host(model, device: torch.device | str) -> int:
     embeddings._apply = partial(_apply_on_host, embeddings)
     embeddings.register_forward_pre_hook(_ids_to_table)
     embeddings.register_forward_hook(_rows_to_layers)
+    # generate() moves its inputs to model.device, the first parameter's: this table's host RAM. The
+    # decoder the table belongs to takes its masks and positions where its layers run instead.
+    parent = next((m for m in model.modules() if any(c is embeddings for c in m.children())), None)
+    if parent is not None:
+        parent.register_forward_pre_hook(partial(_inputs_to_layers, embeddings), with_kwargs=True)
     return moved
 
 
@@ -88,6 +93,17 @@ def _empty(dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
 def _ids_to_table(module, args):
     device = module.weight.device
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _inputs_to_layers(embeddings, module, args, kwargs):
+    """Every tensor input but the ids (which the table's own hook takes to the table) to the rows' device."""
+    device = embeddings.rows_device
+
+    def move(a):
+        return a.to(device) if isinstance(a, torch.Tensor) and a.device != device else a
+
+    kwargs = {k: v if k == "input_ids" else move(v) for k, v in kwargs.items()}
+    return (*args[:1], *map(move, args[1:])), kwargs
 
 
 def _rows_to_layers(module, args, output):

@@ -54,6 +54,18 @@ def test_a_move_of_the_whole_model_leaves_the_table_in_host_ram_and_the_rows_fol
     assert table.weight.device.type == "cpu" and table(ids).device.type == "cpu"
 
 
+def test_masks_and_positions_given_on_the_tables_device_reach_the_layers_device(run_dir):
+    """generate() moves its inputs to model.device, the first parameter's: the host table's. The
+    decoder takes the mask and positions to its layers (meta, as a GPU's stand-in), not the host."""
+    model = loading.load_model(compose_cfg(*TINY_FP32), run_dir)
+    keep_on_host(model, "cpu")
+    model.to("meta")
+    assert model.device.type == "cpu"  # why generate() hands everything over on the host
+    ids = torch.tensor([[5, 6, 7, 8]])
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(4)[None])
+    assert out.logits.device.type == "meta" and out.logits.shape == (1, 4, 100)
+
+
 def test_the_trainers_device_move_after_loading_keeps_the_table_in_host_ram(run_dir, monkeypatch):
     """The training path to the first forward: loaded, table to the host, adapters, then accelerate's
     prepare_model, which calls model.to(its device) on a model loaded on one device (a 4-bit one too:

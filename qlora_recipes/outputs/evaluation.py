@@ -75,7 +75,9 @@ def _scores(model, tokenizer, tasks: list[str], manager, limit: int | None, batc
         mock.patch("lm_eval.evaluator.add_env_info", lambda results: None),
         _quiet_output(),  # its progress bars and prints
     ):
-        result = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit)
+        # no stderr (the report drops it): lm-eval bootstraps some metrics' stderr in a forked pool, which was
+        # seen never to finish in a process already running torch's threads
+        result = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, bootstrap_iters=0)
     out: dict[str, dict[str, float]] = {}
     for task, figures in result["results"].items():
         out[task] = {

@@ -230,14 +230,16 @@ def quantized_while_loading(quant: QuantConfig, here: bool = True):
     """Within: each expert weight transformers sets while loading is quantized right after it lands on
     its device, so at most one 16-bit expert tensor exists at a time (transformers loads one tensor at a
     time when it quantizes on the fly). transformers has no hook for parameters its quantizer does not
-    own, so this wraps the one function that sets every loaded tensor, and restores it on exit. `here`
+    own, so this wraps the one function that sets every loaded tensor, and the one that sizes the
+    allocator warm-up before it (experts at their stored size), and restores both on exit. `here`
     False (offloaded or sharded loading): nothing is changed."""
     if not (applies(quant) and here):
         yield
         return
     import transformers.core_model_loading as loading
+    import transformers.modeling_utils as modeling
 
-    original = loading.set_param_for_module
+    original, sized = loading.set_param_for_module, modeling.get_total_byte_count
 
     def set_and_quantize(model, target_name, *args, **kwargs):
         original(model, target_name, *args, **kwargs)
@@ -246,11 +248,24 @@ def quantized_while_loading(quant: QuantConfig, here: bool = True):
         if name in expert_weights(module) and getattr(module, name).device.type != "meta":
             quantize_weight(module, name, quant)
 
-    loading.set_param_for_module = set_and_quantize
+    def sized_as_stored(model, device_map, *args, **kwargs):
+        # The caching-allocator warm-up takes this many bytes at once before loading: counted as
+        # loaded, 16-bit experts would make it the run's peak (8.1 GiB for gpt-oss's 4 layers on a
+        # GPU, its experts 1.6 GiB stored), or on a small card cache all of it.
+        totals = sized(model, device_map, *args, **kwargs)
+        for name, device in device_map.items():
+            path, _, leaf = name.rpartition(".")
+            module = model.get_submodule(path) if path else model
+            if device in totals and leaf in expert_weights(module):
+                weight = getattr(module, leaf)
+                totals[device] -= weight.numel() * weight.element_size() - stored_size(weight.numel(), quant)
+        return totals
+
+    loading.set_param_for_module, modeling.get_total_byte_count = set_and_quantize, sized_as_stored
     try:
         yield
     finally:
-        loading.set_param_for_module = original
+        loading.set_param_for_module, modeling.get_total_byte_count = original, sized
 
 
 def quantize_experts(model: torch.nn.Module, quant: QuantConfig, here: bool = True) -> dict:
@@ -293,6 +308,14 @@ def quantize_experts(model: torch.nn.Module, quant: QuantConfig, here: bool = Tr
             counts["bytes"] / 2**20,
         )
     return counts
+
+
+def stored_size(numel: int, quant: QuantConfig) -> int:
+    """Bytes `numel` weights take stored 4-bit: the codes, an absmax per block (8-bit plus a float per
+    256 of them with double quant, else a float each)."""
+    blocks = -(-numel // BLOCKSIZE)
+    absmax = blocks + 4 * -(-blocks // 256) if quant.double_quant else 4 * blocks
+    return -(-numel // 2) + absmax
 
 
 def stored_bytes(param) -> int:

@@ -192,3 +192,36 @@ def test_experts_with_a_forward_of_their_own_stay_in_16_bits_and_are_counted(cap
     assert counts["kept_16bit"] == 1 and counts["layers"] == 0 and type(module) is _OwnRoutedExperts
     assert all(p.dim() == 3 and p.is_floating_point() for p in module.parameters())
     assert "1 expert layers stay in 16 bits" in caplog.text
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_the_loading_warm_up_is_sized_for_experts_as_stored_not_as_loaded(double_quant):
+    """transformers takes the bytes it expects a GPU to hold in one block before loading (its caching
+    allocator warm-up): 16-bit experts counted there would be the run's peak. Within
+    quantized_while_loading each expert weight counts at its stored 4-bit size, everything else as before."""
+    import transformers
+    import transformers.modeling_utils as modeling
+
+    quant = compose_cfg("quant=nf4", f"quant.double_quant={str(double_quant).lower()}").quant
+    config = transformers.GptOssConfig(
+        hidden_size=HIDDEN, intermediate_size=32, num_local_experts=4, num_hidden_layers=2, vocab_size=100
+    )
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    gpu = torch.device("cuda", 0)  # a label only: counting allocates nothing
+    placed = {name: gpu for name, _ in model.named_parameters()}
+    as_loaded = modeling.get_total_byte_count(model, placed)[gpu]
+    with moe_experts.quantized_while_loading(quant):
+        as_stored = modeling.get_total_byte_count(model, placed)[gpu]
+    assert modeling.get_total_byte_count(model, placed)[gpu] == as_loaded  # restored on exit
+
+    experts = [getattr(m, n) for m in model.modules() for n in moe_experts.expert_weights(m)]
+    assert len(experts) == 4
+    saved = sum(w.numel() * 2 - moe_experts.stored_size(w.numel(), quant) for w in experts)
+    assert as_stored == as_loaded - saved and saved > 0.7 * sum(w.numel() * 2 for w in experts)
+    # the stored size is what quantize_weight keeps, less the code books (16 + 256 floats a weight)
+    module = next(m for m in _experts("gpt_oss").modules() if moe_experts.expert_weights(m))
+    numel = module.gate_up_proj.numel()
+    moe_experts.quantize_weight(module, "gate_up_proj", quant)
+    kept = moe_experts.stored_bytes(module.gate_up_proj)
+    assert 0 <= kept - moe_experts.stored_size(numel, quant) <= 4 * (16 + 256)

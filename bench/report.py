@@ -80,6 +80,11 @@ def _efficiency_rows(stacks: list[dict]) -> list[str]:
     ]
 
 
+def _note_rows(stacks: list[dict]) -> list[str]:
+    """What a stack's figures need said beside them (a note written into its entry)."""
+    return [f"- {s['name']}: {s['note']}" for s in stacks if s.get("note")]
+
+
 def _ratio_rows(stacks: list[dict]) -> list[str]:
     with_base = [s for s in stacks if s.get("ratios")]
     if not with_base:
@@ -134,6 +139,7 @@ def _header(res: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"- `{run.get('command')}` at {run.get('started')}; load average (1, 5, 15 min) before "
             f"{load}, after {after}{'; SHRINK mode (small shapes, not real figures)' if run.get('shrink') else ''}"
+            + (f"; {run['note']}" if run.get("note") else "")
         )
     env = res.get("environment", {})
     lines.append("- " + ", ".join(f"{k} {v}" for k, v in env.items() if v))
@@ -209,7 +215,9 @@ def render_markdown(res: Mapping[str, Any]) -> str:
     lines = _header(res)
     stacks = res.get("stacks", [])
     if stacks:
-        lines += ["", *_stack_rows(stacks, gpu), *_efficiency_rows(stacks), *_ratio_rows(stacks)]
+        notes = _note_rows(stacks)
+        lines += ["", *_stack_rows(stacks, gpu), *(["", "Notes:", *notes] if notes else [])]
+        lines += [*_efficiency_rows(stacks), *_ratio_rows(stacks)]
         lines += _profile_rows(stacks)
     lines += _timing_rows(res.get("timings", []))
     for sec in res.get("slope", []):

@@ -310,6 +310,17 @@ def test_gpu_goals_and_sections_from_results():
     assert "Per-layer slope: slope-llama2-70b (layers 2, 4, 8 → 80)" in md and "| 4096 | yes | 60.00 |" in md
 
 
+def test_notes_of_a_run_and_of_a_stack_are_printed_beside_their_figures():
+    """Figures copied back from a lent GPU and merged by hand say what their reader needs (the commit
+    they ran, a peak that is not the training step's) in the markdown, not only in the JSON."""
+    res = _fake_results()
+    res["runs"] = [{"command": "python -m bench gpu-check --part 1", "note": "git abc1234: bf16 adapters"}]
+    res["stacks"] = [{"name": "moe-slice", "ours": {"status": "ok"}, "note": "the peak is the loading warm-up"}]
+    md = report.render_markdown(res)
+    assert "`python -m bench gpu-check --part 1` at None" in md and "; git abc1234: bf16 adapters" in md
+    assert "Notes:\n- moe-slice: the peak is the loading warm-up" in md
+
+
 def test_readme_keeps_one_latest_section_per_device(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("# Benchmarks\n\n<!-- RESULTS -->\n\nmore text\n")

@@ -146,6 +146,7 @@ class BlockBytes:
     mixer: str = ""  # a decoder layer's token mixer (Block.mixer): "linear_attention" is a Gated DeltaNet
     head_dim: int = 0  # its attention's head_dim and kv heads (0: the model's)
     kv_heads: int = 0
+    head_norms: int = 0  # bytes a token its per-head q/k norms keep for backward (family_layers)
 
 
 def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
@@ -187,6 +188,9 @@ def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
                     # eye(in) fp32, lora weight in x out fp32, dequantized weight (c), W + s*BA and s*BA fp32
                     bb.max_dora = max(bb.max_dora, 4 * lin.in_features**2 + lin.numel * (load + 12))
         _add_experts(st, blk, bb)
+        heads = (blk.head_dim or st.fig.head_dim, st.fig.num_heads, blk.kv_heads or st.fig.num_kv_heads)
+        names = [n for n, _ in blk.params]
+        bb.head_norms = family_layers.head_norms_saved_per_token(st.fig, names, heads, st.frozen_bytes, st.lean_norms)
         bias_names = {f"{lin.name}.bias" for lin in blk.linears}
         for pname, numel in blk.params:
             if pname in bias_names:
@@ -398,6 +402,8 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
     for a Llama-family QLoRA layer as autograd runs it (c compute, r residual bytes, see act_dtypes):
       RMSNorms: fp32 input + rsqrt                          (4h + 4) per norm (2; Gemma 2: 4)
         lean (trainer.lean_rmsnorm): the rsqrts and the second norm's r-byte input   r*h + 8
+      per-head q/k norms (Qwen3, Gemma 3/4): fp32 input + rsqrt per head (lean: r-byte input)
+                                                            4*(a + kv)*d + 4*(a + kv)
       attention, SDPA: Q, K, V as cast for the kernel (K/V repeated to all heads when a padding
         mask stops SDPA's native GQA), the output, the fp32 log-sum-exp
                                                             c*(2*a*d + 2*kv*d) + 4a
@@ -422,7 +428,7 @@ def layer_saved_bytes(st: StackSpec, bb: BlockBytes, b: int, on_cpu: bool = Fals
     c, r, mask = act_dtypes(st, on_cpu)
     h, a, d, kv = fig.hidden_size, fig.num_heads, bb.head_dim or fig.head_dim, bb.kv_heads or fig.num_kv_heads
     qd, kvd = a * d, kv * d
-    per_token = norms_saved_per_token(st, r) + family_layers.saved_per_token(fig, bb.mixer, qd, kvd, r)
+    per_token = norms_saved_per_token(st, r) + family_layers.saved_per_token(fig, bb.mixer, qd, kvd, r) + bb.head_norms
     mixer = 0
     if bb.mixer == "linear_attention":  # a Gated DeltaNet in place of attention (planner/linear_attention.py)
         rows, n = attention_rows(st, b)

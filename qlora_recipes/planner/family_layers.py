@@ -163,6 +163,23 @@ def saved_per_token(fig: Any, mixer: str, qd: int, kvd: int, r: int) -> int:
     return out + (3 * r * fig.per_layer_input + 4 * fig.hidden_size + 4 if fig.per_layer_input else 0)
 
 
+def head_norms_saved_per_token(fig: Any, names: Any, heads: tuple[int, int, int], r: int, lean: bool) -> int:
+    """What a layer's per-head q/k norms keep for backward per token (names: the layer's parameter names;
+    heads: head_dim, q heads, kv heads): each its input as the fp32 copy its `.float()` makes and a 4-byte
+    rsqrt per head (Gemma 4's pow-based norm: the mean square and its power, 8 bytes), Gemma 4's weightless
+    v_norm beside its k_norm; a Llama-form norm under trainer.lean_rmsnorm keeps its r-byte input instead
+    (the q/k projections' output dtype). Qwen3.5's gated attention counts its own (saved_per_token);
+    Llama 4's L2 norm has no weight to find it by."""
+    if fig.traits.attn_output_gate:
+        return 0
+    d, a, kv = heads
+    width = r if lean and fig.traits.llama_rmsnorm else 4
+    row = 8 if fig.traits.per_layer_embeddings else 4
+    rows = sum(a for n in names if n.endswith(".q_norm.weight"))
+    rows += sum(kv * (2 if fig.traits.per_layer_embeddings else 1) for n in names if n.endswith(".k_norm.weight"))
+    return rows * (width * d + row)
+
+
 def sink_renorm_per_token(fig: Any, c: int) -> int:
     """Attention sinks beside a fused kernel (flex attention; transformers renormalises the kernel's output
     by the sinks after it, from its log-sum-exp): per head, the lse cast to the compute dtype, it and the

@@ -6,6 +6,11 @@ checks the figures against what autograd keeps on CPU."""
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
+from ..errors import UserError
+from ..model.checkpoint import read_config
 from .spec import StackSpec
 
 
@@ -122,9 +127,33 @@ def beside_recompute_per_token(st: StackSpec, r: int) -> int:
 
 def load_balancing_loss(st: StackSpec) -> bool:
     """Whether the step adds the router's load-balancing loss: every TRL trainer turns it on for a config
-    with output_router_logits and a nonzero router_aux_loss_coef (Qwen3-MoE, Qwen3.5-MoE, gpt-oss by
-    their config classes); the loader sets Llama 4's to 0 (model/loading.py: its forward adds none)."""
-    return bool(st.fig.num_experts) and st.fig.traits.router != "sigmoid"
+    class with output_router_logits (each MoE one has it) and a nonzero router_aux_loss_coef, and sets
+    output_router_logits to that, whatever config.json said of it; the coefficient is config.json's, else
+    the config class's default (0.001 in each). The loader sets Llama 4's to 0 (model/loading.py: its
+    forward adds none)."""
+    fig = st.fig
+    if not fig.num_experts or fig.traits.router == "sigmoid":
+        return False
+    return router_aux_loss_coef(fig.config_dir) != 0
+
+
+@functools.lru_cache(maxsize=32)
+def router_aux_loss_coef(config_dir: str | None) -> float | None:
+    """config.json's router_aux_loss_coef (a multimodal one's text_config's); None where it has none or
+    there is no config.json (a conf/model entry): the config class's default then."""
+    path = Path(config_dir or "") / "config.json"
+    if not config_dir or not path.is_file():
+        return None
+    cj = read_config(path)
+    text = cj.get("text_config")
+    value = (text if isinstance(text, dict) and "router_aux_loss_coef" in text else cj).get("router_aux_loss_coef")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(
+            f"{path}: router_aux_loss_coef={value!r} must be a number (0 turns the MoE load-balancing loss off)"
+        )
+    return float(value)
 
 
 def router_logits_bytes(st: StackSpec, tokens: int, layers: int, c: int) -> int:

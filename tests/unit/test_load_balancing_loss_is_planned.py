@@ -74,3 +74,52 @@ def test_llama4_whose_loader_zeroes_the_coefficient_plans_no_load_balancing_loss
     st = _spec(folder)
     assert st.fig.num_experts and not moe.load_balancing_loss(st)
     assert moe.router_logits_bytes(st, TOKENS, st.fig.num_layers, st.act_bytes) == 0
+
+
+def _with_config(folder, **keys):
+    import json
+
+    path = folder / "config.json"
+    cj = {k: v for k, v in json.loads(path.read_text()).items() if k not in keys}
+    path.write_text(json.dumps({**cj, **{k: v for k, v in keys.items() if v is not None}}))
+    return folder
+
+
+def _trl_adds_the_loss(folder, tmp_path) -> bool:
+    """Whether TRL's SFTTrainer, built on the model, adds the load-balancing loss to each step."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    args = SFTConfig(output_dir=str(tmp_path / "out"), report_to=[], max_steps=1, use_cpu=True, max_length=32)
+    rows = Dataset.from_list([{"text": "abc"}, {"text": "def"}])
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(folder)
+    )
+    assert model.config.output_router_logits is trainer.aux_loss_enabled  # TRL sets it, whatever config.json said
+    return trainer.aux_loss_enabled
+
+
+@pytest.mark.parametrize(
+    "coef,logits,on",
+    [(0.0, True, False), (0.0, None, False), (None, False, True), (0.02, False, True)],
+)
+def test_the_plan_keeps_router_logits_only_where_trl_adds_the_loss(tmp_path, coef, logits, on):
+    """config.json's router_aux_loss_coef decides (left out: the config class's 0.001); its
+    output_router_logits does not, TRL overriding it from the coefficient."""
+    folder = _with_config(
+        build_family("qwen3_moe", tmp_path / "m"), router_aux_loss_coef=coef, output_router_logits=logits
+    )
+    st = _spec(folder)
+    assert _trl_adds_the_loss(folder, tmp_path) is on
+    assert moe.load_balancing_loss(st) is on
+    assert (moe.router_logits_bytes(st, TOKENS, st.fig.num_layers, st.act_bytes) > 0) is on
+
+
+def test_a_router_aux_loss_coef_that_is_no_number_is_one_line(tmp_path):
+    from qlora_recipes.errors import UserError
+
+    folder = _with_config(build_family("qwen3_moe", tmp_path / "m"), router_aux_loss_coef="high")
+    with pytest.raises(UserError, match=r"router_aux_loss_coef='high' must be a number"):
+        moe.load_balancing_loss(_spec(folder))

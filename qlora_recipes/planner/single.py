@@ -356,7 +356,9 @@ def _load_rows(st: StackSpec, hw: _dev.Hardware, t: _Tally) -> None:
 def _eval_rows(st: StackSpec, t: _Tally) -> None:
     """The eval phase per device, the largest of: one layer's forward of an eval batch (no grad),
     the fused head's forward on it (where lm_head computes), and the exact-match metric's generation
-    (its KV cache for the layers computing there); a layer's forward adds the dequantization scratch."""
+    (its KV cache for the layers computing there); a layer's forward adds the dequantization scratch.
+    With the load-balancing loss on, TRL asks for the router logits in evaluation too: each layer's,
+    from its forward through the loss, beside both forwards."""
     # dpo with precompute_ref_log_probs: the reference's no_grad pass over the train split, before training
     passes = ([st.eval_rows] if st.evaluates else []) + ([st.train_rows] if st.reference == "precomputed" else [])
     for dev in dict.fromkeys([*t.layers_on, t.lm_dev]):
@@ -364,10 +366,11 @@ def _eval_rows(st: StackSpec, t: _Tally) -> None:
         dequant = t.dequant_on.get(dev, 0) if layers else 0
         here = [generation_bytes(st, layers, dev == t.lm_dev, cpu) + dequant]
         for rows in passes:
+            logits = moe.router_logits_bytes(st, rows * st.seq_len, layers, st.act_bytes)
             if layers:
-                here.append(eval_layer_bytes(st, rows, cpu) + dequant)
+                here.append(eval_layer_bytes(st, rows, cpu) + dequant + logits)
             if dev == t.lm_dev:
-                here.append(eval_loss_bytes(st, rows, cpu))
+                here.append(eval_loss_bytes(st, rows, cpu) + logits)
         t.comp["eval_transient"][dev] = max(here)
 
 

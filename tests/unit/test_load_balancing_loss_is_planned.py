@@ -123,3 +123,29 @@ def test_a_router_aux_loss_coef_that_is_no_number_is_one_line(tmp_path):
     folder = _with_config(build_family("qwen3_moe", tmp_path / "m"), router_aux_loss_coef="high")
     with pytest.raises(UserError, match=r"router_aux_loss_coef='high' must be a number"):
         moe.load_balancing_loss(_spec(folder))
+
+
+EVAL_TOKENS = 256  # the tiny models' positions
+
+
+def _eval_plan(folder):
+    from qlora_recipes import planner
+
+    overrides = ("precision=bf16", "trainer.micro_batch_size=1", f"trainer.seq_len={EVAL_TOKENS}")
+    cfg = compose_cfg(f"model.name_or_path={folder}", *overrides, "trainer.eval_batch_size=2", "data.metric=null")
+    plan = planner.plan(cfg, gpus=[], host_ram=32 * 2**30, world_size=1, ladder=False)
+    return spec_from_cfg(cfg, world_size=1), plan["components"]["eval_transient"]["cpu"]
+
+
+def test_evaluation_keeps_every_layers_router_logits_where_the_loss_is_on(tmp_path):
+    """TRL asks for the router logits in evaluation too (compute_loss, under no_grad): the backbone returns
+    each layer's, held through the head and the loss; the eval phase plans them beside its forwards."""
+    on = build_family("qwen3_moe", tmp_path / "on")
+    off = _with_config(build_family("qwen3_moe", tmp_path / "off"), router_aux_loss_coef=0.0)
+    (st, with_logits), (_, without) = _eval_plan(on), _eval_plan(off)
+    planned = moe.router_logits_bytes(st, st.eval_rows * EVAL_TOKENS, st.fig.num_layers, st.act_bytes)
+    assert planned > 0 and with_logits - without == planned
+    model = _model(on).eval()
+    with torch.no_grad():
+        out = model.model(input_ids=torch.randint(3, 100, (st.eval_rows, EVAL_TOKENS)), output_router_logits=True)
+    assert sum(t.numel() * t.element_size() for t in out.router_logits) == planned

@@ -25,6 +25,7 @@ from ..units import torch_dtype
 from .blocks import Block, Linear
 from .family_layers import config_keys
 from .layers import analytic_inventory, family_figures
+from .vlm_layout import layout
 
 if TYPE_CHECKING:
     from ..config.schema import ModelConfig
@@ -340,7 +341,11 @@ def _check_figures(fig: Figures, where: str) -> None:
 
 
 def inventory(fig: Figures) -> tuple[Block, ...]:
-    """The blocks of the model: analytic for the known families, from a meta model otherwise."""
+    """The blocks of the model: analytic for the known families and vision-language layouts, from a meta
+    model otherwise."""
+    known = layout(fig)
+    if known is not None:  # a vision-language model laid out from its figures (vlm_layout.py)
+        return known.inventory(vision_language(fig))
     if fig.traits.known:
         return _analytic_inventory(fig)
     return _meta_inventory(fig)

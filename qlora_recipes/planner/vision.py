@@ -7,7 +7,8 @@ counts each image's tokens, as the processor renders the rows (data/images.py). 
   unquantized in the compute dtype; quantized, the tower's linears in quant's format (components'
   quantized_linear_bytes, as the language model's), the rest in the compute dtype; lora, as frozen plus
   the adapters on the tower's linears (weights, gradients, optimizer state, as the language model's).
-  Counted from the model transformers builds on the meta device;
+  Counted from the family's layout (vlm_layout.py: Gemma 3, Qwen2.5-VL), else from the model
+  transformers builds on the meta device;
 - k-bit prep (peft 0.21's prepare_model_for_kbit_training) casts every bf16/fp16 parameter that is not
   4-bit to fp32, the tower's unquantized ones included, before model/vision.keep_vision_in casts them
   back: the load phase holds them in fp32 at its end;
@@ -34,6 +35,7 @@ from ..errors import UserError
 from ..units import dtype_bytes
 from .components import act_dtypes, eager, quantized_linear_bytes
 from .cross_attention import add_cross_attention, eval_bytes
+from .figures import hf_config, vision_language
 from .spec import StackSpec
 from .vision_forward import (
     TowerLora,
@@ -45,11 +47,15 @@ from .vision_forward import (
     row_images,
     vision_shape,
 )
+from .vlm_layout import VlmLayout, layout
 
 
 def vision_config(st: StackSpec) -> dict[str, Any] | None:
     """The model's config as a dict with its vision_config (every default filled in when transformers
     knows the model type), or None for a text model."""
+    known = _layout(st)
+    if known is not None:
+        return known.config
     folder = st.fig.config_dir
     if folder and (Path(folder) / "config.json").is_file():
         return _dir_config(folder, bool(st.fig.trust_remote_code))
@@ -59,13 +65,17 @@ def vision_config(st: StackSpec) -> dict[str, Any] | None:
     vc = json.loads(raw)
     if not isinstance(vc, dict):
         return None
-    from .figures import hf_config
-
     try:  # the whole VLM's config (figures.hf_config builds it from the entry): its projector's keys too
         full = hf_config(st.fig).to_dict()
     except (UserError, ValueError, TypeError):
         full = {}
     return full if isinstance(full.get("vision_config"), dict) else {"vision_config": _filled(vc)}
+
+
+def _layout(st: StackSpec) -> VlmLayout | None:
+    """The model's layout from its figures (vlm_layout.py) when its family's is known and it is planned
+    as a vision-language model; None: its config and parts come from transformers."""
+    return layout(st.fig) if vision_language(st.fig) else None
 
 
 @functools.lru_cache(maxsize=8)
@@ -98,6 +108,9 @@ def _filled(vc: dict[str, Any]) -> dict[str, Any]:
 
 def vision_params(st: StackSpec) -> int:
     """Parameters of the vision tower and projector of the model `st` plans, 0 for a text model."""
+    known = _layout(st)
+    if known is not None:
+        return known.vision_params
     parts = _vision_parts(st) if vision_config(st) is not None else None
     if parts is None:
         return 0
@@ -108,6 +121,9 @@ def vision_params(st: StackSpec) -> int:
 def tower_linears(st: StackSpec) -> list[tuple[int, int]]:
     """(in, out) features of every nn.Linear in the vision tower (model/vision_tower.tower_prefix): what
     model.vision_tower quantizes or adapts."""
+    known = _layout(st)
+    if known is not None:
+        return list(known.tower_linears)
     import torch
 
     from ..model.vision_tower import tower_prefix
@@ -141,7 +157,6 @@ def _entry_parts(fig):
     from transformers import AutoConfig, AutoModel, AutoModelForImageTextToText
 
     from ..model.vision import vision_prefixes
-    from .figures import hf_config
 
     config = hf_config(fig)
     with init_empty_weights():

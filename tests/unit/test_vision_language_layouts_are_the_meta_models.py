@@ -1,0 +1,147 @@
+"""Gemma 3's and Qwen2.5-VL's vision-language checkpoints are laid out from their figures
+(planner/vlm_layout.py), not built on the meta device: the layout is the meta model's inventory block for
+block (names, linears, parameter counts, buffers, tied lm_head), its vision row's parameters, tower
+linears and vision shape are the meta model's, and planning their recipes imports no transformers
+modeling code (nor torch) and plans the peak the meta model's inventory plans."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, compose_cfg
+
+from qlora_recipes import planner
+from qlora_recipes.config import devices
+from qlora_recipes.planner import figures, vision, vlm_layout
+from qlora_recipes.planner.vision_forward import vision_shape
+
+
+def _fig(*overrides: str) -> figures.Figures:
+    return figures.model_figures(compose_cfg(*overrides).model)
+
+
+def _same(block) -> tuple:
+    """A block as compared: every field but the order within it, the layer's mixer (the meta model's
+    blocks carry none; only a Gated DeltaNet's is planned apart) and a linear's bias listed among the
+    parameters (the meta model's are; layers.py's are the linear's `bias`, counted the same)."""
+    biases = {f"{lin.name}.bias" for lin in block.linears}
+    return (
+        block.name,
+        sorted(block.linears, key=lambda lin: lin.name),
+        sorted(p for p in block.params if p[0] not in biases),
+        sorted(block.buffers),
+        sorted(block.embeddings),
+        block.is_layer,
+        block.tied_to,
+        block.experts,
+        (block.head_dim, block.kv_heads),
+    )
+
+
+def _tiny_dir(tmp_path, **vision) -> figures.Figures:
+    """A local Gemma 3 dir's config.json as transformers saves it (only what differs from the defaults)."""
+    from transformers import Gemma3Config
+
+    text = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    text.update(intermediate_size=128, vocab_size=300)
+    config = Gemma3Config(text_config=text, vision_config={"model_type": "siglip_vision_model", **vision})
+    config.mm_tokens_per_image = 4
+    config.to_json_file(str(tmp_path / "config.json"))
+    return figures.model_figures(compose_cfg(f"model.name_or_path={tmp_path}").model)
+
+
+CASES = {
+    # no vision_config: Gemma3Config's default SigLIP, its linears planned (and adapted) with the text's
+    "gemma3-27b": lambda tmp: _fig("model=gemma3-27b"),
+    # the entry's vision_config: the language model in the inventory, the tower and projector a row apart
+    "gemma3-12b": lambda tmp: _fig("model=gemma3-12b"),
+    # the entry's vision_config, Qwen2_5_VLVisionConfig's defaults for the rest: the tower and merger a row
+    "qwen2.5-vl-7b": lambda tmp: _fig("model=qwen2.5-vl-7b"),
+    # a saved config.json: SigLIP's defaults fill what it leaves out (its pooling head); a tiny tower
+    "tiny-dir": lambda tmp: _tiny_dir(tmp, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=2, image_size=32, patch_size=8),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_vlms_layout_is_the_meta_models_inventory_and_vision_parts(tmp_path, case):
+    import torch
+
+    from qlora_recipes.model.vision import vision_prefixes
+    from qlora_recipes.model.vision_tower import tower_prefix
+
+    fig = CASES[case](tmp_path)
+    known = vlm_layout.layout(fig)
+    assert known is not None
+    analytic = figures.inventory(fig)
+    meta_blocks = figures._meta_inventory(fig)
+    assert [_same(b) for b in analytic] == [_same(b) for b in meta_blocks]
+    if not figures.vision_language(fig):
+        assert [b.name for b in analytic][:2] == [
+            "model.vision_tower.embeddings",
+            "model.vision_tower.encoder.layers.0",
+        ]
+        return
+    meta = figures.meta_model(fig, "bfloat16")
+    prefixes = vision_prefixes(meta)
+    assert list(known.prefixes) == prefixes
+    st = type("St", (), {"fig": fig})()
+    assert vision.vision_params(st) == sum(p.numel() for x in prefixes for p in meta.get_submodule(x).parameters())
+    tower = meta.get_submodule(tower_prefix(meta, prefixes))
+    want = [(m.in_features, m.out_features) for m in tower.modules() if isinstance(m, torch.nn.Linear)]
+    assert vision.tower_linears(st) == want
+    full = meta.config.to_dict()
+    assert vision_shape(vision.vision_config(st), fig.hidden_size) == vision_shape(full, fig.hidden_size)
+    assert vision.vision_config(st)["vision_config"]["hidden_act"] == full["vision_config"]["hidden_act"]
+
+
+def test_a_dir_with_its_own_code_or_another_tower_keeps_the_meta_model(tmp_path):
+    fig = _tiny_dir(tmp_path, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2)
+    assert vlm_layout.layout(fig) is not None
+    cj = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cj, "auto_map": {"AutoConfig": "own.Config"}}))
+    vlm_layout.layout.cache_clear()
+    assert vlm_layout.layout(fig) is None
+    other = dataclasses.replace(fig, config_dir=None, vision_config_json=json.dumps({"model_type": "clip"}))
+    assert vlm_layout.layout(other) is None
+    pair = dataclasses.replace(fig, config_dir=None, vision_config_json=json.dumps({"image_size": [224, 160]}))
+    assert vlm_layout.layout(pair) is None
+    qwen = _fig("model=qwen2.5-vl-7b")
+    assert vlm_layout.layout(qwen) is not None
+    assert vlm_layout.layout(dataclasses.replace(qwen, config_dir=str(tmp_path))) is None  # its text_config's family
+    assert vlm_layout.layout(dataclasses.replace(qwen, vision_config_json=None)) is None  # its tower in the inventory
+
+
+# plans the recipes in a fresh process: which modules planning imports, its peaks, its seconds
+PLAN_SCRIPT = """
+import json, sys, time
+from qlora_recipes import planner
+from qlora_recipes.config import devices, loader
+out = {}
+for recipe in sys.argv[1:]:
+    cfg = loader.load([f"recipe={recipe}"])
+    start = time.perf_counter()
+    plan = planner.plan(cfg, gpus=devices.declared_gpus(cfg), host_ram=devices.declared_host_ram(cfg))
+    out[recipe] = {"peak": plan["devices"][0]["peak"], "seconds": time.perf_counter() - start}
+out["modules"] = sorted(m for m in sys.modules if m == "torch" or ".modeling_" in m)
+print(json.dumps(out))
+"""
+
+
+def test_planning_the_vlm_recipes_builds_no_meta_model_and_keeps_their_peaks(monkeypatch):
+    recipes = ["gemma-3-27b-24gb", "gemma-3-12b-vision-24gb", "qwen2.5-vl-7b-16gb"]
+    done = subprocess.run(
+        [sys.executable, "-c", PLAN_SCRIPT, *recipes], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["modules"] == []  # neither torch nor any transformers modeling module
+    # the meta models' plans (the layouts switched off) peak where the layouts' do
+    monkeypatch.setattr(figures, "layout", lambda fig: None)
+    monkeypatch.setattr(vision, "layout", lambda fig: None)
+    for recipe in recipes:
+        cfg = compose_cfg(f"recipe={recipe}")
+        plan = planner.plan(cfg, gpus=devices.declared_gpus(cfg), host_ram=devices.declared_host_ram(cfg))
+        assert plan["devices"][0]["peak"] == got[recipe]["peak"], recipe

@@ -85,6 +85,7 @@ _LLAMA4 = FamilyTraits(
 FAMILIES: dict[str, FamilyTraits] = {
     "llama": FamilyTraits(config_biases=True),
     "mistral": FamilyTraits(),
+    "mixtral": FamilyTraits(moe=True, router="softmax_topk"),  # Mistral's layer, its MLP 3-D experts
     "qwen2": FamilyTraits(qkv_bias=True),
     "gemma2": FamilyTraits(
         attention="eager",

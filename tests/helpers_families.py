@@ -51,6 +51,7 @@ FAMILY_CONFIGS = {
         },
     ),
     "gpt_oss": ("GptOssConfig", {"intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "mixtral": ("MixtralConfig", {"intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2}),
     "llama4_text": (
         "Llama4TextConfig",
         {"intermediate_size": 64, "intermediate_size_mlp": 128, "num_local_experts": 4, "attention_chunk_size": 8},

@@ -17,7 +17,7 @@ from qlora_recipes.planner import figures
 
 GiB = 2**30
 FAMILIES = ("qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "smollm3", "qwen3_5_text", "qwen3_5_moe_text")
-FAMILIES += ("gemma4_text", "llama4_text")
+FAMILIES += ("gemma4_text", "llama4_text", "mixtral")
 
 
 def _summary(blocks):

@@ -1,7 +1,8 @@
 """Qwen3's per-head q/k RMSNorms keep their input (an fp32 copy; under trainer.lean_rmsnorm the
 projection's output as it is) and an rsqrt per head for backward: what a Qwen3 decoder layer keeps beyond
 a Llama layer of the same shapes, measured on CPU as the tensors autograd saves (NF4 base, LoRA with
-dropout, bf16 autocast), is what the planner adds for them (1,560 bytes a token at q 4x64, kv 2x64)."""
+dropout, bf16 autocast), is what the planner adds for them (1,560 bytes a token at q 4x64, kv 2x64); and
+Qwen3-MoE's, Gemma 3's and Gemma 4's norms keep what it counts for each layer."""
 
 import warnings
 import weakref
@@ -100,3 +101,46 @@ def test_qwen3s_qk_norms_keep_what_the_planner_adds_for_them(models, quant, lean
     assert norms == B * S * ((2 if lean else 4) * 6 * 64 + 4 * 6)
     assert planned["qwen3"] - planned["llama"] == norms
     assert planned["qwen3"] == pytest.approx(measured["qwen3"], rel=0.03)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gemma3_text", "gemma4_text"])
+def test_each_familys_head_norms_keep_what_the_planner_counts(tmp_path, model_type):
+    """What autograd saves inside each layer's q/k norms (Gemma 4's weightless v_norm too: its pow-based
+    norm keeps the mean square and its power, 8 bytes a head) on a tiny fp32 model; Gemma 3's (1 + weight)
+    adds a head_dim-wide fp32 tensor per norm and layer, whatever the tokens."""
+    from helpers_families import build_family
+    from transformers import AutoModelForCausalLM
+
+    folder = build_family(model_type, tmp_path / model_type)
+    overrides = ("quant=none", "precision=fp32", f"trainer.micro_batch_size={B}", f"trainer.seq_len={S}")
+    st = spec_from_cfg(compose_cfg(f"model.name_or_path={folder}", *overrides), world_size=1)
+    planned = {blk.name: bb.head_norms * B * S for blk, bb in components.block_bytes(st) if blk.is_layer}
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).train()
+    model.requires_grad_(False)
+    model.get_input_embeddings().weight.requires_grad_(True)
+    for i, layer in enumerate(model.model.layers):
+        norms = [m for n, m in layer.named_modules() if n.rsplit(".", 1)[-1] in ("q_norm", "k_norm", "v_norm")]
+        measured = _kept_inside(model, norms)
+        assert planned[f"model.layers.{i}"] <= measured <= planned[f"model.layers.{i}"] + 4 * st.fig.head_dim * 2
+
+
+def _kept_inside(model, modules) -> int:
+    """Bytes of the tensors autograd keeps from inside `modules`' forwards, parameters aside."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    inside, kept = [False], []
+
+    def pack(t):
+        if inside[0] and t.untyped_storage().data_ptr() not in params:
+            kept.append((weakref.ref(t), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+        return t
+
+    hooks = [m.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)) for m in modules]
+    hooks += [m.register_forward_hook(lambda *_: inside.__setitem__(0, False)) for m in modules]
+    ids = torch.randint(3, 100, (B, S), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids=ids, labels=ids)
+    measured = sum({ptr: n for ref, ptr, n in kept if ref() is not None}.values())
+    for hook in hooks:
+        hook.remove()
+    del out
+    return measured

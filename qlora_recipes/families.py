@@ -4,9 +4,9 @@ A family is transformers' `model_type` (conf/model's `architecture`, a config.js
 multimodal checkpoint's text model answers to both, gemma3 and gemma3_text). Adding one is one entry
 in FAMILIES: the traits below where it differs from Llama's, as transformers 5.23 builds it. `known`
 families the planner inventories from their figures (planner/layers.py, planner/family_layers.py: Llama's
-layer plus what the traits after `known` add); the others it sizes from the model transformers builds on
-the meta device (a multimodal checkpoint whose causal-LM class loads its vision tower too, a family not
-in the table). On the floor: the config checks, model/ and planner/ all ask it, and it imports nothing
+layer plus what the traits after `known` add); Gemma 3's and Qwen2.5-VL's multimodal checkpoints it lays
+out from their figures and vision_config (planner/vlm_layout.py); the others it sizes from the model
+transformers builds on the meta device (another multimodal checkpoint, a family not in the table). On the floor: the config checks, model/ and planner/ all ask it, and it imports nothing
 heavy (the planner's one-device path never imports torch).
 """
 
@@ -104,13 +104,13 @@ FAMILIES: dict[str, FamilyTraits] = {
     "qwen3_5_text": _QWEN3_5,
     "qwen3_5_moe": _QWEN3_5_MOE,
     "qwen3_5_moe_text": _QWEN3_5_MOE,
-    # the multimodal checkpoint loads its vision tower too, which the figures do not describe: its meta model
+    # the multimodal checkpoint loads its vision tower too: laid out with it (planner/vlm_layout.py)
     "gemma3": FamilyTraits(**{**vars(_GEMMA3), "known": False}),
     "gemma3_text": _GEMMA3,
     "gemma4": FamilyTraits(**{**vars(_GEMMA4), "known": False}),  # its vision and audio towers too
-    # vision-language checkpoints whose language model is planned from the model transformers builds on the
-    # meta device (their vision tower a row of its own): Qwen2.5-VL's is Qwen2-shaped (q/k/v biases);
-    # Llama-3.2-Vision's (mllama) is Llama's with cross-attention layers at config.json's listed indices
+    # vision-language checkpoints (their vision tower a row of its own): Qwen2.5-VL's language model is
+    # Qwen2-shaped (q/k/v biases), laid out from its figures; Llama-3.2-Vision's (mllama) is Llama's with
+    # cross-attention layers at config.json's listed indices, planned from the model built on the meta device
     "qwen2_5_vl": FamilyTraits(qkv_bias=True, known=False),
     "mllama": FamilyTraits(known=False),
     "gemma4_text": _GEMMA4,

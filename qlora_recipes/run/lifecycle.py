@@ -15,7 +15,7 @@ resume, preemption, NaN and OOM, one run per run dir.
   checkpointing), resuming from the newest checkpoint (or from the untrained start).
 
 Beside it, one concern each: `preemption` (a stop signal, agreed by every rank; a rank lost; fault
-injection), `checkpoints` (checkpoint dirs, RECORD, fsync, the newest sound checkpoint), `schedule` (the LR schedule across a resume), `resume` (`resume_checkpoint`:
+injection; `signals`: a further one while the run stops is held), `checkpoints` (checkpoint dirs, RECORD, fsync, the newest sound checkpoint), `schedule` (the LR schedule across a resume), `resume` (`resume_checkpoint`:
 `resume=auto` / `resume.checkpoint`, the data and base fingerprints) and `rundir_lock` (`RunDirLock`: one run
 per run dir). They never import this module.
 """
@@ -56,9 +56,10 @@ from .checkpoints import (
     trainer_state,
 )
 from .dist import lost_peer, zero_adapter_state
-from .preemption import Preempted, PreemptionCallback, RankLost, faults  # noqa: F401 - the run's stop, re-exported
+from .preemption import Preempted, RankLost, faults  # noqa: F401 - the run's stop, re-exported
 from .resume import base_fingerprint, data_fingerprint
 from .schedule import continue_schedule, scheduler_for
+from .signals import PreemptionCallback  # noqa: F401 - a further signal while stopping is held
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,10 @@
   each running job's trainer, which saves a checkpoint at that step and stops, and waits for it
   (`stop_local_jobs`): left alone a job trains on, orphaned, after the sweep said it stopped. Its
   controller never sees a terminal's Ctrl-C (`shield_local_controllers`): it would print a
-  traceback and kill its trainer a second later, mid-save.
+  traceback and kill its trainer a second later, mid-save. SIGTERM to the sweep's whole process
+  group (`timeout`, systemd, a container's stop) reaches each controller too, which passes it on as
+  a preemption: the parent first marks the sweep as stopping (`sweep_stopping`), and a job that
+  sees the mark is not requeued (`hand_over`) nor started again, so every job ends at its checkpoint.
 - Multi-node. `slurm_rendezvous` reads the node rank and the first node of the allocation from
   SLURM's variables, so `qlora launch RECIPE` under `srun` (launch/slurm/multinode.sbatch) builds
   the same torchrun / accelerate command on every node without MASTER_ADDR set by hand.
@@ -29,13 +32,16 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = "29500"
 LOCAL_CONTROLLER = "submitit.local._local"  # the module submitit's local executor runs each job's controller as
 STOP_WAIT_S = 600.0  # a stopping job finishes its step and saves: minutes at most on a large model
+STOP_MARK = "sweep-stopping"  # beside the jobs' submitit folders: the sweep stops, no job goes on
 _STOPPING: list[str] = []  # the stop signals passed on to local jobs so far
+_MARK: list[Path] = []  # in the parent of a local sweep: where its stop mark goes
 
 
 def preemption_signal() -> signal.Signals:
@@ -57,6 +63,10 @@ def hand_over(handler, signame: str) -> None:
     """After our checkpoint is sealed: let submitit checkpoint the job and requeue it. Requeued, it
     exits the process (SystemExit); when submitit will not requeue (timed out too often) the run
     stops as a plain preemption and says why."""
+    stopping = sweep_stopping()
+    if stopping:  # the whole sweep stops (its process group was signalled): no job carries on without it
+        log.warning("%s: checkpoint saved; the sweep is stopping (%s): this job is not requeued", signame, stopping)
+        return
     log.warning("%s: checkpoint saved; submitit requeues this job (it resumes with resume=auto)", signame)
     _resume_when_requeued(handler)
     try:
@@ -73,6 +83,11 @@ def stop_with_local_controller() -> None:
     checkpoint at that step and stops. Linux only; elsewhere nothing changes."""
     if os.environ.get("SUBMITIT_EXECUTOR") != "local":
         return
+    stopping = sweep_stopping()
+    if stopping:  # requeued just before its sweep stopped: it does not start again
+        from ..interrupts import Interrupted
+
+        raise Interrupted(stopping)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # the sweep's, below; a Ctrl-C held till now lands here
     if not os.path.exists("/proc/self"):
         return
@@ -80,6 +95,14 @@ def stop_with_local_controller() -> None:
 
     pr_set_pdeathsig = 1  # linux/prctl.h
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+
+
+def track_local_sweep(submitit_folder: str) -> None:
+    """In the parent of a hydra/launcher=local sweep, before its jobs start: its stop mark goes beside
+    the jobs' submitit folders (`submitit_folder` names each job, %j, under it); an earlier stopped
+    sweep's mark there goes, so these jobs run."""
+    _MARK[:] = [Path(submitit_folder).parent / STOP_MARK]
+    _MARK[0].unlink(missing_ok=True)
 
 
 def shield_local_controllers() -> None:
@@ -103,9 +126,11 @@ def stop_local_jobs(signame: str, wait_s: float = STOP_WAIT_S) -> int:
     """In the parent of a hydra/launcher=local sweep: send `signame` to the trainer of each job still
     running (not to its controller, which would SIGKILL it a second later) and wait until their
     controllers have ended (a second Ctrl-C meanwhile exits at once). Returns the number of jobs
-    signalled; 0 elsewhere (no /proc, no local jobs)."""
+    signalled; 0 elsewhere (no /proc, no local jobs). The sweep's stop mark comes first, so that a
+    job (re)started from here on sees it, and goes once every job has ended."""
     wait_s = 0.0 if _STOPPING else wait_s  # a second signal: the line now, the jobs finish their saves alone
     _STOPPING.append(signame)
+    _mark_stopping(signame)
     sig = getattr(signal, signame)
     controllers = [pid for pid in _children(os.getpid()) if LOCAL_CONTROLLER in _cmdline(pid)]
     trainers = [pid for controller in controllers for pid in _children(controller)]
@@ -121,7 +146,34 @@ def stop_local_jobs(signame: str, wait_s: float = STOP_WAIT_S) -> int:
     while controllers and time.monotonic() < deadline:
         controllers = [pid for pid in controllers if not _ended(pid)]
         time.sleep(0.05)
+    if not controllers and _MARK:  # no job is left to read it
+        _MARK[0].unlink(missing_ok=True)
     return len(trainers)
+
+
+def _mark_stopping(signame: str) -> None:
+    """Mark the sweep as stopping for `signame`: whole (written aside, then renamed), and only
+    where its jobs have their submitit folders (none started yet: nothing to mark)."""
+    if not _MARK or not _MARK[0].parent.is_dir():
+        return
+    partial = _MARK[0].with_name(f".{STOP_MARK}.{os.getpid()}")
+    try:
+        partial.write_text(signame)
+        os.replace(partial, _MARK[0])
+    except OSError as err:  # a full disk: the jobs still stop at a checkpoint, one may be requeued
+        log.warning("could not mark the sweep as stopping in %s: %s", _MARK[0].parent, err)
+
+
+def sweep_stopping() -> str | None:
+    """In a job of a hydra/launcher=local sweep: the signal its sweep is stopping for (the parent's
+    mark, beside this job's submitit folder), else None."""
+    folder = os.environ.get("SUBMITIT_FOLDER")
+    if os.environ.get("SUBMITIT_EXECUTOR") != "local" or not folder:
+        return None
+    try:
+        return (Path(folder).parent / STOP_MARK).read_text().strip() or "SIGTERM"
+    except OSError:
+        return None
 
 
 def _children(pid: int) -> list[int]:

@@ -322,8 +322,9 @@ class SweepSummary(Callback):
         # what the sweep kept, not "while starting"
         interrupts.install(lambda signame: interrupted_line(sweep_dir, signame))
         if "LocalLauncher" in str(config.hydra.launcher.get("_target_", "")):
-            from .cluster import shield_local_controllers
+            from .cluster import shield_local_controllers, track_local_sweep
 
+            track_local_sweep(str(config.hydra.launcher.submitit_folder))
             shield_local_controllers()
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:

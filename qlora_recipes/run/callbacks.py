@@ -1,5 +1,5 @@
-"""Trainer callbacks: memory timeline (memory.jsonl, TensorBoard scalars, memory.png), and how far
-an evaluation has got."""
+"""Trainer callbacks: memory timeline (memory.jsonl, TensorBoard scalars, memory.png drawn by
+outputs/memory_chart.py), and how far an evaluation has got."""
 
 import json
 import logging
@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from ..outputs import memory_chart
 from .memory import GiB, PeakTracker, rss_bytes
 
 log = logging.getLogger("train")
@@ -97,39 +98,12 @@ class MemoryLogger(TrainerCallback):
             return
         self._record(state.global_step)
 
-    def draw_png(self) -> None:
-        """memory.png from the samples (none on a rank other than 0, or before the first step)."""
+    def draw_png(self) -> memory_chart.Drawing | None:
+        """Begins drawing memory.png from the samples in a child process (none on a rank other than 0,
+        or before the first step); the caller waits for it before listing the run's files."""
         if self.path.exists():
-            plot_timeline(self.path, self.png, self.planned)
-
-
-def plot_timeline(jsonl: Path, png: Path, planned: tuple[float, str] | None = None) -> None:
-    """The measured series per step, the y axis from 0, and the planned peak (GiB, the quantity it
-    predicts) as a horizontal line. Drawn on a bare Agg canvas: pyplot (its backend switching and
-    figure manager) would add a third to the cost, paid at the end of every run."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line]
-    fig = Figure(figsize=(7, 3.5))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for key in sorted({k for r in rows for k in r if k.endswith("_gib")}):
-        ax.plot([r["step"] for r in rows], [r.get(key) for r in rows], label=key.removesuffix("_gib"), marker=".")
-    planned = planned if planned is not None and planned[0] is not None else None
-    if planned:
-        gib, what = planned
-        ax.axhline(gib, color="k", linestyle="--", label=f"planned peak ({what}): {gib:.3g} GiB")
-    top = max([v for r in rows for k, v in r.items() if k.endswith("_gib")] + [planned[0] if planned else 0] + [0])
-    ax.set_xlim(left=0)
-    ax.set_ylim(0, 1.15 * top or 1)  # from 0, with room above the higher of measured and planned
-    ax.set_xlabel("step")
-    ax.set_ylabel("GiB")
-    ax.set_title("memory over the run: measured vs planned")
-    ax.legend(fontsize="small")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
+            return memory_chart.start(self.path, self.png, self.planned)
+        return None
 
 
 class RunDirKept(TrainerCallback):

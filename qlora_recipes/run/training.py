@@ -71,6 +71,7 @@ class _Fitted:
     cfg: TrainConfig
     seconds: float
     eval_before: dict | None = None  # the objective's eval figures before training (dpo: reward accuracy)
+    drawing: Any = None  # memory.png being drawn (outputs.memory_chart.Drawing), or None
 
 
 def train(cfg: TrainConfig, run_dir: Path, choices: dict | None = None, on_write=None) -> dict:
@@ -163,7 +164,7 @@ def _load_train_and_record(cfg: TrainConfig, run_dir, plan, resume_from, tokeniz
 
     tb = _tensorboard(run_dir) if "tensorboard" in trackers.enabled(cfg.logger) else None
     tracking = trackers.start(cfg.logger, run_dir) if _main_rank() else None  # the logger group's W&B / MLflow runs
-    finished = False
+    finished, fitted = False, None
     try:
         splits = (train_ds, eval_ds)
         watch = (tb, tracker, changes)
@@ -192,12 +193,16 @@ def _load_train_and_record(cfg: TrainConfig, run_dir, plan, resume_from, tokeniz
         out["adapter_sha256_step0"] = getattr(fitted.trainer, "adapter_sha256_step0", None)  # equal on every rank
         if sharded:
             out["sharding"] = dist.sharding_figures(fitted.trainer)
+        if fitted.drawing is not None:
+            fitted.drawing.wait()  # memory.png is one of the run's files
         with sigint_deferred():
             _write_metrics(run_dir, out)
             if _main_rank():  # what merge and generate check the run's files against when they read them back
                 write_manifest(run_dir, run_file_names(run_dir), complete=("adapter",))
         finished = True
     finally:
+        if fitted is not None and fitted.drawing is not None:
+            fitted.drawing.wait()  # no child left writing into a run dir that a failure undoes
         if tb is not None:
             tb.close()
         if tracking is not None:
@@ -328,8 +333,10 @@ def _fit(
     finally:
         preemption.uninstall()
     seconds = time.time() - started
-    if memory_logs and trainer.is_world_process_zero():
-        memory_logs[-1].draw_png()
+    # drawn in a child process while the adapter is saved and evaluated; waited for before the files are listed
+    drawing = memory_logs[-1].draw_png() if memory_logs and trainer.is_world_process_zero() else None
+    if drawing is not None and (preemption.received or preemption.stop):
+        drawing.wait()  # the run stops here: its memory.png first, as an uninterrupted run waits for it
     if preemption.received and not preemption.stop:  # came after the ranks' last agreement: not swallowed
         os.kill(os.getpid(), getattr(signal, preemption.received))
     if preemption.stop:
@@ -341,7 +348,7 @@ def _fit(
         status = {"status": "preempted", "signal": preemption.stop, "steps": step, "checkpoint": checkpoint}
         _write_metrics(run_dir, status)
         raise lifecycle.Preempted(preemption.stop, step, checkpoint)
-    return _Fitted(trainer, result, fit_cfg, seconds, before or None)
+    return _Fitted(trainer, result, fit_cfg, seconds, before or None, drawing)
 
 
 def _final_eval(trainer, eval_ds) -> dict | None:

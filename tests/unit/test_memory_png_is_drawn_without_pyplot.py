@@ -10,7 +10,7 @@ from conftest import REPO
 SCRIPT = """
 import sys
 from pathlib import Path
-from qlora_recipes.run.callbacks import plot_timeline
+from qlora_recipes.outputs.memory_chart import plot_timeline
 plot_timeline(Path(sys.argv[1]), Path(sys.argv[2]), (1.5, "process RSS"))
 print("pyplot" in " ".join(sys.modules))
 """

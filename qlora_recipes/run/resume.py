@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -304,6 +305,27 @@ def _check_schedule_goes_on(cfg: TrainConfig, checkpoint: Path, record: dict) ->
 
 # ---------------------------------------------------------------- data fingerprint
 _FINGERPRINTS: dict = {}
+# One fingerprint computed at a time: a caller finds one that prefetch_fingerprints is computing
+# done, instead of hashing the same bytes beside it.
+_COMPUTING = threading.Lock()
+
+
+def prefetch_fingerprints(cfg: TrainConfig) -> threading.Thread:
+    """Fingerprints the training data and the base on a thread, started once the data is read: the
+    guarded trainer records both in every checkpoint and asks for them as its timed part begins, and
+    hashing a large data file there (all of it up to CONTENT_HASH_LIMIT) would be a second pass over
+    the data inside train_s. hashlib and file reads release the GIL, so this overlaps the model's load."""
+
+    def work() -> None:
+        try:
+            data_fingerprint(cfg.data)
+            base_fingerprint(cfg.model)
+        except Exception:  # noqa: BLE001 - the trainer's own call computes it again and says what failed
+            pass
+
+    thread = threading.Thread(target=work, name="fingerprints", daemon=True)
+    thread.start()
+    return thread
 
 
 def data_fingerprint(data_cfg: DataConfig) -> dict:
@@ -327,26 +349,31 @@ def data_fingerprint(data_cfg: DataConfig) -> dict:
         return {"path": spec, "kind": "hub"}
     stats = [(str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     key = (str(path.resolve()), tuple(stats))
-    if key not in _FINGERPRINTS:
-        total = sum(size for _, size, _ in stats)
-        by_content = total <= CONTENT_HASH_LIMIT
-        digest = hashlib.sha256()
-        for (rel, size, mtime), f in zip(stats, files, strict=True):
-            digest.update(f"{rel}\0{size}\0".encode())
-            if by_content:
-                with open(f, "rb") as fh:
-                    while chunk := fh.read(1 << 20):
-                        digest.update(chunk)
-            else:
-                digest.update(str(mtime).encode())
-        _FINGERPRINTS[key] = {
-            "path": str(path.resolve()),
-            "files": len(files),
-            "bytes": total,
-            "sha256": digest.hexdigest(),
-            "kind": "content" if by_content else "size+mtime",
-        }
+    with _COMPUTING:
+        if key not in _FINGERPRINTS:
+            _FINGERPRINTS[key] = _data_digest(path, files, stats)
     return _FINGERPRINTS[key]
+
+
+def _data_digest(path: Path, files: list[Path], stats: list[tuple]) -> dict:
+    total = sum(size for _, size, _ in stats)
+    by_content = total <= CONTENT_HASH_LIMIT
+    digest = hashlib.sha256()
+    for (rel, size, mtime), f in zip(stats, files, strict=True):
+        digest.update(f"{rel}\0{size}\0".encode())
+        if by_content:
+            with open(f, "rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    digest.update(chunk)
+        else:
+            digest.update(str(mtime).encode())
+    return {
+        "path": str(path.resolve()),
+        "files": len(files),
+        "bytes": total,
+        "sha256": digest.hexdigest(),
+        "kind": "content" if by_content else "size+mtime",
+    }
 
 
 # ---------------------------------------------------------------- base fingerprint
@@ -368,22 +395,27 @@ def base_fingerprint(model_cfg: ModelConfig) -> dict:
     )
     stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     key = ("base", str(path.resolve()), tuple(stats))
-    if key not in _FINGERPRINTS:
-        digest = hashlib.sha256()
-        for (name, size, _), f in zip(stats, files, strict=True):
-            digest.update(f"{name}\0{size}\0".encode())
-            with open(f, "rb") as fh:
-                for offset in _sample_offsets(size):
-                    fh.seek(offset)
-                    digest.update(fh.read(SAMPLE_BYTES))
-        _FINGERPRINTS[key] = {
-            "path": str(path.resolve()),
-            "files": len(files),
-            "bytes": sum(size for _, size, _ in stats),
-            "sha256": digest.hexdigest(),
-            "kind": "sampled",
-        }
+    with _COMPUTING:
+        if key not in _FINGERPRINTS:
+            _FINGERPRINTS[key] = _base_digest(path, files, stats)
     return _FINGERPRINTS[key]
+
+
+def _base_digest(path: Path, files: list[Path], stats: list[tuple]) -> dict:
+    digest = hashlib.sha256()
+    for (name, size, _), f in zip(stats, files, strict=True):
+        digest.update(f"{name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            for offset in _sample_offsets(size):
+                fh.seek(offset)
+                digest.update(fh.read(SAMPLE_BYTES))
+    return {
+        "path": str(path.resolve()),
+        "files": len(files),
+        "bytes": sum(size for _, size, _ in stats),
+        "sha256": digest.hexdigest(),
+        "kind": "sampled",
+    }
 
 
 def _sample_offsets(size: int) -> range | list[int]:

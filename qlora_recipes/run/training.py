@@ -42,7 +42,7 @@ from . import dist, lifecycle, metrics, rewards, sft_rows, stages, trainer_args
 from .checkpoints import disk_full, find_checkpoint, free_bytes
 from .lock import RunDirLock
 from .memory import PeakTracker, configure_cuda_allocator, pin_malloc_thresholds, planned_peak_gib, rss_bytes
-from .resume import AlreadyComplete, resume_checkpoint
+from .resume import AlreadyComplete, prefetch_fingerprints, resume_checkpoint
 from .reuse import RunDirChanges, held_run, refuse_silent_reuse, restore_interrupted_replacement
 from .validate import validate
 
@@ -128,6 +128,7 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
             cfg.data, tokenizer, seq_len, cfg.seed, cfg.objective, positions
         )
     cfg, plan = planner.settle_for_data(cfg, plan, data_stats)  # planned for the batches the rows make
+    prefetch_fingerprints(cfg)  # what each checkpoint records, hashed while the model loads, not in train_s
     # grpo: its rewards imported and checked against the rows' columns before anything is written or loaded
     reward_funcs = rewards.reward_functions(cfg, tuple(train_ds.column_names)) if cfg.objective.name == "grpo" else None
     # a failure before the run has something to keep undoes its writes

@@ -84,14 +84,19 @@ def start(jsonl: Path, png: Path, planned: tuple[float | None, str] | None = Non
     argv = [sys.executable, "-c", code, str(jsonl), str(png)]
     if planned is not None and planned[0] is not None:
         argv += [repr(float(planned[0])), planned[1]]
-    proc = subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # a terminal's Ctrl-C goes to the run, which waits for this short child
-    )
+    try:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # a terminal's Ctrl-C goes to the run, which waits for this short child
+        )
+    except OSError as err:  # no process to be had (ENOMEM, EAGAIN): drawn here, as before
+        log.info("memory.png: drawn in the run's process (%s)", err)
+        plot_timeline(jsonl, png, planned if planned is not None and planned[0] is not None else None)
+        proc = None
     return Drawing(proc, png)
 
 

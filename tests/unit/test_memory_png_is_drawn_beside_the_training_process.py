@@ -42,3 +42,15 @@ def test_a_chart_that_cannot_be_drawn_is_one_warning_not_the_runs_failure(tmp_pa
     assert drawn is False and not (tmp_path / "memory.png").exists()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and lines[0].startswith("memory.png: not drawn (") and "JSONDecodeError" in lines[0]
+
+
+def test_memory_png_is_drawn_in_the_run_when_no_process_can_be_started(tmp_path, monkeypatch):
+    _timeline(tmp_path)
+
+    def no_process(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(memory_chart.subprocess, "Popen", no_process)
+    drawing = memory_chart.start(tmp_path / "memory.jsonl", tmp_path / "memory.png", (1.5, "process RSS"))
+    assert drawing.wait() is True
+    assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

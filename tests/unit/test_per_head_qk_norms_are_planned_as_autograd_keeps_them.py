@@ -71,25 +71,8 @@ def _model(folder, quant: str, lean: bool):
 
 def _kept_by_layer_1(model) -> int:
     """Bytes of the tensors autograd keeps alive from the second decoder layer's forward, parameters aside."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    inside, kept = [False], []
-
-    def pack(t):
-        if inside[0] and t.untyped_storage().data_ptr() not in params:
-            kept.append((weakref.ref(t), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
-        return t
-
-    layer = model.base_model.model.model.layers[1]
-    hooks = [layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))]
-    hooks.append(layer.register_forward_hook(lambda *_: inside.__setitem__(0, False)))
-    ids = torch.randint(4, 1000, (B, S), generator=torch.Generator().manual_seed(0))
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(input_ids=ids, labels=ids)
-    measured = sum({ptr: n for ref, ptr, n in kept if ref() is not None}.values())
-    for hook in hooks:
-        hook.remove()
-    del out
-    return measured
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return _kept_inside(model, [model.base_model.model.model.layers[1]], vocab=1000, first_id=4)
 
 
 @pytest.mark.parametrize("quant,lean", [("nf4", False), ("none", True)])
@@ -124,7 +107,7 @@ def test_each_familys_head_norms_keep_what_the_planner_counts(tmp_path, model_ty
         assert planned[f"model.layers.{i}"] <= measured <= planned[f"model.layers.{i}"] + 4 * st.fig.head_dim * 2
 
 
-def _kept_inside(model, modules) -> int:
+def _kept_inside(model, modules, vocab: int = 100, first_id: int = 3) -> int:
     """Bytes of the tensors autograd keeps from inside `modules`' forwards, parameters aside."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     inside, kept = [False], []
@@ -136,7 +119,7 @@ def _kept_inside(model, modules) -> int:
 
     hooks = [m.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)) for m in modules]
     hooks += [m.register_forward_hook(lambda *_: inside.__setitem__(0, False)) for m in modules]
-    ids = torch.randint(3, 100, (B, S), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(first_id, vocab, (B, S), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(input_ids=ids, labels=ids)
     measured = sum({ptr: n for ref, ptr, n in kept if ref() is not None}.values())

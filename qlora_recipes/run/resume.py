@@ -20,6 +20,7 @@ from ..config.loader import read_saved
 from ..config.schema import DataConfig, ModelConfig, TrainConfig
 from ..errors import UserError
 from .checkpoints import CHECKPOINT, checkpoint_problem, newest_sound, read_record
+from .reuse import ASIDE
 from .schedule import lr_factors, schedule_end
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,10 @@ def resume_checkpoint(cfg: TrainConfig, run_dir: Path) -> str | None:
             log.warning("resume=auto: no complete checkpoint in %s; starting fresh", run_dir / "checkpoints")
             return None
     saved = owner / "config.yaml"
+    if not saved.is_file() and (owner / ASIDE / "config.yaml").is_file():
+        # another rank of this job has set the run's files aside to write its own (run/reuse.py): the
+        # same saved config, read where it is for the moment
+        saved = owner / ASIDE / "config.yaml"
     if not saved.is_file():
         raise UserError(f"resume: {owner} has no config.yaml, so it is not a run dir of this repository")
     dropped: list[str] = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,8 +81,8 @@ class Drawing:
 def start(jsonl: Path, png: Path, planned: tuple[float | None, str] | None = None) -> Drawing:
     """Begins drawing memory.png from memory.jsonl in a child process; returns at once."""
     # this package wherever it lies (a checkout run as `python train.py` from another dir, too)
-    code = f"import sys; sys.path.insert(0, {str(_ROOT)!r}); from {__name__} import main; main(sys.argv[1:])"
-    argv = [sys.executable, "-c", code, str(jsonl), str(png)]
+    path = os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    argv = [sys.executable, "-m", __name__, str(jsonl), str(png)]
     if planned is not None and planned[0] is not None:
         argv += [repr(float(planned[0])), planned[1]]
     try:
@@ -91,6 +92,7 @@ def start(jsonl: Path, png: Path, planned: tuple[float | None, str] | None = Non
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            env={**os.environ, "PYTHONPATH": path},
             start_new_session=True,  # a terminal's Ctrl-C goes to the run, which waits for this short child
         )
     except OSError as err:  # no process to be had (ENOMEM, EAGAIN): drawn here, as before

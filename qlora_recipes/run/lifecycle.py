@@ -56,10 +56,9 @@ from .checkpoints import (
     trainer_state,
 )
 from .dist import lost_peer, zero_adapter_state
-from .preemption import Preempted, RankLost, faults  # noqa: F401 - the run's stop, re-exported
+from .preemption import Preempted, PreemptionCallback, RankLost, faults  # noqa: F401 - the run's stop, re-exported
 from .resume import base_fingerprint, data_fingerprint
 from .schedule import continue_schedule, scheduler_for
-from .signals import PreemptionCallback  # noqa: F401 - a further signal while stopping is held
 
 log = logging.getLogger(__name__)
 

@@ -5,6 +5,12 @@ current step, save a checkpoint there and stop. Under several ranks a signal rea
 scheduler, `kill`, an OOM killer's warning): at every step end the ranks all-reduce (MAX) the signal
 number each received, so every rank stops at the same step and they save the checkpoint together
 (one rank stopping alone would leave the others waiting in their next collective for ever).
+A further signal while the run stops is held until the run has ended: saving a large adapter with
+its optimizer state shows nothing for a while, so a second Ctrl-C is likely, and raised as
+KeyboardInterrupt it would land between the sealed checkpoint and the run's record (memory.png,
+metrics.json). The first further Ctrl-C says so in one line on rank 0; the SIGTERM a launcher or a
+sweep's controller adds says nothing. `kill -9` abandons the save: the checkpoint being written
+never appears half-written, and those already sealed stay sound.
 `RankLost`: another rank ended without that agreement (`kill -9`, a crash); the survivors' collective
 fails, and the run ends with one line naming the last checkpoint instead of gloo's traceback.
 `faults()`: fault injection for tests, read by lifecycle and this module.
@@ -17,6 +23,7 @@ import signal
 
 from transformers import TrainerCallback
 
+from .. import interrupts
 from ..integrations import cluster
 
 
@@ -64,13 +71,18 @@ class PreemptionCallback(TrainerCallback):
     """SIGTERM (preemption), SLURM's time-limit warning (`--signal`, USR2: cluster.py) or SIGINT
     (Ctrl-C): finish the current step, save a checkpoint there, stop; every rank at the same step
     (the module docstring). The caller turns that into a resume hint; inside a submitit job,
-    submitit then requeues the job (cluster.hand_over)."""
+    submitit then requeues the job (cluster.hand_over). Signals after the first are held until the
+    run has ended, also once the callback is uninstalled after a stop (interrupts.raising puts the
+    handlers from before the run back)."""
 
     def __init__(self):
         self.received: str | None = None  # this process's own signal, at once (a hanging GRPO reward reads it)
         self.agreed: str | None = None  # the signal every rank stops for, at the same step end
         self._several = False
         self._previous = {}
+        self._step: int | None = None  # the step every rank stops at, once agreed
+        self._saved = False  # the run stopped for a signal and its trainer has ended: the checkpoint is sealed
+        self._told = False
 
     def install(self):
         for sig in (signal.SIGTERM, signal.SIGINT, cluster.preemption_signal()):
@@ -78,11 +90,39 @@ class PreemptionCallback(TrainerCallback):
         return self
 
     def uninstall(self):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        if not self.stop:  # no stop (or one after the ranks' last agreement, raised again by the caller)
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+            return
+        self._saved = True
+        for sig in self._previous:  # the run writes its record next: the signals wait, as during the save
+            signal.signal(sig, self._hold)
 
     def _handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+        else:
+            self._hold(signum, frame)
+
+    def _hold(self, signum, frame) -> None:
+        if signum != signal.SIGINT or self._told or int(os.environ.get("RANK", 0)) != 0:
+            return
+        self._told = True
+        os.write(2, f"{self.stopping_line()}\n".encode())  # not print: the main thread may be inside one
+
+    def stopping_line(self) -> str:
+        """What the run is doing while it stops, and that a further Ctrl-C changes nothing."""
+        at = f" at step {self._step}" if self._step is not None else ""
+        if self._saved:
+            doing = f"the checkpoint{at} is sealed; writing metrics.json"
+        elif at:
+            doing = f"saving the checkpoint{at}"
+        else:
+            doing = "finishing this step to save a checkpoint there"
+        return (
+            f"already stopping for {interrupts.described(self.received or 'SIGINT')}: {doing}, then the run ends "
+            "(Ctrl-C again is ignored; kill -9 would abandon the save, the checkpoints already sealed stay sound)"
+        )
 
     @property
     def stop(self) -> str | None:
@@ -97,6 +137,8 @@ class PreemptionCallback(TrainerCallback):
         if self.agreed:
             control.should_save = True
             control.should_training_stop = True
+            if self._step is None:
+                self._step = state.global_step
         return control
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+OUTPUT_HEAD = "lm_head"  # the output embeddings, in a causal LM and a vision-language model alike
+
 
 @dataclass(frozen=True)
 class Linear:

@@ -25,7 +25,7 @@ from ..units import torch_dtype
 from .blocks import Block, Linear
 from .family_layers import config_keys
 from .layers import analytic_inventory, family_figures
-from .vlm_layout import layout
+from .vlm_layout import TEXT, layout
 
 if TYPE_CHECKING:
     from ..config.schema import ModelConfig
@@ -349,6 +349,26 @@ def inventory(fig: Figures) -> tuple[Block, ...]:
     if fig.traits.known:
         return _analytic_inventory(fig)
     return _meta_inventory(fig)
+
+
+def text_prefix(fig: Figures) -> str:
+    """Where the language model's modules sit, as the loader names them: "model" in a causal LM, a laid-out
+    VLM's model.language_model, else the meta model's decoder (get_decoder, as model/vision.py finds it)."""
+    if layout(fig) is not None:
+        return TEXT
+    if fig.traits.known:
+        return "model"
+    from ..model.vision import language_model
+
+    try:
+        return language_model(meta_model(fig, "bfloat16"))[0]
+    except UserError:  # a checkpoint's own code without get_decoder: the causal LM's name
+        return "model"
+
+
+def final_norm(fig: Figures) -> str:
+    """The language model's final norm, which FSDP gathers with the output head."""
+    return f"{text_prefix(fig)}.norm"
 
 
 @functools.lru_cache(maxsize=32)

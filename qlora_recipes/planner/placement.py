@@ -15,10 +15,12 @@ from typing import Any
 
 from ..config import devices as _dev
 from ..errors import UserError
+from .blocks import OUTPUT_HEAD
 from .components import BlockBytes, should_convert, skip_patterns
 from .constants import BNB_MAX_MEMORY_FACTOR
-from .figures import Block, inventory, meta_model
+from .figures import Block, inventory, meta_model, vision_language
 from .spec import StackSpec
+from .vlm_layout import layout
 
 
 def on_one_device(st: StackSpec) -> bool:
@@ -61,25 +63,65 @@ def resolve_placement(
     return exec_dev, dmap, max_memory
 
 
-OUTPUT_HEAD = "lm_head"  # the output embeddings of every family figures.py knows
-
-
 def pin_output_head(st: StackSpec, dmap: OrderedDict, exec_value: Any, notes: list[str]) -> OrderedDict:
     """The device map the loader is given (model/loading.py passes it as a dict): the inferred one, with
     the LM head moved to the execution device when inference offloaded it. TRL's fused LM head
     (add_fused_lm_head) reads `lm_head.weight` directly, outside the module's forward where
     accelerate's offload hook would onload it, so an offloaded head would reach the loss as a meta
-    tensor. With tied embeddings the input embeddings share that weight and move with it. Its
-    bytes count on the execution device like any block placed there."""
-    heads = [OUTPUT_HEAD] + (["model.embed_tokens"] if st.fig.tie_embeddings else [])
-    moved = [k for k in heads if k in dmap and dmap[k] in ("cpu", "disk") and dmap[k] != exec_value]
-    if not moved:
-        return dmap
-    out = OrderedDict((k, exec_value if k in moved else v) for k, v in dmap.items())
-    notes.append(
-        f"{', '.join(moved)} kept on the execution device ({dev_name(exec_value)}), not offloaded: TRL's fused LM head "
-        "reads its weight outside the offload hook"
-    )
+    tensor. With tied embeddings the input embeddings share that weight and move with it (named by the
+    inventory: a VLM's sit in its language model); one inside an offloaded module takes that module
+    apart into its blocks. Their bytes count on the execution device like any block placed there."""
+    blocks = inventory(st.fig)
+    head = next((b for b in blocks if b.name == OUTPUT_HEAD), None)
+    heads = [OUTPUT_HEAD] + ([head.tied_to] if head is not None and head.tied_to else [])
+    out, moved = OrderedDict(dmap), []
+    for name in heads:
+        key = _holder(name, out)
+        if key is None or out[key] not in OFFLOADED or out[key] == exec_value:
+            continue
+        if key != name:
+            out = _split(out, key, _placed_names(st, blocks))
+        if name in out:
+            out[name] = exec_value
+            moved.append(name)
+    if moved:
+        notes.append(
+            f"{', '.join(moved)} kept on the execution device ({dev_name(exec_value)}), not offloaded: TRL's fused "
+            "LM head reads its weight outside the offload hook"
+        )
+    return out
+
+
+def _holder(name: str, dmap: Mapping[str, Any]) -> str | None:
+    """The map's key that places `name`: itself or the module holding it; None for the whole model ("")."""
+    keys = [k for k in dmap if k and (name == k or name.startswith(k + "."))]
+    return max(keys, key=len, default=None)
+
+
+def _placed_names(st: StackSpec, blocks: tuple[Block, ...]) -> list[str]:
+    """Every module the loader places, in module order: the inventory's blocks, after a VLM's vision parts
+    where its vision row stands for them (the inventory leaves them out then)."""
+    names = [b.name for b in blocks]
+    if not vision_language(st.fig):
+        return names
+    known = layout(st.fig)
+    if known is not None:
+        return [*known.prefixes, *names]
+    from ..model.vision import vision_prefixes
+
+    return [*vision_prefixes(meta_model(st.fig, st.dtype)), *names]
+
+
+def _split(dmap: OrderedDict, key: str, names: list[str]) -> OrderedDict:
+    """`key`'s entry replaced, in place, by one per block inside it, each where it was."""
+    out: OrderedDict = OrderedDict()
+    for k, v in dmap.items():
+        if k != key:
+            out[k] = v
+            continue
+        for n in names:
+            if n.startswith(key + "."):
+                out[n] = v
     return out
 
 

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING
 from ..config import devices as _dev
 from ..errors import UserError
 from ..units import GiB, dtype_bytes
+from .blocks import OUTPUT_HEAD
 from .components import block_bytes
 from .constants import CPU_PROCESS_BASELINE_BYTES, CUDA_CONTEXT_BYTES
+from .figures import final_norm
 from .peaks import (
     COMPONENTS,
     STATIC,
@@ -93,7 +95,8 @@ def _sizes(st: StackSpec) -> dict[str, int]:
     """Whole-model bytes the shares are taken of, the gathered units, and what loading holds."""
     bbs = block_bytes(st)
     layer_units = [bb.quant_data + bb.other + 4 * bb.lora_numel for blk, bb in bbs if blk.is_layer]
-    tail = sum(bb.quant_data + bb.other + 4 * bb.lora_numel for blk, bb in bbs if blk.name in ("lm_head", "model.norm"))
+    tail_names = (OUTPUT_HEAD, final_norm(st.fig))  # a VLM's norm is its language model's
+    tail = sum(bb.quant_data + bb.other + 4 * bb.lora_numel for blk, bb in bbs if blk.name in tail_names)
     return {
         "quant_data": sum(bb.quant_data for _, bb in bbs),
         "quant_state": sum(bb.quant_state for _, bb in bbs),

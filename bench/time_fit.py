@@ -9,6 +9,11 @@ steps after the warm-up), and every row of the long-context file, whose tokens/s
 run's steps, warm-up included: those are compared with `steps x s/step + WARMUP_SECONDS`. Each row's
 stack is the file's own overrides, planned here for an H100 (the model's figures from conf/model:
 the bench model dir is not on this machine).
+
+Checked, not fitted: every run of a later card's file (CHECKED: the H200's gpu-check), planned for that
+card as `qlora plan --gpus NAME` plans it (auto checkpointing and micro-batch resolved), with the
+defaults its runs had and its overrides do not name (a stack's `as_run`). Those rows test the model's
+assumption that another card's time scales by its datasheet figures; they set no constant.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SUITE_FILE = RESULTS / "nvidia-h100-80gb-hbm3-2026-11-26.json"
 LONG_FILE = RESULTS / "long-context-nvidia-h100-80gb-hbm3-2026-11-26.md"
 GPU = "H100"
+CHECKED = {RESULTS / "nvidia-h200-2026-11-28-gpu-check.json": "H200"}
 _PATHS = ("model.name_or_path=", "data.path=")  # the bench machine's files; the figures come from conf/model
 # What the runs had by default and the files do not name: sdpa, model.attn_implementation's default at the
 # commit they record (environment.git)
@@ -114,6 +120,44 @@ def all_rows() -> tuple[list[dict], list[dict]]:
     return suite, long
 
 
+def checked_rows(path: Path, gpu: str) -> list[dict]:
+    """One row per measured run of every stack of a later card's file: its overrides and steady s/step."""
+    data = json.loads(path.read_text())
+    job = list(data["settings"]["job"])
+    rows = []
+    for stack in data["stacks"]:
+        overrides = job + stack.get("as_run", []) + [o for o in stack["overrides"] if not o.startswith(_PATHS)]
+        if not any(o.startswith("model.attn_implementation=") for o in overrides):
+            overrides += AS_RUN
+        for run in ("ours", "baseline"):
+            measured = (stack.get(run) or {}).get("s_per_step")
+            if measured:
+                name = f"{stack['name']} ({run})"
+                rows.append({"name": name, "overrides": overrides, "s_per_step": measured, "gpu": gpu})
+    return rows
+
+
+def checked_predictions(rows: list[dict]) -> list[tuple[str, str, float, float]]:
+    """(card, row, measured, predicted s/step): the plan's own time section on that card."""
+    from qlora_recipes import planner
+    from qlora_recipes.config import devices, gpus
+    from qlora_recipes.config.loader import precision_for
+    from qlora_recipes.planner import timeplan
+
+    out = []
+    for row in rows:
+        sizes = devices.parse_gpus(row["gpu"])
+        cfg = precision_for(compose(row["overrides"]), sizes)
+        plan = planner.plan(cfg, gpus=sizes, host_ram=256 * 2**30)
+        section = timeplan.time_section(cfg, plan, [gpus.card(row["gpu"])], sizes)
+        out.append((row["gpu"], row["name"], row["s_per_step"], section["s_per_step"]))
+    return out
+
+
+def all_checked_rows() -> list[dict]:
+    return [row for path, gpu in CHECKED.items() for row in checked_rows(path, gpu)]
+
+
 SEARCH = {
     "MATMUL_EFFICIENCY": [0.6, 0.65, 0.7, 0.75],
     "OP_SECONDS": [80e-6, 90e-6, 100e-6, 110e-6, 120e-6],
@@ -167,20 +211,32 @@ def markdown_rows(preds: list[tuple[str, float, float]]) -> list[str]:
     return out
 
 
+def checked_markdown_rows(preds: list[tuple[str, str, float, float]]) -> list[str]:
+    """The checked cards' table docs/memory-and-planner.md shows."""
+    return [
+        f"| {gpu} | {name} | {m:.3f} | {pred:.3f} | {100 * (pred / m - 1):+.1f} % |" for gpu, name, m, pred in preds
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.time_fit", description=__doc__.splitlines()[0])
     p.add_argument("--search", action="store_true", help="also grid-search the fitted constants")
     p.add_argument("--markdown", action="store_true", help="print the rows as docs/memory-and-planner.md's table")
     args = p.parse_args(argv)
     suite, long = all_rows()
+    checked = checked_predictions(all_checked_rows())
     if args.markdown:
         print("\n".join(markdown_rows(predictions(suite, long))))
+        print("\n".join(checked_markdown_rows(checked)))
         return
     print(f"{'row':<34}{'measured':>12}{'predicted':>12}{'error %':>9}")
     for name, m, pred in predictions(suite, long):
         unit = "s/step" if "(" in name else "tok/s"
         print(f"{name:<34}{m:>12.3f}{pred:>12.3f}{100 * (pred / m - 1):>+9.1f}  {unit}")
     print(f"warm-up seconds (median of the suite's runs): {warmup_seconds():.2f}")
+    print(f"\nchecked, not fitted\n{'card':<6}{'row':<62}{'measured':>10}{'predicted':>11}{'error %':>9}")
+    for gpu, name, m, pred in checked:
+        print(f"{gpu:<6}{name:<62}{m:>10.3f}{pred:>11.3f}{100 * (pred / m - 1):>+9.1f}  s/step")
     if args.search:
         print("search:", json.dumps(search(suite, long)))
 

@@ -37,5 +37,6 @@ class Block:
     # what a decoder layer mixes tokens with: its layer type ("full_attention", "sliding_attention",
     # "chunked_attention", "linear_attention": Qwen3.5's Gated DeltaNet); "" where the family has one kind
     mixer: str = ""
+    l2_qk_norm: bool = False  # q and k through a weightless L2 norm (Llama 4's RoPE layers)
     head_dim: int = 0  # its attention's head_dim and kv heads where they are not the model's (Gemma 4's global layers)
     kv_heads: int = 0

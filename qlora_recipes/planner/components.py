@@ -189,8 +189,7 @@ def block_bytes(st: StackSpec) -> list[tuple[Block, BlockBytes]]:
                     bb.max_dora = max(bb.max_dora, 4 * lin.in_features**2 + lin.numel * (load + 12))
         _add_experts(st, blk, bb)
         heads = (blk.head_dim or st.fig.head_dim, st.fig.num_heads, blk.kv_heads or st.fig.num_kv_heads)
-        names = [n for n, _ in blk.params]
-        bb.head_norms = family_layers.head_norms_saved_per_token(st.fig, names, heads, st.frozen_bytes, st.lean_norms)
+        bb.head_norms = family_layers.head_norms_saved_per_token(st.fig, blk, heads, st.frozen_bytes, st.lean_norms)
         bias_names = {f"{lin.name}.bias" for lin in blk.linears}
         for pname, numel in blk.params:
             if pname in bias_names:

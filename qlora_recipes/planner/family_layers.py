@@ -50,7 +50,18 @@ def new_family_figures(arch: str, cj: Mapping[str, Any]) -> dict[str, Any]:
         moe = cj.get("moe_layers")
         out["moe_layers"] = tuple(int(i) for i in (range(step - 1, layers, step) if moe is None else moe))
         out["dense_intermediate"] = int(cj.get("intermediate_size_mlp") or 16384)
+        out["l2_norm_layers"] = _l2_norm_layers(cj, layers)
     return out
+
+
+def _l2_norm_layers(cj: Mapping[str, Any], layers: int) -> tuple[int, ...]:
+    """Llama4TextConfig's RoPE layers (no_rope_layers: 1 where a layer rotates; by default all but every
+    no_rope_layer_interval-th), where use_qk_norm puts an L2 norm over q and k (none without it)."""
+    if not cj.get("use_qk_norm", True):
+        return ()
+    every = int(cj.get("no_rope_layer_interval") or 4)
+    rotates = cj.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(layers)]
+    return tuple(i for i, r in enumerate(rotates) if r)
 
 
 def _gemma4_figures(cj: Mapping[str, Any], layers: int) -> dict[str, Any]:
@@ -163,16 +174,20 @@ def saved_per_token(fig: Any, mixer: str, qd: int, kvd: int, r: int) -> int:
     return out + (3 * r * fig.per_layer_input + 4 * fig.hidden_size + 4 if fig.per_layer_input else 0)
 
 
-def head_norms_saved_per_token(fig: Any, names: Any, heads: tuple[int, int, int], r: int, lean: bool) -> int:
+def head_norms_saved_per_token(fig: Any, block: Any, heads: tuple[int, int, int], r: int, lean: bool) -> int:
     """What a layer's per-head q/k norms keep for backward per token (names: the layer's parameter names;
     heads: head_dim, q heads, kv heads): each its input as the fp32 copy its `.float()` makes and a 4-byte
     rsqrt per head (Gemma 4's pow-based norm: the mean square and its power, 8 bytes), Gemma 4's weightless
     v_norm beside its k_norm; a Llama-form norm under trainer.lean_rmsnorm keeps its r-byte input instead
-    (the q/k projections' output dtype). Qwen3.5's gated attention counts its own (saved_per_token);
-    Llama 4's L2 norm has no weight to find it by."""
+    (the q/k projections' output dtype). Qwen3.5's gated attention counts its own (saved_per_token).
+    Llama 4's weightless L2 norm (Llama4TextL2Norm, on its RoPE layers) keeps the same: x.float() for
+    pow and the product, the rsqrt per head (block: planner.blocks.Block)."""
     if fig.traits.attn_output_gate:
         return 0
     d, a, kv = heads
+    if block.l2_qk_norm:
+        return (a + kv) * (4 * d + 4)
+    names = [n for n, _ in block.params]
     width = r if lean and fig.traits.llama_rmsnorm else 4
     row = 8 if fig.traits.per_layer_embeddings else 4
     rows = sum(a for n in names if n.endswith(".q_norm.weight"))
@@ -210,7 +225,9 @@ def config_keys(fig: Any) -> dict[str, Any]:
             out.update(top_k_experts=fig.experts_per_token)
     if fig.traits.router == "sigmoid":
         out.update(moe_layers=list(fig.moe_layers), intermediate_size_mlp=fig.dense_intermediate)
-        out.update(intermediate_size=fig.expert_intermediate)
+        out.update(intermediate_size=fig.expert_intermediate, use_qk_norm=bool(fig.l2_norm_layers))
+        if fig.l2_norm_layers:
+            out["no_rope_layers"] = [int(i in fig.l2_norm_layers) for i in range(fig.num_layers)]
     if fig.cross_attention_layers:
         out["cross_attention_layers"] = list(fig.cross_attention_layers)
     if fig.shared_expert_intermediate and fig.traits.shared_experts:

@@ -78,6 +78,8 @@ class Figures:
     # Llama 4: which layers are MoE (the others a dense MLP of dense_intermediate)
     moe_layers: tuple[int, ...] = ()
     dense_intermediate: int = 0
+    # Llama 4: the layers whose q and k pass through its weightless L2 norm (use_qk_norm: the RoPE layers)
+    l2_norm_layers: tuple[int, ...] = ()
     # config.json's final_logit_softcapping set (True) or null (False); None where it is left out: the
     # family's config class default (FamilyTraits.final_logit_softcap), as transformers would build it
     final_logit_softcapping: bool | None = None

@@ -153,7 +153,10 @@ def _layer(fig: Any, i: int) -> Block:
     buffers = ((f"{p}.layer_scalar", 1, 0),) if family.per_layer_embeddings else ()  # Gemma 4's, load dtype
     d, kv = layer_heads(fig, i)
     dims = {"head_dim": d, "kv_heads": kv} if (d, kv) != (fig.head_dim, fig.num_kv_heads) else {}
-    return Block(p, tuple(linears), tuple(params), buffers, is_layer=True, experts=experts, mixer=mixer, **dims)
+    l2 = i in fig.l2_norm_layers
+    return Block(
+        p, tuple(linears), tuple(params), buffers, is_layer=True, experts=experts, mixer=mixer, l2_qk_norm=l2, **dims
+    )
 
 
 def _attention(fig: Any, p: str, i: int) -> tuple[list[Linear], list[tuple[str, int]]]:

@@ -290,6 +290,7 @@ def generate(
     device = _compute_device(model)
     fmt = PromptFormat.of(style)
     sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature else {"do_sample": False}
+    sampling.update(no_router_logits(model))
     stops = stop_strings(tokenizer, fmt)
     if stops:
         sampling.update(stop_strings=stops, tokenizer=tokenizer)
@@ -327,6 +328,18 @@ def generate(
         texts = tokenizer.batch_decode(out[:, longest:], skip_special_tokens=True)
         outputs += [_cut_at(text, stops) for text in texts]
     return outputs
+
+
+def no_router_logits(model) -> dict[str, Any]:
+    """generate's argument that turns an MoE model's router logits off where its config turns them on (TRL
+    does, for the load-balancing loss): every forward would keep each layer's logits of all its tokens and
+    score them against the whole attention mask, which fails on a batch's decode steps (transformers 5.23).
+    Nothing for a model whose config leaves them off, or has none."""
+    return (
+        {"output_router_logits": False}
+        if getattr(getattr(model, "config", None), "output_router_logits", False)
+        else {}
+    )
 
 
 def _compute_device(model):

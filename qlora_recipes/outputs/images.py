@@ -175,11 +175,12 @@ def generate_with_images(
     tokens: the tokenizer's EOS, the model's eos ids, the template's end-of-turn token or its text)."""
     import torch
 
-    from .generation import _compute_device, _cut_at, stop_strings, stop_token_ids
+    from .generation import _compute_device, _cut_at, no_router_logits, stop_strings, stop_token_ids
 
     tokenizer = processor.tokenizer
     device = _compute_device(model)
     sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature else {"do_sample": False}
+    sampling.update(no_router_logits(model))
     stops = stop_strings(tokenizer, PromptFormat(style="chat"))  # an end-of-turn marker of several tokens
     if stops:
         sampling.update(stop_strings=stops, tokenizer=tokenizer)

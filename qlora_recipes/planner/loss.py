@@ -221,7 +221,9 @@ def generation_bytes(st: StackSpec, layers: int, with_head: bool, on_cpu: bool =
     dtype); the larger of the prefill - one layer's forward over at most as many tokens as an eval
     batch, with its padding mask - and one layer's keys being grown by torch.cat; the last
     position's logits and their fp32 copy for up to GEN_METRIC_BATCH prompts. A single prompt
-    longer than that budget goes alone and is not bounded by it."""
+    longer than that budget goes alone and is not bounded by it. No MoE router logits: generate would
+    keep the prefill's of every layer where TRL turned them on for the load-balancing loss, but
+    generation turns them off (outputs/generation.no_router_logits)."""
     batch = getattr(st, "gen_batch", 0)
     if not batch or not (layers or with_head):
         return 0

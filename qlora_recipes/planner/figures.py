@@ -25,7 +25,7 @@ from ..units import torch_dtype
 from .blocks import Block, Linear
 from .family_layers import config_keys
 from .layers import analytic_inventory, family_figures
-from .vlm_layout import TEXT, layout
+from .vlm_layout import layout
 
 if TYPE_CHECKING:
     from ..config.schema import ModelConfig
@@ -355,9 +355,11 @@ def inventory(fig: Figures) -> tuple[Block, ...]:
 
 def text_prefix(fig: Figures) -> str:
     """Where the language model's modules sit, as the loader names them: "model" in a causal LM, a laid-out
-    VLM's model.language_model, else the meta model's decoder (get_decoder, as model/vision.py finds it)."""
-    if layout(fig) is not None:
-        return TEXT
+    VLM's where its text blocks' input embeddings sit (model.language_model in Gemma 3 and Qwen2.5-VL),
+    else the meta model's decoder (get_decoder, as model/vision.py finds it)."""
+    known = layout(fig)
+    if known is not None:
+        return next(b.name for b in known.text if b.embeddings).rpartition(".")[0]
     if fig.traits.known:
         return "model"
     from ..model.vision import language_model

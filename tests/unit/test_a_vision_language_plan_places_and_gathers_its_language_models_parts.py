@@ -2,10 +2,11 @@
 plans place and size the same parts by those names that a text model's plan does by model.X - the output
 head's tied input embeddings kept beside it on the execution device, the final norm in FSDP's gathered tail."""
 
+import pytest
 from conftest import compose_cfg
 
 from qlora_recipes import planner
-from qlora_recipes.planner import placement
+from qlora_recipes.planner import figures, placement
 from qlora_recipes.units import GiB
 
 STACK = ("precision=bf16", "quant=nf4", "data.metric=null", "trainer.seq_len=512")
@@ -37,3 +38,18 @@ def test_a_sharded_vlm_gathers_its_final_norm_with_its_head_as_the_text_model_do
     assert text["stack"]["dist"] == vlm["stack"]["dist"] == "fsdp"
     gathered = vlm["components"]["offload_staging"]["cuda:0"]
     assert gathered == text["components"]["offload_staging"]["cuda:0"]
+
+
+@pytest.mark.parametrize(
+    "entry,prefix",
+    [
+        ("gemma3-12b", "model.language_model"),
+        ("qwen2.5-vl-7b", "model.language_model"),
+        ("llama3.2-11b-vision", "model.language_model"),  # mllama: from the meta model
+        ("qwen3-8b", "model"),
+    ],
+)
+def test_the_final_norm_gathered_is_a_block_of_the_models_inventory(entry, prefix):
+    fig = figures.model_figures(compose_cfg(f"model={entry}").model)
+    assert figures.final_norm(fig) == f"{prefix}.norm"
+    assert figures.final_norm(fig) in {b.name for b in figures.inventory(fig)}

@@ -2,7 +2,7 @@
 into, and RECORD (`qlora_state.json`), the manifest each sealed checkpoint carries; the fsync
 helpers that make a save durable, and which checkpoint is the newest sound one.
 
-`lifecycle.GuardedTrainer` writes and seals checkpoints; `resume` and `schedule` read them back.
+`guard.Guarded` (every objective's trainer) writes and seals checkpoints; `resume` and `schedule` read them back.
 """
 
 import errno

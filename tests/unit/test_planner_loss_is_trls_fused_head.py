@@ -6,8 +6,12 @@ allocation tracking: the profiler's memory events); the allocated peak next to t
 
 import gc
 import inspect
+import json
+import os
+import select
 import subprocess
 import sys
+import traceback
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -53,19 +57,70 @@ def rss_peak(fn) -> int:
     return memory.rss_high_water_mark() - before
 
 
-def fused_head_peak(b: int, s: int, h: int, vocab: int, bf16: bool, train: bool, softcap: bool = False) -> int:
-    """fused_head_peak_here in a fresh process: a high-water mark of RSS depends on what the process did
-    before (the other tests a pytest-xdist worker ran there), the plan's figure on the head alone."""
-    here = Path(__file__).resolve().parent
-    code = (
-        f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; import {Path(__file__).stem} as t; "
-        f"print(t.fused_head_peak_here({b}, {s}, {h}, {vocab}, {bf16}, {train}, {softcap}))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, cwd=REPO)
-    if "Skipped" in out.stderr:
-        pytest.skip(out.stderr.strip().splitlines()[-1])
-    assert out.returncode == 0, out.stderr[-3000:]
-    return int(out.stdout.strip().splitlines()[-1])
+class _HeadPeaks:
+    """fused_head_peak_here, each call in a fresh process: a high-water mark of RSS depends on what
+    the process did before (the other tests a pytest-xdist worker ran there), the plan's figure on
+    the head alone. One server process imports torch, transformers and TRL once and forks a child
+    per call, so each child starts from what a just-started process holds, without paying for the
+    imports again (they were most of a call's time)."""
+
+    def __init__(self):
+        here = Path(__file__).resolve().parent
+        code = (
+            f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
+            f"import {Path(__file__).stem} as t; t._serve()"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
+        )
+
+    def __call__(self, *args) -> int:
+        self.proc.stdin.write(json.dumps(args) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], 900)
+        assert ready, f"fused_head_peak_here{args} ran past 900 s"
+        reply = json.loads(self.proc.stdout.readline() or '{"error": "the server process ended"}')
+        if "skip" in reply:
+            pytest.skip(reply["skip"])
+        assert "peak" in reply, reply["error"][-3000:]
+        return reply["peak"]
+
+    def close(self):
+        self.proc.kill()  # idle between calls: nothing of its own to finish (its shutdown took seconds)
+        self.proc.wait(timeout=60)
+
+
+def _serve():
+    """The server's loop: one JSON line of arguments in, a forked child measures, one JSON line out."""
+    from transformers import LlamaForCausalLM  # noqa: F401  (imported once, before any fork)
+    from trl.trainer.utils import add_fused_lm_head  # noqa: F401
+
+    for line in sys.stdin:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            try:
+                reply = {"peak": fused_head_peak_here(*json.loads(line))}
+            except pytest.skip.Exception as e:
+                reply = {"skip": str(e)}
+            except BaseException:
+                reply = {"error": traceback.format_exc()}
+            os.write(write, json.dumps(reply).encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as f:
+            reply = f.read()
+        _, status = os.waitpid(pid, 0)
+        print(reply or json.dumps({"error": f"the measuring child ended with wait status {status}"}), flush=True)
+
+
+@pytest.fixture(scope="module")
+def fused_head_peak():
+    """fused_head_peak(b, s, h, vocab, bf16, train, softcap=False): fused_head_peak_here in a fresh process."""
+    peaks = _HeadPeaks()
+    yield lambda b, s, h, vocab, bf16, train, softcap=False: peaks(b, s, h, vocab, bf16, train, softcap)
+    peaks.close()
 
 
 def fused_head_peak_here(b: int, s: int, h: int, vocab: int, bf16: bool, train: bool, softcap: bool = False) -> int:
@@ -100,14 +155,14 @@ def spec(b: int, s: int, h: int, vocab: int, bf16: bool, softcap: bool = False) 
 # b, s, h, V, bf16 autocast: fp32 with one narrow vocabulary tile; bf16 over fp32 hidden states with
 # two tiles (one full, one strided); a Qwen2.5-0.5B-like head (152k vocabulary, five tiles)
 @pytest.mark.parametrize("shape", [(1, 1024, 64, 8000, False), (2, 300, 64, 40000, True), (2, 128, 896, 151936, True)])
-def test_planned_training_loss_matches_trls_fused_head_on_cpu(shape):
+def test_planned_training_loss_matches_trls_fused_head_on_cpu(shape, fused_head_peak):
     b, s, h, vocab, bf16 = shape
     measured = fused_head_peak(b, s, h, vocab, bf16, train=True)
     planned = loss.train_loss_bytes(spec(*shape), b, on_cpu=True)
     assert abs(planned - measured) <= 0.1 * measured, (planned, measured)
 
 
-def test_planned_softcap_bytes_are_the_tanh_tile_trls_soft_capped_head_keeps():
+def test_planned_softcap_bytes_are_the_tanh_tile_trls_soft_capped_head_keeps(fused_head_peak):
     """final_logit_softcapping set: TRL's CPU backward keeps tanh of the tile beside the fold (4 bytes
     an element); its forward's transform fits under the fold it already had."""
     shape = (1, 1024, 64, 8000, False)
@@ -121,7 +176,7 @@ def test_planned_softcap_bytes_are_the_tanh_tile_trls_soft_capped_head_keeps():
     assert abs(loss.eval_loss_bytes(spec(*shape, softcap=True), 1, on_cpu=True) - evaluated) <= 0.1 * evaluated
 
 
-def test_planned_eval_loss_matches_trls_fused_head_without_grad():
+def test_planned_eval_loss_matches_trls_fused_head_without_grad(fused_head_peak):
     shape = (2, 256, 64, 40000, False)
     measured = fused_head_peak(*shape, train=False)
     planned = loss.eval_loss_bytes(spec(*shape), shape[0], on_cpu=True)

@@ -7,7 +7,14 @@ model (no torch, no transformers), as transformers 5.23 builds them:
   SiglipVisionConfig default (as Gemma3Config fills it; with no vision_config at all, every key);
 - Qwen2.5-VL from a conf/model entry: its Qwen2-shaped language model, its tower and merger under
   model.visual (Qwen2_5_VLVisionConfig's defaults for the keys the entry leaves out).
-The other families (and a checkpoint with its own code) keep the meta model (figures.meta_model).
+- a local dir's (or a hub id's) LLaVA: a CLIP or SigLIP tower under model.vision_tower, the two-linear
+  projector under model.multi_modal_projector, its text_config's family (one layers.py knows) under
+  model.language_model;
+- a local dir's Idefics3 or SmolVLM: the SigLIP-shaped tower under model.vision_model, the connector (the
+  pixel shuffle's scale_factor^2 patches into one linear) under model.connector, the text model under
+  model.text_model.
+The other families (and a checkpoint with its own code) keep the meta model (figures.meta_model); the
+towers are planner/vlm_towers.py's.
 tests/unit/test_vision_language_layouts_are_the_meta_models.py holds each layout to the meta model.
 """
 
@@ -22,22 +29,20 @@ from typing import Any
 from ..model.checkpoint import read_config
 from .blocks import Block, Linear
 from .layers import analytic_inventory
+from .vlm_towers import (
+    CLIP_VISION,
+    IDEFICS3_VISION,
+    LLAVA_DEFAULT_TOWER,
+    SIGLIP_VISION,
+    SIZES,
+    biases,
+    clip_tower,
+    idefics3_tower,
+    linears_of,
+    siglip_tower,
+    sized,
+)
 
-# SiglipVisionConfig's defaults (transformers 5.23): Gemma3Config's tower when its vision_config leaves them out
-SIGLIP_VISION = {
-    "model_type": "siglip_vision_model",
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_channels": 3,
-    "image_size": 224,
-    "patch_size": 16,
-    "hidden_act": "gelu_pytorch_tanh",
-    "layer_norm_eps": 1e-6,
-    "attention_dropout": 0.0,
-    "vision_use_head": True,
-}
 GEMMA3 = {"model_type": "gemma3", "mm_tokens_per_image": 256}  # Gemma3Config's keys the planner reads
 # Qwen2_5_VLVisionConfig's defaults (transformers 5.23)
 QWEN2_5_VL_VISION = {
@@ -60,7 +65,10 @@ QWEN2_5_VL_VISION = {
 TEXT = "model.language_model"
 TOWER = "model.vision_tower"
 VISUAL = "model.visual"  # Qwen2.5-VL's tower, its merger (the projector) inside it
-PROJECTOR = "model.multi_modal_projector"
+PROJECTOR = "model.multi_modal_projector"  # Gemma 3's and LLaVA's
+IDEFICS3_TEXT = "model.text_model"  # Idefics3's and SmolVLM's language model, tower and connector
+IDEFICS3_TOWER = "model.vision_model"
+CONNECTOR = "model.connector"
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,7 @@ class VlmLayout:
     prefixes: tuple[str, ...]  # the vision parts' full prefixes (model/vision.vision_prefixes)
     tower_linears: tuple[tuple[int, int], ...]  # (in, out) of every nn.Linear in the tower, subclasses too
     config_json: str  # the config as transformers fills it: its vision_config and the top-level keys read
+    text_prefix: str = TEXT  # where the language model's modules sit
 
     @property
     def config(self) -> dict[str, Any]:
@@ -92,17 +101,23 @@ def layout(fig: Any) -> VlmLayout | None:
     """The layout of the figures' model when its family's is known (fig: figures.Figures), else None."""
     if fig.architecture == "qwen2_5_vl":
         return _qwen2_5_vl(fig)
-    if fig.architecture == "gemma3" or (fig.architecture == "gemma3_text" and _vlm_dir(fig)):
+    cj = _dir_json(fig)
+    if fig.architecture == "gemma3" or (fig.architecture == "gemma3_text" and cj.get("model_type") == "gemma3"):
         top, vc = _configs(fig)
         return None if top is None or vc is None else _gemma3(fig, top, vc)
-    return None
+    build = _DIR_FAMILIES.get(str(cj.get("model_type")))
+    # the text model is its text_config's family: laid out when layers.py knows it (else the meta model)
+    if build is None or cj.get("auto_map") or not fig.traits.known or not isinstance(cj.get("text_config"), dict):
+        return None
+    return build(fig, cj)
 
 
-def _vlm_dir(fig: Any) -> bool:
-    """A local dir whose config.json is Gemma 3's VLM: its figures are its text_config's (gemma3_text), and
-    from_pretrained builds the whole VLM (model/vision.py), its language model under model.language_model."""
+def _dir_json(fig: Any) -> dict[str, Any]:
+    """A local dir's config.json (whose figures are its text_config's: model/vision.py builds the whole
+    VLM from it), {} for a conf/model entry."""
     path = Path(fig.config_dir or "") / "config.json"
-    return bool(fig.config_dir) and path.is_file() and read_config(path).get("model_type") == "gemma3"
+    cj = read_config(path) if fig.config_dir and path.is_file() else {}
+    return cj if isinstance(cj, dict) else {}
 
 
 def _configs(fig: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
@@ -121,13 +136,7 @@ def _configs(fig: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     if given.get("model_type", SIGLIP_VISION["model_type"]) != SIGLIP_VISION["model_type"]:
         return None, None
     vc = {**SIGLIP_VISION, **given}
-    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_channels", "image_size", "patch_size")
-    return (top, vc) if _sized(vc, sizes) else (None, None)
-
-
-def _sized(vc: dict[str, Any], keys: tuple[str, ...]) -> bool:
-    """Every one of `keys` a positive integer: a size given as a pair is left to the meta model."""
-    return all(isinstance(vc.get(k), int) and not isinstance(vc[k], bool) and vc[k] > 0 for k in keys)
+    return (top, vc) if sized(vc, SIZES) else (None, None)
 
 
 def _gemma3(fig: Any, top: dict[str, Any], vc: dict[str, Any]) -> VlmLayout:
@@ -141,21 +150,26 @@ def _gemma3(fig: Any, top: dict[str, Any], vc: dict[str, Any]) -> VlmLayout:
         ),
     )
     text = tuple(_under_text(b) for b in analytic_inventory(fig))
-    if _numel(projector) > sum(_numel(b) for b in tower):  # the tower is the part with the most (a tiny model's)
-        linears = ()
+    linears = _tower_linears(tower, linears, [projector])
     config = {**top, "vision_config": vc}
     return VlmLayout(text, (*tower, projector), (TOWER, PROJECTOR), linears, json.dumps(config, sort_keys=True))
+
+
+def _tower_linears(tower: list[Block], linears: tuple[tuple[int, int], ...], rest: list[Block]):
+    """The linears of the part model/vision_tower.tower_prefix takes for the tower, the one with the most
+    parameters: the projector in a tiny model whose projector outweighs its tower."""
+    return linears if sum(map(_numel, tower)) >= sum(map(_numel, rest)) else linears_of(rest)
 
 
 def _numel(block: Block) -> int:
     return sum(lin.numel for lin in block.linears) + sum(n for _, n in block.params)
 
 
-def _under_text(block: Block) -> Block:
+def _under_text(block: Block, prefix: str = TEXT) -> Block:
     """A text model's block as the VLM names it: model.X -> model.language_model.X (lm_head stays)."""
 
     def name(n: str) -> str:
-        return f"{TEXT}.{n[len('model.') :]}" if n.startswith("model.") else n
+        return f"{prefix}.{n[len('model.') :]}" if n.startswith("model.") else n
 
     return replace(
         block,
@@ -169,63 +183,6 @@ def _under_text(block: Block) -> Block:
     )
 
 
-def siglip_tower(vc: dict[str, Any], p: str) -> tuple[list[Block], tuple[tuple[int, int], ...]]:
-    """SiglipVisionModel's blocks (the patch and position embeddings, the encoder layers, the post-norm,
-    the attention-pooling head under vision_use_head) and its linears' (in, out), in module order."""
-    h, inter, patch = vc["hidden_size"], vc["intermediate_size"], vc["patch_size"]
-    positions = (vc["image_size"] // patch) ** 2
-    e = f"{p}.embeddings"
-    blocks = [
-        Block(
-            e,
-            params=(
-                (f"{e}.patch_embedding.weight", h * vc["num_channels"] * patch * patch),
-                (f"{e}.patch_embedding.bias", h),
-                (f"{e}.position_embedding.weight", positions * h),
-            ),
-            buffers=((f"{e}.position_ids", positions, 8),),  # int64
-            embeddings=((f"{e}.position_embedding", positions, h),),
-            is_layer=True,
-        )
-    ]
-    linears: list[tuple[int, int]] = []
-    for i in range(vc["num_hidden_layers"]):
-        blocks.append(_siglip_layer(f"{p}.encoder.layers.{i}", h, inter))
-        linears += [(lin.in_features, lin.out_features) for lin in blocks[-1].linears]
-    blocks.append(Block(f"{p}.post_layernorm", params=_norm(f"{p}.post_layernorm", h)))
-    if vc["vision_use_head"]:
-        blocks.append(_siglip_head(f"{p}.head", h, inter))
-        linears += [(h, h)] + [(lin.in_features, lin.out_features) for lin in blocks[-1].linears]
-    return blocks, tuple(linears)
-
-
-def _norm(p: str, h: int) -> tuple[tuple[str, int], ...]:
-    return ((f"{p}.weight", h), (f"{p}.bias", h))
-
-
-def _mlp(p: str, h: int, inter: int) -> list[Linear]:
-    return [Linear(f"{p}.fc1", h, inter, True), Linear(f"{p}.fc2", inter, h, True)]
-
-
-def _siglip_layer(p: str, h: int, inter: int) -> Block:
-    """An encoder layer: k, v, q and out projections, the MLP's fc1 and fc2 (all with biases), two LayerNorms."""
-    linears = [Linear(f"{p}.self_attn.{n}", h, h, True) for n in ("k_proj", "v_proj", "q_proj", "out_proj")]
-    linears += _mlp(f"{p}.mlp", h, inter)
-    params = tuple((f"{lin.name}.bias", lin.out_features) for lin in linears)
-    return Block(p, tuple(linears), params + _norm(f"{p}.layer_norm1", h) + _norm(f"{p}.layer_norm2", h), is_layer=True)
-
-
-def _siglip_head(p: str, h: int, inter: int) -> Block:
-    """The attention-pooling head: a probe, torch's MultiheadAttention (its packed in-projection and its
-    out_proj, an nn.Linear subclass that bitsandbytes leaves as loaded), a LayerNorm, an MLP."""
-    linears = _mlp(f"{p}.mlp", h, inter)
-    a = f"{p}.attention"
-    params = tuple((f"{lin.name}.bias", lin.out_features) for lin in linears)
-    params += ((f"{p}.probe", h), (f"{a}.in_proj_weight", 3 * h * h), (f"{a}.in_proj_bias", 3 * h))
-    params += ((f"{a}.out_proj.weight", h * h), (f"{a}.out_proj.bias", h)) + _norm(f"{p}.layernorm", h)
-    return Block(p, tuple(linears), params, is_layer=True)
-
-
 def _qwen2_5_vl(fig: Any) -> VlmLayout | None:
     """A conf/model entry's Qwen2.5-VL: the Qwen2-shaped language model, the vision tower (a Conv3d patch
     embedding, blocks of RMSNorms, a fused qkv and a gated MLP, all with biases) and its merger (an RMSNorm,
@@ -236,7 +193,7 @@ def _qwen2_5_vl(fig: Any) -> VlmLayout | None:
     given = json.loads(fig.vision_config_json)
     vc = {**QWEN2_5_VL_VISION, **(given if isinstance(given, dict) else {})}
     sizes = ("depth", "hidden_size", "intermediate_size", "in_channels", "patch_size", "temporal_patch_size")
-    if not _sized(vc, (*sizes, "spatial_merge_size", "out_hidden_size")):
+    if not sized(vc, (*sizes, "spatial_merge_size", "out_hidden_size")):
         return None
     h, inter, wide = vc["hidden_size"], vc["intermediate_size"], vc["hidden_size"] * vc["spatial_merge_size"] ** 2
     patch = vc["in_channels"] * vc["temporal_patch_size"] * vc["patch_size"] ** 2
@@ -258,3 +215,67 @@ def _qwen_vision_block(p: str, h: int, inter: int) -> Block:
     linears += (Linear(f"{p}.mlp.down_proj", inter, h, True),)
     params = ((f"{p}.norm1.weight", h), (f"{p}.norm2.weight", h))
     return Block(p, linears, params + tuple((f"{lin.name}.bias", lin.out_features) for lin in linears), is_layer=True)
+
+
+def _text(fig: Any, tie: bool, prefix: str) -> tuple[Block, ...]:
+    """The language model's blocks under `prefix`, its lm_head tied as the VLM's config ties it (the top
+    level's tie_word_embeddings, which the text_config's figures may not say)."""
+    own = fig if tie == fig.tie_embeddings else replace(fig, tie_embeddings=tie)
+    return tuple(_under_text(b, prefix) for b in analytic_inventory(own))
+
+
+def _top(cj: dict[str, Any], **defaults: Any) -> dict[str, Any]:
+    return {**defaults, **{k: v for k, v in cj.items() if k not in ("text_config", "vision_config")}}
+
+
+def _llava(fig: Any, cj: dict[str, Any]) -> VlmLayout | None:
+    """LLaVA (LlavaForConditionalGeneration): its tower is AutoModel's of the vision_config (CLIP by default,
+    CLIP-L/14 at 336 px without one), the projector two linears from the tower's hidden size (times the
+    feature layers it concatenates) to the text's; tied where the top level or the text_config ties."""
+    given = cj.get("vision_config")
+    if given is None:
+        vc = dict(LLAVA_DEFAULT_TOWER)
+    else:
+        defaults = {"clip_vision_model": CLIP_VISION, "siglip_vision_model": SIGLIP_VISION}
+        kind = given.get("model_type", "clip_vision_model") if isinstance(given, dict) else None
+        if kind not in defaults:
+            return None
+        vc = {**defaults[kind], **given}
+    if not sized(vc, SIZES):
+        return None
+    top = _top(cj, vision_feature_layer=-2, multimodal_projector_bias=True, tie_word_embeddings=False)
+    build = clip_tower if vc["model_type"] == "clip_vision_model" else siglip_tower
+    tower, own = build(vc, TOWER)
+    layers = top["vision_feature_layer"]
+    wide = vc["hidden_size"] * (len(layers) if isinstance(layers, list) else 1)
+    h, bias = fig.hidden_size, bool(top["multimodal_projector_bias"])
+    projection = (Linear(f"{PROJECTOR}.linear_1", wide, h, bias), Linear(f"{PROJECTOR}.linear_2", h, h, bias))
+    projector = Block(PROJECTOR, projection, biases(projection))
+    linears = _tower_linears(tower, own, [projector])
+    text = _text(fig, bool(top["tie_word_embeddings"]) or fig.tie_embeddings, TEXT)
+    config = json.dumps({**top, "vision_config": vc}, sort_keys=True)
+    return VlmLayout(text, (*tower, projector), (TOWER, PROJECTOR), linears, config)
+
+
+def _idefics3(fig: Any, cj: dict[str, Any]) -> VlmLayout | None:
+    """Idefics3 and SmolVLM: a SigLIP-shaped tower (no pooling head), the connector's one bias-free linear
+    over scale_factor^2 shuffled patches, the text model under model.text_model (tied only where the
+    top level says so)."""
+    given = cj.get("vision_config") or {}
+    top = _top(cj, scale_factor=2, tie_word_embeddings=False)
+    if not isinstance(given, dict) or not sized(top, ("scale_factor",)):
+        return None
+    vc = {**IDEFICS3_VISION, **given, "model_type": f"{cj['model_type']}_vision"}
+    if not sized(vc, SIZES):
+        return None
+    tower, own = idefics3_tower(vc, IDEFICS3_TOWER)
+    wide = vc["hidden_size"] * top["scale_factor"] ** 2
+    proj = Linear(f"{CONNECTOR}.modality_projection.proj", wide, fig.hidden_size, False)
+    text = _text(fig, bool(top["tie_word_embeddings"]), IDEFICS3_TEXT)
+    config = json.dumps({**top, "vision_config": vc}, sort_keys=True)
+    connector = Block(CONNECTOR, (proj,))
+    linears = _tower_linears(tower, own, [connector])
+    return VlmLayout(text, (*tower, connector), (IDEFICS3_TOWER, CONNECTOR), linears, config, IDEFICS3_TEXT)
+
+
+_DIR_FAMILIES = {"llava": _llava, "idefics3": _idefics3, "smolvlm": _idefics3}

@@ -1,8 +1,9 @@
-"""Gemma 3's and Qwen2.5-VL's vision-language checkpoints are laid out from their figures
-(planner/vlm_layout.py), not built on the meta device: the layout is the meta model's inventory block for
-block (names, linears, parameter counts, buffers, tied lm_head), its vision row's parameters, tower
-linears and vision shape are the meta model's, and planning their recipes imports no transformers
-modeling code (nor torch) and plans the peak the meta model's inventory plans."""
+"""Gemma 3's, Qwen2.5-VL's, LLaVA's, Idefics3's and SmolVLM's vision-language checkpoints are laid out
+from their figures (planner/vlm_layout.py), not built on the meta device: the layout is the meta model's
+inventory block for block (names, linears, parameter counts, buffers, tied lm_head), its vision row's
+parameters, tower linears, vision shape and language model's prefix are the meta model's, and planning
+their recipes and saved tiny checkpoints imports no transformers modeling code (nor torch) and plans the
+peak the meta model's inventory plans."""
 
 import dataclasses
 import json
@@ -52,6 +53,35 @@ def _tiny_dir(tmp_path, **vision) -> figures.Figures:
     return figures.model_figures(compose_cfg(f"model.name_or_path={tmp_path}").model)
 
 
+def _saved(tmp_path, config) -> figures.Figures:
+    """A local dir holding `config` as config.json, as transformers saves it (only what differs from the
+    defaults, a sub-config's too)."""
+    config.to_json_file(str(tmp_path / "config.json"))
+    return figures.model_figures(compose_cfg(f"model.name_or_path={tmp_path}").model)
+
+
+TINY_TEXT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=128, vocab_size=300)  # fmt: skip
+TINY_TOWER = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                  patch_size=14)  # fmt: skip
+
+
+def _llava(tmp_path, tower: str, text: str, **top) -> figures.Figures:
+    from transformers import AutoConfig, LlavaConfig
+
+    vision = AutoConfig.for_model(tower, **TINY_TOWER)
+    return _saved(
+        tmp_path, LlavaConfig(vision_config=vision, text_config=AutoConfig.for_model(text, **TINY_TEXT), **top)
+    )
+
+
+def _idefics3(tmp_path, family: str, **top) -> figures.Figures:
+    from transformers import AutoConfig, LlamaConfig
+
+    config = AutoConfig.for_model(family, vision_config=TINY_TOWER, text_config=LlamaConfig(**TINY_TEXT), **top)
+    return _saved(tmp_path, config)
+
+
 CASES = {
     # no vision_config: Gemma3Config's default SigLIP, its linears planned (and adapted) with the text's
     "gemma3-27b": lambda tmp: _fig("model=gemma3-27b"),
@@ -62,6 +92,18 @@ CASES = {
     # a saved config.json: SigLIP's defaults fill what it leaves out (its pooling head); a tiny tower
     "tiny-dir": lambda tmp: _tiny_dir(tmp, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                       num_attention_heads=2, image_size=32, patch_size=8),
+    # LLaVA: a CLIP tower (its class token), a llama text model under model.language_model
+    "llava-clip-llama": lambda tmp: _llava(tmp, "clip_vision_model", "llama"),
+    # a SigLIP tower (its pooling head), two feature layers concatenated into the projector, a tied qwen2
+    "llava-siglip-qwen2": lambda tmp: _llava(tmp, "siglip_vision_model", "qwen2", vision_feature_layer=[-2, -1],
+                                             tie_word_embeddings=True),
+    # no vision_config at all: LlavaConfig's CLIP-L/14 at 336 px; a projector without biases
+    "llava-default-tower": lambda tmp: _saved(tmp, __import__("transformers").LlavaConfig(
+        text_config=__import__("transformers").MistralConfig(**TINY_TEXT), multimodal_projector_bias=False)),
+    # Idefics3: the tower under model.vision_model, the pixel shuffle's connector, model.text_model
+    "idefics3": lambda tmp: _idefics3(tmp, "idefics3", scale_factor=2),
+    # SmolVLM: the same tree, a larger shuffle, tied at the top level
+    "smolvlm": lambda tmp: _idefics3(tmp, "smolvlm", scale_factor=1, tie_word_embeddings=True),
 }  # fmt: skip
 
 
@@ -69,7 +111,7 @@ CASES = {
 def test_a_vlms_layout_is_the_meta_models_inventory_and_vision_parts(tmp_path, case):
     import torch
 
-    from qlora_recipes.model.vision import vision_prefixes
+    from qlora_recipes.model.vision import language_model, vision_prefixes
     from qlora_recipes.model.vision_tower import tower_prefix
 
     fig = CASES[case](tmp_path)
@@ -87,6 +129,7 @@ def test_a_vlms_layout_is_the_meta_models_inventory_and_vision_parts(tmp_path, c
     meta = figures.meta_model(fig, "bfloat16")
     prefixes = vision_prefixes(meta)
     assert list(known.prefixes) == prefixes
+    assert known.text_prefix == language_model(meta)[0]
     st = type("St", (), {"fig": fig})()
     assert vision.vision_params(st) == sum(p.numel() for x in prefixes for p in meta.get_submodule(x).parameters())
     tower = meta.get_submodule(tower_prefix(meta, prefixes))
@@ -112,16 +155,28 @@ def test_a_dir_with_its_own_code_or_another_tower_keeps_the_meta_model(tmp_path)
     assert vlm_layout.layout(qwen) is not None
     assert vlm_layout.layout(dataclasses.replace(qwen, config_dir=str(tmp_path))) is None  # its text_config's family
     assert vlm_layout.layout(dataclasses.replace(qwen, vision_config_json=None)) is None  # its tower in the inventory
+    (tmp_path / "llava").mkdir()
+    llava = _llava(tmp_path / "llava", "clip_vision_model", "llama")
+    assert vlm_layout.layout(llava) is not None
+    cj = json.loads((tmp_path / "llava" / "config.json").read_text())
+    for other in ({"vision_config": {"model_type": "dinov2"}}, {"auto_map": {"AutoConfig": "own.Config"}}):
+        (tmp_path / "llava" / "config.json").write_text(json.dumps({**cj, **other}))
+        vlm_layout.layout.cache_clear()
+        assert vlm_layout.layout(llava) is None, other
+    (tmp_path / "llava" / "config.json").write_text(json.dumps(cj))
+    # a text family layers.py does not know: the meta model builds it
+    assert vlm_layout.layout(dataclasses.replace(llava, architecture="mllama")) is None
 
 
-# plans the recipes in a fresh process: which modules planning imports, its peaks, its seconds
+# plans each argument's overrides (space-separated) in a fresh process: which modules planning imports,
+# its peaks, its seconds
 PLAN_SCRIPT = """
 import json, sys, time
 from qlora_recipes import planner
 from qlora_recipes.config import devices, loader
 out = {}
 for recipe in sys.argv[1:]:
-    cfg = loader.load([f"recipe={recipe}"])
+    cfg = loader.load(recipe.split())
     start = time.perf_counter()
     plan = planner.plan(cfg, gpus=devices.declared_gpus(cfg), host_ram=devices.declared_host_ram(cfg))
     out[recipe] = {"peak": plan["devices"][0]["peak"], "seconds": time.perf_counter() - start}
@@ -132,16 +187,34 @@ print(json.dumps(out))
 
 def test_planning_the_vlm_recipes_builds_no_meta_model_and_keeps_their_peaks(monkeypatch):
     recipes = ["gemma-3-27b-24gb", "gemma-3-12b-vision-24gb", "qwen2.5-vl-7b-16gb"]
+    _plans_alike_without_the_meta_model([f"recipe={r}" for r in recipes], monkeypatch)
+
+
+def _plans_alike_without_the_meta_model(plans: list[str], monkeypatch) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", PLAN_SCRIPT, *recipes], cwd=REPO, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", PLAN_SCRIPT, *plans], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["modules"] == []  # neither torch nor any transformers modeling module
-    # the meta models' plans (the layouts switched off) peak where the layouts' do
+    # the meta models' plans (the layouts switched off, the text model the meta model's too) peak where
+    # the layouts' do
     monkeypatch.setattr(figures, "layout", lambda fig: None)
     monkeypatch.setattr(vision, "layout", lambda fig: None)
-    for recipe in recipes:
-        cfg = compose_cfg(f"recipe={recipe}")
+    monkeypatch.setattr(figures, "_analytic_inventory", figures._meta_inventory)
+    for overrides in plans:
+        cfg = compose_cfg(*overrides.split())
         plan = planner.plan(cfg, gpus=devices.declared_gpus(cfg), host_ram=devices.declared_host_ram(cfg))
-        assert plan["devices"][0]["peak"] == got[recipe]["peak"], recipe
+        assert plan["devices"][0]["peak"] == got[overrides]["peak"], overrides
+
+
+def test_planning_saved_tiny_llava_idefics3_and_smolvlm_builds_no_meta_model_and_keeps_their_peaks(
+    tmp_path, monkeypatch
+):
+    import helpers_vlm_families as fam
+    from helpers_vision import build_llava
+
+    builds = {"llava": build_llava, "idefics3": fam.build_idefics3, "smolvlm": fam.build_smolvlm}
+    on_a_gpu = "hardware.gpus=1 hardware.gpu_memory_gib=24"
+    plans = [f"model.name_or_path={build(tmp_path / name)} {on_a_gpu}" for name, build in builds.items()]
+    _plans_alike_without_the_meta_model(plans, monkeypatch)

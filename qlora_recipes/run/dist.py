@@ -243,7 +243,8 @@ def admit_fsdp_on_cpu() -> None:
     AcceleratorState.__init__ = __init__
 
 
-def _digest(tensors: dict) -> str:
+def tensors_digest(tensors: dict) -> str:
+    """sha256 over named tensors as fp32 (metrics.trainable_digest's scheme: the two compare)."""
     import hashlib
 
     digest = hashlib.sha256()
@@ -253,13 +254,21 @@ def _digest(tensors: dict) -> str:
     return digest.hexdigest()
 
 
+def process_group_size() -> int:
+    """The ranks of the open process group; 1 without one."""
+    import torch.distributed as tdist
+
+    return tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
+
+
 def sync_adapters(model) -> str | None:
     """Every rank starts from rank 0's adapters: the trainable weights are broadcast from rank 0
     (FSDP2 does not copy them for a 4-bit base, and ZeRO-2 and DDP trust every rank's own init),
-    then every rank's digest is compared; a mismatch raises. Returns the step-0 digest (in one
-    process too, to compare with; None when an earlier trainer already sharded them, as in an
-    out-of-memory retry). Call once the trainer is built (the process group is open) and before
-    train().
+    then every rank's digest is compared; a mismatch raises. Returns the step-0 digest; None in one
+    process, where there is nothing to synchronise (the run hashes its host copy of the initial
+    adapters after the timed part: `tensors_digest`), and when an earlier trainer already sharded
+    them, as in an out-of-memory retry. Call once the trainer is built (the process group is open)
+    and before train().
 
     QLORA_RECIPES_FAULTS=adapter_skew_rank=R (tests) perturbs rank R's adapters first, as a rank
     that drew another init would have them."""
@@ -267,8 +276,8 @@ def sync_adapters(model) -> str | None:
     import torch.distributed as tdist
 
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() <= 1:
-        return _digest(params)
+    if process_group_size() <= 1:
+        return None
     if any(hasattr(p, "to_local") or hasattr(p, "ds_tensor") for p in params.values()):
         return None  # FSDP2 / ZeRO-3 shards: synchronised when they were made
     rank = tdist.get_rank()
@@ -284,7 +293,7 @@ def sync_adapters(model) -> str | None:
             tdist.broadcast(buf, src=0)
             if buf is not p.data:
                 p.data.copy_(buf)
-    digest = _digest(params)
+    digest = tensors_digest(params)
     digests: list = [None] * tdist.get_world_size()
     tdist.all_gather_object(digests, digest)
     if len(set(digests)) != 1:
@@ -332,7 +341,7 @@ def gathered_trainable(trainer) -> dict:
 
 def adapter_digest(trainer) -> str:
     """sha256 of the whole trainable weights after training: equal on every rank when they agree."""
-    return _digest(gathered_trainable(trainer))
+    return tensors_digest(gathered_trainable(trainer))
 
 
 def zero_adapter_state(trainer, dtypes: dict) -> dict | None:

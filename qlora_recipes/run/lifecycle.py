@@ -95,16 +95,27 @@ def next_in_process_rung(cfg: TrainConfig) -> tuple[TrainConfig, str] | None:
     return with_overrides(cfg, applied.split()), applied
 
 
+def initial_values(model) -> dict:
+    """A host copy of every trainable tensor as it is before training: the OOM ladder's restart point
+    (a restart must not hold a second device copy of large trainable tensors), and what one
+    process's step-0 digest hashes once the timed part is over."""
+    return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
+
+
 def train_with_oom_ladder(
-    cfg: TrainConfig, model, make_trainer, run_dir: Path, resume_from: str | None, relaunch_rungs: list[str]
+    cfg: TrainConfig,
+    model,
+    make_trainer,
+    run_dir: Path,
+    resume_from: str | None,
+    relaunch_rungs: list[str],
+    initial: dict,
 ):
     """Run make_trainer(cfg).train(); on out-of-memory apply the next in-process rung and go on
     from the newest checkpoint; with none yet, from the start: every trainable tensor (adapters and
-    `peft.modules_to_save` copies) back to its initial value, and a new trainer brings a fresh
-    optimizer, scheduler, step count and seeded RNG. Returns (trainer, result, cfg that fit)."""
+    `peft.modules_to_save` copies) back to its `initial` value (`initial_values`), and a new trainer
+    brings a fresh optimizer, scheduler, step count and seeded RNG. Returns (trainer, result, cfg that fit)."""
     record = OomRecord()
-    # A host copy: the restart must not hold a second device copy of large trainable tensors.
-    initial = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
     fingerprints = data_fingerprint(cfg.data), base_fingerprint(cfg.model)
     while True:
         trainer = make_trainer(cfg)

@@ -328,8 +328,10 @@ def _fit(
     started = time.time()
     preemption.install()
     try:
+        initial = lifecycle.initial_values(model)  # the OOM ladder's restart point; one process's step-0 digest
+        rungs = [rung["overrides"] for rung in plan.get("ladder", [])]
         trainer, result, fit_cfg = lifecycle.train_with_oom_ladder(
-            cfg, model, make_trainer, run_dir, resume_from, [rung["overrides"] for rung in plan.get("ladder", [])]
+            cfg, model, make_trainer, run_dir, resume_from, rungs, initial
         )
     finally:
         preemption.uninstall()
@@ -341,15 +343,21 @@ def _fit(
     if preemption.received and not preemption.stop:  # came after the ranks' last agreement: not swallowed
         os.kill(os.getpid(), getattr(signal, preemption.received))
     if preemption.stop:
-        if trainer.args.world_size > 1:  # every rank stops here; the launcher's SIGTERM, as another exits, adds nothing
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, signal.SIG_IGN)
-        step = trainer.state.global_step
-        checkpoint = find_checkpoint(run_dir / "checkpoints")
-        status = {"status": "preempted", "signal": preemption.stop, "steps": step, "checkpoint": checkpoint}
-        _write_metrics(run_dir, status)
-        raise lifecycle.Preempted(preemption.stop, step, checkpoint)
+        raise _stopped_in_training(preemption.stop, trainer, run_dir)
+    if dist.process_group_size() <= 1:  # no ranks to compare: the initial adapters' digest, off the timed part
+        trainer.adapter_sha256_step0 = dist.tensors_digest(initial)
     return _Fitted(trainer, result, fit_cfg, seconds, before or None, drawing)
+
+
+def _stopped_in_training(signame: str, trainer, run_dir: Path) -> lifecycle.Preempted:
+    """A stop signal the ranks agreed on: metrics.json says so, with the checkpoint saved at that step."""
+    if trainer.args.world_size > 1:  # every rank stops here; the launcher's SIGTERM, as another exits, adds nothing
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+    step = trainer.state.global_step
+    checkpoint = find_checkpoint(run_dir / "checkpoints")
+    _write_metrics(run_dir, {"status": "preempted", "signal": signame, "steps": step, "checkpoint": checkpoint})
+    return lifecycle.Preempted(signame, step, checkpoint)
 
 
 def _final_eval(trainer, eval_ds) -> dict | None:

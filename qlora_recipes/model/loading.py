@@ -86,21 +86,23 @@ def device_map(dist: DistConfig, offload: OffloadConfig):
     return offload.device_map
 
 
-def _planned_placement(cfg: TrainConfig, max_memory: dict | None) -> tuple[dict | None, dict | None]:
-    """(device map, max_memory) for from_pretrained when layers may be offloaded: the planner's map,
-    passed as an explicit dict. Two reasons not to pass "auto": transformers 5 quantizes before it
-    infers an "auto" map, so `llm_int8_enable_fp32_cpu_offload` cannot keep the offloaded layers
-    unquantized and their 4-bit weights cannot be onloaded (bitsandbytes' quant state stays on meta);
-    and the planner pins the LM head to the execution device (placement.pin_output_head), which an
-    "auto" map would not."""
-    if cfg.offload.device_map is None:
-        return None, max_memory
+def _planned_placement(cfg: TrainConfig, run_plan: dict | None) -> tuple[dict | None, dict | None]:
+    """(device map, max_memory) for from_pretrained: the budgets of `run_plan` (the run's plan, as
+    plan.json records it), and when layers may be offloaded its map, passed as an explicit dict;
+    without a run's plan (a run dir read back) one process's, planned here. Two reasons not to pass
+    "auto": transformers 5 quantizes before it infers an "auto" map, so `llm_int8_enable_fp32_cpu_offload`
+    cannot keep the offloaded layers unquantized and their 4-bit weights cannot be onloaded
+    (bitsandbytes' quant state stays on meta); and the planner pins the LM head to the execution
+    device (placement.pin_output_head), which an "auto" map would not."""
+    if cfg.offload.device_map is None and run_plan is None:
+        return None, None
     from ..planner import loader_max_memory, plan
 
-    # one process's device map: no rank sharding applies to it
-    planned = plan(cfg, world_size=1, ladder=False)
-    budgets = max_memory if max_memory is not None else loader_max_memory(planned)
-    return dict(planned["device_map"]), budgets
+    if cfg.offload.device_map is None:
+        return None, loader_max_memory(run_plan)
+    # one process's device map: no rank sharding applies to it (offloading runs one process: run/validate.py)
+    planned = run_plan if run_plan is not None else plan(cfg, world_size=1, ladder=False)
+    return dict(planned["device_map"]), loader_max_memory(planned)
 
 
 # Attention per family. `model.attn_implementation` defaults to sdpa; a family without an sdpa path gets
@@ -199,15 +201,16 @@ def _attention_failed(model: ModelConfig, attn: str, err: Exception) -> UserErro
     )
 
 
-def load_model(cfg: TrainConfig, run_dir: Path, max_memory: dict | None = None):
-    """The base as the run trains it. `max_memory` is the planner's resolved budget map
-    (planner.loader_max_memory); without one, offloading stacks plan it here."""
+def load_model(cfg: TrainConfig, run_dir: Path, run_plan: dict | None = None):
+    """The base as the run trains it, placed by `run_plan` (its budgets, and an offloading stack's
+    device map: what plan.json says is loaded, not planned a second time); without one, offloading
+    stacks plan it here."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     vlm = is_vision_language(cfg.model)
     attn = attention_for(cfg.model)
     _packed_attention(cfg, attn)
-    planned_map, budgets = _planned_placement(cfg, max_memory)
+    planned_map, budgets = _planned_placement(cfg, run_plan)
     quantization = bnb_config(cfg.quant, cfg.offload, cfg.model)
     if quantization is not None and bitsandbytes_saved(cfg.model.name_or_path, cfg.model.revision):
         # stored quantized: transformers loads it as saved (the planner refused a quant group saying

@@ -155,7 +155,7 @@ def _load_train_and_record(cfg: TrainConfig, run_dir, plan, resume_from, tokeniz
     the PeakTracker)."""
     train_ds, eval_ds, data_stats = data_split
     started, stage, reward_funcs, tracker = run
-    model = loading.make_trainable(cfg, loading.load_model(cfg, run_dir, planner.loader_max_memory(plan)))
+    model = loading.make_trainable(cfg, loading.load_model(cfg, run_dir, plan))
     trainable, total = model.get_nb_trainable_parameters()
     log.info("trainable params: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
 

@@ -132,6 +132,20 @@ def test_disk_offloaded_layer_trains_and_its_adapter_saves(tmp_path, tiny8):
     _assert_trains_and_reloads(model, tmp_path, reload=tiny8_model(tiny8))
 
 
+def test_the_loader_places_layers_by_the_runs_plan_without_planning_them_again(tmp_path, tiny8, monkeypatch):
+    """A run hands its plan (what plan.json records) to the loader: the map loaded is that plan's, and
+    the loader makes no second plan of its own."""
+    cfg = compose_cfg(*disk_overrides(tiny8), f"offload.folder={tmp_path / 'offload'}")
+    run_plan = planner.plan(cfg, world_size=1, ladder=False)
+
+    def planned_again(*args, **kwargs):
+        raise AssertionError("the loader planned the run a second time")
+
+    monkeypatch.setattr(planner, "plan", planned_again)
+    base = loading.load_model(cfg, tmp_path, run_plan)
+    assert run_plan["device_map"][LAYER] == "disk" and base.hf_device_map == run_plan["device_map"]
+
+
 def test_host_ram_offloaded_layer_trains(tmp_path, monkeypatch):
     """A layer offloaded to host RAM as beside a GPU: accelerate's cpu_offload hooks it with its
     state dict in RAM and its weights on meta (quant=none: the layer is unquantized either way)."""

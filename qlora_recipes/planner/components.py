@@ -19,6 +19,7 @@ from ..errors import UserError
 from ..families import V4_EXPERT_NAMES
 from ..units import dtype_bytes
 from . import family_layers, linear_attention, lora_inputs, moe, tiled_moe
+from .blocks import OUTPUT_HEAD
 from .constants import (
     BNB_4BIT_BLOCKSIZE,
     BNB_4BIT_CODE_ELEMENTS,
@@ -46,7 +47,7 @@ def should_convert(full_name: str, patterns: Iterable[str] | None) -> bool:
 def skip_patterns(st: StackSpec, blocks: tuple[Block, ...]) -> list[str]:
     """What stays unquantized: the output embeddings (and what is tied to them), as transformers
     keeps them, plus the user's quant.skip_modules (stack.skip_modules adds to that default)."""
-    skip = ["lm_head", *st.skip_modules]
+    skip = [OUTPUT_HEAD, *st.skip_modules]
     for b in blocks:
         if b.tied_to:
             skip += [b.name, b.tied_to]
@@ -90,7 +91,7 @@ def _lora_targets(st: StackSpec, blocks: tuple[Block, ...]) -> tuple[set[str], s
         # peft: every linear except the output layer (lm_head); beside fused experts, not the names peft
         # maps onto them (moe_experts.linear_targets spells the list out so)
         skip = V4_EXPERT_NAMES if any(b.experts for b in blocks) else frozenset()
-        return {n for n in linear_names if n != "lm_head" and n.rsplit(".", 1)[-1] not in skip}, set()
+        return {n for n in linear_names if n != OUTPUT_HEAD and n.rsplit(".", 1)[-1] not in skip}, set()
 
     def match(name: str) -> bool:
         if isinstance(tm, str):

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import UserError
 from ..families import traits
-from .blocks import Block, Linear
+from .blocks import OUTPUT_HEAD, Block, Linear
 from .family_layers import (
     gated_delta_net,
     gemma4_extras,
@@ -84,9 +84,9 @@ def analytic_inventory(fig: Any) -> tuple[Block, ...]:
         blocks.append(Block("model.per_layer_model_projection", linears=tuple(linears)))
         blocks.append(Block("model.per_layer_projection_norm", params=tuple(params[1:])))
     if fig.tie_embeddings:
-        blocks.append(Block("lm_head", tied_to="model.embed_tokens"))
+        blocks.append(Block(OUTPUT_HEAD, tied_to="model.embed_tokens"))
     else:
-        blocks.append(Block("lm_head", linears=(Linear("lm_head", h, fig.vocab_size, False),)))
+        blocks.append(Block(OUTPUT_HEAD, linears=(Linear(OUTPUT_HEAD, h, fig.vocab_size, False),)))
     return tuple(blocks)
 
 

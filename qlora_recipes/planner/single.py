@@ -15,6 +15,7 @@ from typing import Any
 from ..config import devices as _dev
 from ..units import GiB, dtype_bytes
 from . import moe
+from .blocks import OUTPUT_HEAD
 from .components import (
     BlockBytes,
     act_dtypes,
@@ -179,7 +180,7 @@ def _tally_blocks(st: StackSpec, hw: _dev.Hardware, bbs: list, dmap: dict, exec_
             t.trainable_shapes[trainable_on] += bb.lora_tensors
         if blk.is_layer:
             t.layers_on[compute].append(bb)
-        if blk.name == "lm_head":
+        if blk.name == OUTPUT_HEAD:
             t.lm_dev = compute
         counts["params_total"] += bb.params_total
         counts["lora_params"] += bb.lora_numel

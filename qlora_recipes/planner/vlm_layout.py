@@ -10,6 +10,8 @@ model (no torch, no transformers), as transformers 5.23 builds them:
 - a local dir's (or a hub id's) LLaVA: a CLIP or SigLIP tower under model.vision_tower, the two-linear
   projector under model.multi_modal_projector, its text_config's family (one layers.py knows) under
   model.language_model;
+- a local dir's Qwen3-VL: its qwen3_vl_text language model (Qwen3's layers) under model.language_model,
+  the tower, its merger and its deepstack mergers under model.visual;
 - a local dir's Idefics3 or SmolVLM: the SigLIP-shaped tower under model.vision_model, the connector (the
   pixel shuffle's scale_factor^2 patches into one linear) under model.connector, the text model under
   model.text_model.
@@ -33,12 +35,15 @@ from .vlm_towers import (
     CLIP_VISION,
     IDEFICS3_VISION,
     LLAVA_DEFAULT_TOWER,
+    QWEN3_VL_SIZES,
+    QWEN3_VL_VISION,
     SIGLIP_VISION,
     SIZES,
     biases,
     clip_tower,
     idefics3_tower,
     linears_of,
+    qwen3_vl_tower,
     siglip_tower,
     sized,
 )
@@ -106,10 +111,12 @@ def layout(fig: Any) -> VlmLayout | None:
         top, vc = _configs(fig)
         return None if top is None or vc is None else _gemma3(fig, top, vc)
     build = _DIR_FAMILIES.get(str(cj.get("model_type")))
-    # the text model is its text_config's family: laid out when layers.py knows it (else the meta model)
-    if build is None or cj.get("auto_map") or not fig.traits.known or not isinstance(cj.get("text_config"), dict):
+    if build is None or cj.get("auto_map") or not isinstance(cj.get("text_config"), dict):
         return None
-    return build(fig, cj)
+    if fig.architecture == "qwen3_vl_text":  # Qwen3's layers, as its text_config sizes them
+        return _qwen3_vl(fig, cj) if cj.get("model_type") == "qwen3_vl" else None
+    # the text model is its text_config's family: laid out when layers.py knows it (else the meta model)
+    return build(fig, cj) if fig.traits.known else None
 
 
 def _dir_json(fig: Any) -> dict[str, Any]:
@@ -278,4 +285,26 @@ def _idefics3(fig: Any, cj: dict[str, Any]) -> VlmLayout | None:
     return VlmLayout(text, (*tower, connector), (IDEFICS3_TOWER, CONNECTOR), linears, config, IDEFICS3_TEXT)
 
 
-_DIR_FAMILIES = {"llava": _llava, "idefics3": _idefics3, "smolvlm": _idefics3}
+def _qwen3_vl(fig: Any, cj: dict[str, Any]) -> VlmLayout | None:
+    """Qwen3-VL: its text model is Qwen3's layers (q/k norms; attention_bias on all four projections, a
+    bias-free MLP; Qwen3VLTextConfig's head_dim of 128 where the text_config leaves it out), its tower
+    planner/vlm_towers.qwen3_vl_tower's, tied only where the top level says so."""
+    given = cj.get("vision_config") or {}
+    if not isinstance(given, dict):
+        return None
+    vc = {**QWEN3_VL_VISION, **given, "model_type": "qwen3_vl_vision"}
+    deepstack = vc["deepstack_visual_indexes"]
+    if not sized(vc, QWEN3_VL_SIZES) or not isinstance(deepstack, list | tuple):
+        return None
+    tc = cj["text_config"]
+    bias = bool(tc.get("attention_bias", False))
+    own = replace(fig, architecture="qwen3", qkv_bias=bias, o_bias=bias, mlp_bias=False)
+    own = replace(own, head_dim=int(tc.get("head_dim") or 128))
+    top = _top(cj, tie_word_embeddings=False)
+    tower, linears = qwen3_vl_tower(vc, VISUAL)
+    text = _text(own, bool(top["tie_word_embeddings"]), TEXT)
+    config = json.dumps({**top, "vision_config": vc}, sort_keys=True)
+    return VlmLayout(text, tuple(tower), (VISUAL,), linears, config)
+
+
+_DIR_FAMILIES = {"llava": _llava, "idefics3": _idefics3, "smolvlm": _idefics3, "qwen3_vl": _qwen3_vl}

@@ -159,3 +159,58 @@ def _siglip_head(p: str, h: int, inter: int) -> Block:
     params = biases(linears) + ((f"{p}.probe", h), (f"{a}.in_proj_weight", 3 * h * h), (f"{a}.in_proj_bias", 3 * h))
     params += ((f"{a}.out_proj.weight", h * h), (f"{a}.out_proj.bias", h)) + norm(f"{p}.layernorm", h)
     return Block(p, tuple(linears), params, is_layer=True)
+
+
+# Qwen3VLVisionConfig's defaults (transformers 5.23)
+QWEN3_VL_VISION = {
+    "model_type": "qwen3_vl_vision",
+    "depth": 27,
+    "hidden_size": 1152,
+    "hidden_act": "gelu_pytorch_tanh",
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 3584,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": [8, 16, 24],
+}
+QWEN3_VL_SIZES = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size")
+QWEN3_VL_SIZES += ("spatial_merge_size", "temporal_patch_size", "out_hidden_size", "num_position_embeddings")
+
+
+def qwen3_vl_tower(vc: dict[str, Any], p: str) -> Tower:
+    """Qwen3VLVisionModel's blocks: a Conv3d patch embedding (with a bias), a learned position grid, the
+    axial rotary embedding's fp32 buffers, blocks of LayerNorms, a fused qkv and an MLP (all with biases),
+    the merger (a LayerNorm, two linears over merge^2 patches) and a merger per deepstack layer (its norm
+    after the shuffle)."""
+    h, inter = vc["hidden_size"], vc["intermediate_size"]
+    wide, n = h * vc["spatial_merge_size"] ** 2, vc["num_position_embeddings"]
+    patch = vc["in_channels"] * vc["temporal_patch_size"] * vc["patch_size"] ** 2
+    e, r = f"{p}.patch_embed.proj", f"{p}.rotary_pos_emb"
+    spatial = h // vc["num_heads"] // 2  # half the head's dim for each of rows and columns
+    freqs = len(range(0, spatial, 2))
+    blocks = [
+        Block(e, params=((f"{e}.weight", h * patch), (f"{e}.bias", h))),
+        Block(f"{p}.pos_embed", params=((f"{p}.pos_embed.weight", n * h),), embeddings=((f"{p}.pos_embed", n, h),)),
+        Block(r, buffers=((f"{r}.inv_freq", freqs, 4), (f"{r}.original_inv_freq", freqs, 4))),
+    ]
+    blocks += [_qwen3_vl_block(f"{p}.blocks.{i}", h, inter) for i in range(vc["depth"])]
+    blocks.append(_merger(f"{p}.merger", h, wide, vc["out_hidden_size"]))
+    for i in range(len(vc["deepstack_visual_indexes"])):
+        blocks.append(_merger(f"{p}.deepstack_merger_list.{i}", wide, wide, vc["out_hidden_size"]))
+    return blocks, linears_of(blocks)
+
+
+def _qwen3_vl_block(p: str, h: int, inter: int) -> Block:
+    linears = (Linear(f"{p}.attn.qkv", h, 3 * h, True), Linear(f"{p}.attn.proj", h, h, True))
+    linears += (Linear(f"{p}.mlp.linear_fc1", h, inter, True), Linear(f"{p}.mlp.linear_fc2", inter, h, True))
+    return Block(p, linears, biases(linears) + norm(f"{p}.norm1", h) + norm(f"{p}.norm2", h), is_layer=True)
+
+
+def _merger(p: str, normed: int, wide: int, out: int) -> Block:
+    """A patch merger: its LayerNorm over each patch (normed = hidden) or the shuffled patches (= wide)."""
+    linears = (Linear(f"{p}.linear_fc1", wide, wide, True), Linear(f"{p}.linear_fc2", wide, out, True))
+    return Block(p, linears, norm(f"{p}.norm", normed) + biases(linears))

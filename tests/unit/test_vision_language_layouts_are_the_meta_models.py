@@ -1,6 +1,6 @@
-"""Gemma 3's, Qwen2.5-VL's, LLaVA's, Idefics3's and SmolVLM's vision-language checkpoints are laid out
-from their figures (planner/vlm_layout.py), not built on the meta device: the layout is the meta model's
-inventory block for block (names, linears, parameter counts, buffers, tied lm_head), its vision row's
+"""Gemma 3's, Qwen2.5-VL's, LLaVA's, Idefics3's, SmolVLM's and Qwen3-VL's vision-language checkpoints are
+laid out from their figures (planner/vlm_layout.py), not built on the meta device: the layout is the meta
+model's inventory block for block (names, linears, parameter counts, buffers, tied lm_head), its vision row's
 parameters, tower linears, vision shape and language model's prefix are the meta model's, and planning
 their recipes and saved tiny checkpoints imports no transformers modeling code (nor torch) and plans the
 peak the meta model's inventory plans."""
@@ -9,6 +9,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO, compose_cfg
@@ -82,6 +83,24 @@ def _idefics3(tmp_path, family: str, **top) -> figures.Figures:
     return _saved(tmp_path, config)
 
 
+def _qwen3_vl(tmp_path, deepstack: list[int], **text) -> figures.Figures:
+    from transformers import Qwen3VLConfig
+
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=16,
+                  num_position_embeddings=16, deepstack_visual_indexes=deepstack)  # fmt: skip
+    tiny = {**TINY_TEXT, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}, **text}
+    return _saved(tmp_path, Qwen3VLConfig(text_config=tiny, vision_config=vision))
+
+
+def _without_head_dim(fig: figures.Figures) -> figures.Figures:
+    """The dir's config.json with its text_config's head_dim left out, its figures read again."""
+    path = Path(str(fig.config_dir)) / "config.json"
+    cj = json.loads(path.read_text())
+    del cj["text_config"]["head_dim"]
+    path.write_text(json.dumps(cj))
+    return figures.model_figures(compose_cfg(f"model.name_or_path={fig.config_dir}").model)
+
+
 CASES = {
     # no vision_config: Gemma3Config's default SigLIP, its linears planned (and adapted) with the text's
     "gemma3-27b": lambda tmp: _fig("model=gemma3-27b"),
@@ -104,6 +123,12 @@ CASES = {
     "idefics3": lambda tmp: _idefics3(tmp, "idefics3", scale_factor=2),
     # SmolVLM: the same tree, a larger shuffle, tied at the top level
     "smolvlm": lambda tmp: _idefics3(tmp, "smolvlm", scale_factor=1, tie_word_embeddings=True),
+    # Qwen3-VL: Qwen3's layers under model.language_model, the tower's merger and two deepstack mergers
+    "qwen3-vl": lambda tmp: _qwen3_vl(tmp, [0, 1]),
+    # biases on q/k/v/o, no deepstack layer
+    "qwen3-vl-biased": lambda tmp: _qwen3_vl(tmp, [], attention_bias=True),
+    # a text_config saved without its head_dim: Qwen3VLTextConfig's 128, not hidden / heads
+    "qwen3-vl-head-dim": lambda tmp: _without_head_dim(_qwen3_vl(tmp, [1], head_dim=128)),
 }  # fmt: skip
 
 
@@ -208,13 +233,14 @@ def _plans_alike_without_the_meta_model(plans: list[str], monkeypatch) -> None:
         assert plan["devices"][0]["peak"] == got[overrides]["peak"], overrides
 
 
-def test_planning_saved_tiny_llava_idefics3_and_smolvlm_builds_no_meta_model_and_keeps_their_peaks(
+def test_planning_saved_tiny_llava_idefics3_smolvlm_and_qwen3_vl_builds_no_meta_model_and_keeps_their_peaks(
     tmp_path, monkeypatch
 ):
     import helpers_vlm_families as fam
     from helpers_vision import build_llava
 
     builds = {"llava": build_llava, "idefics3": fam.build_idefics3, "smolvlm": fam.build_smolvlm}
+    builds["qwen3_vl"] = fam.build_qwen3_vl
     on_a_gpu = "hardware.gpus=1 hardware.gpu_memory_gib=24"
     plans = [f"model.name_or_path={build(tmp_path / name)} {on_a_gpu}" for name, build in builds.items()]
     _plans_alike_without_the_meta_model(plans, monkeypatch)

@@ -48,7 +48,11 @@ def sequence_bounds(n: int, batch: int, cu_seq_lens=None, position_ids=None) -> 
     """Per row of the batch, the offsets where its sequences start, and n at the end: TRL's cu_seq_lens
     for its one flat row, else the restarts of position_ids, else the whole row. Reading them is a host
     sync, so a forward reads them once: every layer is handed the same tensor, and the bounds read from
-    it are kept while it lives unchanged (checkpointing's recomputation hits them too)."""
+    it are kept while it lives unchanged (checkpointing's recomputation hits them too). A packed forward
+    makes one more, before any layer, that is transformers' own: create_causal_mask looks for packed rows
+    in position_ids (masking_utils.find_packed_sequence_indices, an `.all()`) for every attention that
+    registers a mask function, as this one does for padded batches and generation; a padded batch pays
+    one or two there instead (sdpa_mask's checks of its padding mask)."""
     global _last
     source = cu_seq_lens if cu_seq_lens is not None and batch == 1 else position_ids
     if source is None:

@@ -31,7 +31,8 @@ class Stop(BaseException):
         self.message, self.code = message, code
 
 
-def _exit(message: str, code: int):
+def exit_with(message: str, code: int):
+    """The process's last line (if any) on stderr, and its exit code."""
     signame = interrupts.received()
     if code == 2 and signame:  # e.g. OmegaConf's error about a node Ctrl-C left half built
         message, code = interrupts.starting_line(signame), interrupts.exit_code(signame)
@@ -57,13 +58,13 @@ def run(hydra_main: Callable[[], object]) -> None:
     try:
         _hydra_errors_as_user_errors(hydra_main)
     except Stop as stop:
-        _exit(_sweep_stopped(stop.code) or stop.message, stop.code)
+        exit_with(_sweep_stopped(stop.code) or stop.message, stop.code)
     except UserError as err:
-        _exit(f"error: {err}", 2)
+        exit_with(f"error: {err}", 2)
     except KeyboardInterrupt as err:
         signame = interrupts.signal_name(err)
         code = interrupts.exit_code(signame)
-        _exit(_sweep_stopped(code, signame) or interrupts.starting_line(signame), code)
+        exit_with(_sweep_stopped(code, signame) or interrupts.starting_line(signame), code)
 
 
 def _sweep_stopped(code: int, signame: str | None = None) -> str | None:
@@ -138,10 +139,10 @@ def run_plain(command: Callable[[], int | None]) -> None:
     try:
         code = command()
     except UserError as err:
-        _exit(f"error: {err}", 2)
+        exit_with(f"error: {err}", 2)
     except KeyboardInterrupt as err:
         signame = interrupts.signal_name(err)
-        _exit(f"stopped by {interrupts.described(signame)}", interrupts.exit_code(signame))
+        exit_with(f"stopped by {interrupts.described(signame)}", interrupts.exit_code(signame))
     sys.exit(code or 0)
 
 

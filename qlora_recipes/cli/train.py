@@ -57,6 +57,18 @@ class _Launch:
 
 def main(cfg: DictConfig) -> float | None:
     """The Hydra task: check, then train; a user's mistake leaves as one line (runner.Stop)."""
+    try:
+        return _task(cfg)
+    except runner.Stop as stop:
+        if "SUBMITIT_FOLDER" not in os.environ:
+            raise
+        # a sweep job in a process of its own (hydra/launcher=local or slurm): no runner.run above it
+        # here, and a Stop raised on would reach the job's log as a traceback. Its line and exit code,
+        # as a single run's
+        runner.exit_with(stop.message, stop.code)
+
+
+def _task(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 

@@ -47,6 +47,8 @@ def test_sigterm_to_a_local_sweeps_group_stops_its_jobs_at_a_checkpoint_without_
     logs = [p.read_text() for p in sweep.glob(".submitit/*/*_0_log.out")]  # a folder per job's controller
     assert sum("this job is not requeued" in log for log in logs) == len(stopped), logs
     assert not any("Requeued job" in log for log in logs)
+    for job_err in sweep.glob(".submitit/*/*_0_log.err"):  # a stopped job's own log: its one line, no traceback
+        assert "Traceback" not in job_err.read_text(), job_err.read_text()[-3000:]
     assert not (sweep / ".submitit" / STOP_MARK).exists()  # every job ended: the mark is gone
     finished = len(metrics) - len(stopped)
     assert "Traceback" not in (tmp_path / "err").read_text()

@@ -109,8 +109,8 @@ FAMILIES: dict[str, FamilyTraits] = {
     "gemma3_text": _GEMMA3,
     "gemma4": FamilyTraits(**{**vars(_GEMMA4), "known": False}),  # its vision and audio towers too
     # vision-language checkpoints (their vision tower a row of its own): Qwen2.5-VL's language model is
-    # Qwen2-shaped (q/k/v biases), laid out from its figures; Llama-3.2-Vision's (mllama) is Llama's with
-    # cross-attention layers at config.json's listed indices, planned from the model built on the meta device
+    # Qwen2-shaped (q/k/v biases), Llama-3.2-Vision's (mllama) Llama's with cross-attention layers at
+    # config.json's listed indices; both laid out from their figures (planner/vlm_layout.py)
     "qwen2_5_vl": FamilyTraits(qkv_bias=True, known=False),
     "mllama": FamilyTraits(known=False),
     "gemma4_text": _GEMMA4,

@@ -7,7 +7,7 @@ counts each image's tokens, as the processor renders the rows (data/images.py). 
   unquantized in the compute dtype; quantized, the tower's linears in quant's format (components'
   quantized_linear_bytes, as the language model's), the rest in the compute dtype; lora, as frozen plus
   the adapters on the tower's linears (weights, gradients, optimizer state, as the language model's).
-  Counted from the family's layout (vlm_layout.py: Gemma 3, Qwen2.5-VL), else from the model
+  Counted from the family's layout (vlm_layout.py: the families it knows), else from the model
   transformers builds on the meta device;
 - k-bit prep (peft 0.21's prepare_model_for_kbit_training) casts every bf16/fp16 parameter that is not
   4-bit to fp32, the tower's unquantized ones included, before model/vision.keep_vision_in casts them

@@ -12,6 +12,10 @@ model (no torch, no transformers), as transformers 5.23 builds them:
   model.language_model;
 - a local dir's Qwen3-VL: its qwen3_vl_text language model (Qwen3's layers) under model.language_model,
   the tower, its merger and its deepstack mergers under model.visual;
+- Llama-3.2-Vision (mllama), a conf/model entry's or a local dir's: Llama's layers but at the text_config's
+  cross_attention_layers (MllamaTextConfig's default list where it leaves them out) a cross-attention
+  layer, 8 more embedding rows, an untied lm_head; the tiled vision model under model.vision_model and
+  the projector (one linear) under model.multi_modal_projector;
 - a local dir's Idefics3 or SmolVLM: the SigLIP-shaped tower under model.vision_model, the connector (the
   pixel shuffle's scale_factor^2 patches into one linear) under model.connector, the text model under
   model.text_model.
@@ -35,6 +39,8 @@ from .vlm_towers import (
     CLIP_VISION,
     IDEFICS3_VISION,
     LLAVA_DEFAULT_TOWER,
+    MLLAMA_SIZES,
+    MLLAMA_VISION,
     QWEN3_VL_SIZES,
     QWEN3_VL_VISION,
     SIGLIP_VISION,
@@ -43,6 +49,7 @@ from .vlm_towers import (
     clip_tower,
     idefics3_tower,
     linears_of,
+    mllama_tower,
     qwen3_vl_tower,
     siglip_tower,
     sized,
@@ -107,6 +114,8 @@ def layout(fig: Any) -> VlmLayout | None:
     if fig.architecture == "qwen2_5_vl":
         return _qwen2_5_vl(fig)
     cj = _dir_json(fig)
+    if (fig.architecture == "mllama" and not cj) or (fig.architecture == "mllama_text_model" and cj):
+        return _mllama(fig, cj)
     if fig.architecture == "gemma3" or (fig.architecture == "gemma3_text" and cj.get("model_type") == "gemma3"):
         top, vc = _configs(fig)
         return None if top is None or vc is None else _gemma3(fig, top, vc)
@@ -305,6 +314,60 @@ def _qwen3_vl(fig: Any, cj: dict[str, Any]) -> VlmLayout | None:
     text = _text(own, bool(top["tie_word_embeddings"]), TEXT)
     config = json.dumps({**top, "vision_config": vc}, sort_keys=True)
     return VlmLayout(text, tuple(tower), (VISUAL,), linears, config)
+
+
+MLLAMA_TOWER = "model.vision_model"
+MLLAMA_CROSS = (3, 8, 13, 18, 23, 28, 33, 38)  # MllamaTextConfig's cross_attention_layers
+
+
+def _mllama(fig: Any, cj: dict[str, Any]) -> VlmLayout | None:
+    """Llama-3.2-Vision from a conf/model entry's vision_config or a local dir's config.json (its
+    model_type mllama, no code of its own)."""
+    if cj and (cj.get("model_type") != "mllama" or cj.get("auto_map") or not isinstance(cj.get("text_config"), dict)):
+        return None
+    given: Any = cj.get("vision_config") if cj else json.loads(fig.vision_config_json or "null")
+    if not cj and not isinstance(given, dict):  # an entry without a vision_config: a text model
+        return None
+    if not isinstance(given or {}, dict):
+        return None
+    vc = {**MLLAMA_VISION, **(given or {}), "model_type": "mllama_vision_model"}
+    if not sized(vc, MLLAMA_SIZES) or not isinstance(vc["supported_aspect_ratios"], list):
+        return None
+    cross = cj["text_config"].get("cross_attention_layers") if cj else fig.cross_attention_layers
+    tower, linears = mllama_tower(vc, MLLAMA_TOWER)
+    projection = Linear(PROJECTOR, vc["vision_output_dim"], fig.hidden_size, True)
+    projector = Block(PROJECTOR, (projection,), biases((projection,)))
+    linears = _tower_linears(tower, linears, [projector])
+    text = _mllama_text(fig, set(cross or MLLAMA_CROSS))
+    config = json.dumps({**_top(cj, model_type="mllama"), "vision_config": vc}, sort_keys=True)
+    return VlmLayout(text, (*tower, projector), (MLLAMA_TOWER, PROJECTOR), linears, config)
+
+
+def _mllama_text(fig: Any, cross: set[int]) -> tuple[Block, ...]:
+    """MllamaTextModel's blocks from Llama's: a cross-attention layer at each of `cross`, its embeddings
+    8 rows longer than the vocabulary, lm_head never tied (head_dim: hidden / heads, as its attention)."""
+    llama = replace(fig, architecture="llama", qkv_bias=False, o_bias=False, mlp_bias=False, tie_embeddings=False)
+    llama = replace(llama, head_dim=fig.hidden_size // fig.num_heads)
+    blocks = []
+    for block in analytic_inventory(llama):
+        if block.name == "model.embed_tokens":
+            rows = fig.vocab_size + 8
+            block = replace(block, params=((f"{block.name}.weight", rows * fig.hidden_size),))
+            block = replace(block, embeddings=((block.name, rows, fig.hidden_size),))
+        elif block.is_layer and int(block.name.rsplit(".", 1)[1]) in cross:
+            block = _cross_layer(block, llama.head_dim)
+        blocks.append(_under_text(block))
+    return tuple(blocks)
+
+
+def _cross_layer(layer: Block, head_dim: int) -> Block:
+    """A self-attention layer's block made MllamaCrossAttentionDecoderLayer's: its q/k/v/o under
+    cross_attn, q and k norms, the attention's and the MLP's gates."""
+    p = layer.name
+    linears = tuple(replace(lin, name=lin.name.replace(".self_attn.", ".cross_attn.")) for lin in layer.linears)
+    params = ((f"{p}.cross_attn.q_norm.weight", head_dim), (f"{p}.cross_attn.k_norm.weight", head_dim))
+    params += ((f"{p}.cross_attn_attn_gate", 1), (f"{p}.cross_attn_mlp_gate", 1))
+    return replace(layer, linears=linears, params=layer.params + params)
 
 
 _DIR_FAMILIES = {"llava": _llava, "idefics3": _idefics3, "smolvlm": _idefics3, "qwen3_vl": _qwen3_vl}

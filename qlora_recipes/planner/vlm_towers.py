@@ -214,3 +214,60 @@ def _merger(p: str, normed: int, wide: int, out: int) -> Block:
     """A patch merger: its LayerNorm over each patch (normed = hidden) or the shuffled patches (= wide)."""
     linears = (Linear(f"{p}.linear_fc1", wide, wide, True), Linear(f"{p}.linear_fc2", wide, out, True))
     return Block(p, linears, norm(f"{p}.norm", normed) + biases(linears))
+
+
+# MllamaVisionConfig's defaults (transformers 5.23; its __post_init__ fills the two lists)
+MLLAMA_VISION = {
+    "model_type": "mllama_vision_model",
+    "hidden_size": 1280,
+    "hidden_act": "gelu",
+    "num_hidden_layers": 32,
+    "num_global_layers": 8,
+    "attention_heads": 16,
+    "num_channels": 3,
+    "intermediate_size": 5120,
+    "vision_output_dim": 7680,
+    "image_size": 448,
+    "patch_size": 14,
+    "norm_eps": 1e-5,
+    "max_num_tiles": 4,
+    "intermediate_layers_indices": [3, 7, 15, 23, 30],
+    "supported_aspect_ratios": [[1, 1], [1, 2], [1, 3], [1, 4], [2, 1], [2, 2], [3, 1], [4, 1]],
+}
+MLLAMA_SIZES = SIZES + ("num_global_layers", "attention_heads", "max_num_tiles", "vision_output_dim")
+
+
+def mllama_tower(vc: dict[str, Any], p: str) -> Tower:
+    """MllamaVisionModel's blocks: the model's own parameters (a class embedding, a bias-free patch
+    convolution, the gated position and per-tile embeddings, one row per supported aspect ratio and one
+    for none, two LayerNorms), its local encoder layers and its gated global ones."""
+    h, inter, patch, tiles = vc["hidden_size"], vc["intermediate_size"], vc["patch_size"], vc["max_num_tiles"]
+    patches, ratios = (vc["image_size"] // patch) ** 2 + 1, len(vc["supported_aspect_ratios"]) + 1
+    g = f"{p}.gated_positional_embedding"
+    params = ((f"{p}.class_embedding", h), (f"{p}.patch_embedding.weight", h * vc["num_channels"] * patch * patch))
+    params += (
+        (f"{g}.gate", 1),
+        (f"{g}.embedding", patches * h),
+        (f"{g}.tile_embedding.weight", ratios * tiles * patches * h),
+    )
+    embeddings = [(f"{g}.tile_embedding", ratios, tiles * patches * h)]
+    for t in ("pre_tile_positional_embedding", "post_tile_positional_embedding"):
+        params += ((f"{p}.{t}.gate", 1), (f"{p}.{t}.embedding.weight", ratios * tiles * h))
+        embeddings.append((f"{p}.{t}.embedding", ratios, tiles * h))
+    params += norm(f"{p}.layernorm_pre", h) + norm(f"{p}.layernorm_post", h)
+    blocks = [Block(p, params=params, embeddings=tuple(embeddings))]
+    blocks += [_mllama_layer(f"{p}.transformer.layers.{i}", h, inter, False) for i in range(vc["num_hidden_layers"])]
+    blocks += [
+        _mllama_layer(f"{p}.global_transformer.layers.{i}", h, inter, True) for i in range(vc["num_global_layers"])
+    ]
+    return blocks, linears_of(blocks)
+
+
+def _mllama_layer(p: str, h: int, inter: int, gated: bool) -> Block:
+    """A vision encoder layer: bias-free q/k/v/o, an MLP with biases, two LayerNorms; a global layer's two
+    tanh gates too."""
+    linears = [Linear(f"{p}.self_attn.{n}", h, h, False) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    linears += _mlp(f"{p}.mlp", h, inter)
+    params = biases(linears) + norm(f"{p}.input_layernorm", h) + norm(f"{p}.post_attention_layernorm", h)
+    params += ((f"{p}.gate_attn", 1), (f"{p}.gate_ffn", 1)) if gated else ()
+    return Block(p, tuple(linears), params, is_layer=True)

@@ -1,9 +1,9 @@
-"""Gemma 3's, Qwen2.5-VL's, LLaVA's, Idefics3's, SmolVLM's and Qwen3-VL's vision-language checkpoints are
-laid out from their figures (planner/vlm_layout.py), not built on the meta device: the layout is the meta
-model's inventory block for block (names, linears, parameter counts, buffers, tied lm_head), its vision row's
-parameters, tower linears, vision shape and language model's prefix are the meta model's, and planning
-their recipes and saved tiny checkpoints imports no transformers modeling code (nor torch) and plans the
-peak the meta model's inventory plans."""
+"""Gemma 3's, Qwen2.5-VL's, LLaVA's, Idefics3's, SmolVLM's, Qwen3-VL's and Llama-3.2-Vision's (mllama)
+vision-language checkpoints are laid out from their figures (planner/vlm_layout.py), not built on the meta
+device: the layout is the meta model's inventory block for block (names, linears, parameter counts,
+buffers, tied lm_head), its vision row's parameters, tower linears, vision shape and language model's
+prefix are the meta model's, and planning their recipes and saved tiny checkpoints imports no
+transformers modeling code (nor torch) and plans the peak the meta model's inventory plans."""
 
 import dataclasses
 import json
@@ -101,6 +101,16 @@ def _without_head_dim(fig: figures.Figures) -> figures.Figures:
     return figures.model_figures(compose_cfg(f"model.name_or_path={fig.config_dir}").model)
 
 
+def _mllama(tmp_path, **text) -> figures.Figures:
+    from transformers import MllamaConfig
+
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_global_layers=1, attention_heads=2,
+                  image_size=28, patch_size=14, max_num_tiles=2, vision_output_dim=64,
+                  supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]])  # fmt: skip
+    tiny = {**{k: v for k, v in TINY_TEXT.items() if k != "head_dim"}, "pad_token_id": 0}
+    return _saved(tmp_path, MllamaConfig(text_config={**tiny, **text}, vision_config=vision))
+
+
 CASES = {
     # no vision_config: Gemma3Config's default SigLIP, its linears planned (and adapted) with the text's
     "gemma3-27b": lambda tmp: _fig("model=gemma3-27b"),
@@ -129,6 +139,13 @@ CASES = {
     "qwen3-vl-biased": lambda tmp: _qwen3_vl(tmp, [], attention_bias=True),
     # a text_config saved without its head_dim: Qwen3VLTextConfig's 128, not hidden / heads
     "qwen3-vl-head-dim": lambda tmp: _without_head_dim(_qwen3_vl(tmp, [1], head_dim=128)),
+    # Llama-3.2-Vision's entry: cross-attention layers at the figures' indices, the tiled tower's 32 local
+    # and 8 global layers, the projector one linear
+    "llama3.2-11b-vision": lambda tmp: _fig("model=llama3.2-11b-vision"),
+    # a saved mllama: its text_config's cross-attention layer
+    "mllama-dir": lambda tmp: _mllama(tmp, cross_attention_layers=[1], num_hidden_layers=3),
+    # a text_config without cross_attention_layers: MllamaTextConfig's list, the layers it reaches
+    "mllama-default-cross": lambda tmp: _mllama(tmp, num_hidden_layers=9),
 }  # fmt: skip
 
 
@@ -211,7 +228,7 @@ print(json.dumps(out))
 
 
 def test_planning_the_vlm_recipes_builds_no_meta_model_and_keeps_their_peaks(monkeypatch):
-    recipes = ["gemma-3-27b-24gb", "gemma-3-12b-vision-24gb", "qwen2.5-vl-7b-16gb"]
+    recipes = ["gemma-3-27b-24gb", "gemma-3-12b-vision-24gb", "qwen2.5-vl-7b-16gb", "llama3.2-11b-vision-24gb"]
     _plans_alike_without_the_meta_model([f"recipe={r}" for r in recipes], monkeypatch)
 
 
@@ -233,14 +250,14 @@ def _plans_alike_without_the_meta_model(plans: list[str], monkeypatch) -> None:
         assert plan["devices"][0]["peak"] == got[overrides]["peak"], overrides
 
 
-def test_planning_saved_tiny_llava_idefics3_smolvlm_and_qwen3_vl_builds_no_meta_model_and_keeps_their_peaks(
+def test_planning_saved_tiny_vlms_of_every_laid_out_family_builds_no_meta_model_and_keeps_their_peaks(
     tmp_path, monkeypatch
 ):
     import helpers_vlm_families as fam
     from helpers_vision import build_llava
 
     builds = {"llava": build_llava, "idefics3": fam.build_idefics3, "smolvlm": fam.build_smolvlm}
-    builds["qwen3_vl"] = fam.build_qwen3_vl
+    builds.update(qwen3_vl=fam.build_qwen3_vl, mllama=fam.build_mllama)
     on_a_gpu = "hardware.gpus=1 hardware.gpu_memory_gib=24"
     plans = [f"model.name_or_path={build(tmp_path / name)} {on_a_gpu}" for name, build in builds.items()]
     _plans_alike_without_the_meta_model(plans, monkeypatch)

@@ -23,6 +23,25 @@ _LINEAR = {
 }
 
 
+# The config classes' defaults (transformers 5.23) for keys the planner reads that config.json may leave
+# out, by model_type (a text config's own, or the checkpoint's when its text_config names none): a
+# Qwen3 config without head_dim builds 128-wide heads, not hidden_size / heads
+_MLLAMA_CROSS = [3, 8, 13, 18, 23, 28, 33, 38]  # MllamaTextConfig's cross_attention_layers
+CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    **dict.fromkeys(("qwen3", "qwen3_vl", "qwen3_vl_text", "llama4", "llama4_text"), {"head_dim": 128}),
+    **dict.fromkeys(
+        ("gemma2", "gemma3", "gemma3_text", "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text"), {"head_dim": 256}
+    ),
+    "gpt_oss": {"head_dim": 64},
+    **dict.fromkeys(("mllama", "mllama_text_model"), {"cross_attention_layers": _MLLAMA_CROSS}),
+}
+
+
+def with_config_defaults(arch: str, cj: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's keys with its config class's defaults (CONFIG_DEFAULTS) where it leaves one out or null."""
+    return {**CONFIG_DEFAULTS.get(arch, {}), **{k: v for k, v in cj.items() if v is not None}}
+
+
 def _rope_value(cj: Mapping[str, Any], key: str, default: Any) -> Any:
     rope = cj.get("rope_parameters") or cj.get("rope_scaling") or {}
     return rope.get(key, cj.get(key, default)) if isinstance(rope, Mapping) else cj.get(key, default)
@@ -44,7 +63,9 @@ def new_family_figures(arch: str, cj: Mapping[str, Any]) -> dict[str, Any]:
     if family.per_layer_embeddings:
         out.update(_gemma4_figures(cj, layers))
     if cj.get("cross_attention_layers"):  # by shape: layers that cross-attend to image features (mllama)
-        out["cross_attention_layers"] = tuple(sorted(int(i) for i in cj["cross_attention_layers"]))
+        # an index past the last layer builds no layer (a default list on a shallower model)
+        cross = {int(i) for i in cj["cross_attention_layers"]}
+        out["cross_attention_layers"] = tuple(sorted(i for i in cross if i < layers or not layers))
     if family.local_attention == "chunked":  # Llama 4: MoE layers every interleave_moe_layer_step-th
         step = int(cj.get("interleave_moe_layer_step") or 1)
         moe = cj.get("moe_layers")

@@ -23,7 +23,7 @@ from ..families import KNOWN_ARCHITECTURES, FamilyTraits, traits
 from ..model.checkpoint import hub_config_json, local_dir, read_config
 from ..units import torch_dtype
 from .blocks import Block, Linear
-from .family_layers import config_keys
+from .family_layers import config_keys, with_config_defaults
 from .layers import analytic_inventory, family_figures
 from .vlm_layout import layout
 
@@ -264,6 +264,7 @@ def _figures_from_config_json(path: Path, trust: bool, source: str | None = None
     if "text_config" in cj and "hidden_size" not in cj:
         cj = {**cj["text_config"], "model_type": cj["text_config"].get("model_type", cj.get("model_type"))}
     arch = str(cj.get("model_type", "")).lower()
+    cj = with_config_defaults(arch, cj)
     hidden = cj.get("hidden_size", cj.get("n_embd"))
     layers = cj.get("num_hidden_layers", cj.get("n_layer"))
     heads = cj.get("num_attention_heads", cj.get("n_head"))

@@ -159,6 +159,13 @@ def declared_host_ram(cfg: TrainConfig) -> int | None:
     return int(float(ram) * GiB) if ram else None
 
 
+def host_budget(cfg: TrainConfig) -> int | None:
+    """The host RAM a run on this machine is planned within: the declared hardware.host_ram_gib where it
+    is below this machine's RAM, else None (the planner then uses this machine's)."""
+    declared = declared_host_ram(cfg)
+    return min(declared, host_ram()) if declared else None
+
+
 def ranks(cfg: TrainConfig) -> int:
     """Ranks the recipe runs with: one per GPU on every node, or 1 for dist.strategy=none."""
     hw = cfg.hardware

@@ -206,8 +206,10 @@ def settle_eval_batch(cfg: TrainConfig, first_plan: dict) -> TrainConfig:
     return evalbatch.with_eval_batch(cfg, auto["rows"])
 
 
-def settle_for_data(cfg: TrainConfig, first_plan: dict, data_stats: dict, gpus: list[int] | None = None) -> tuple:
-    """(cfg, plan) once the data is tokenized: trainer.seq_len=auto resolved to what the rows gave
+def settle_for_data(
+    cfg: TrainConfig, first_plan: dict, data_stats: dict, gpus: list[int] | None = None, host_ram: int | None = None
+) -> tuple:
+    """(cfg, plan) once the data is tokenized, on the devices and host RAM the first plan had: trainer.seq_len=auto resolved to what the rows gave
     (data_stats["seq_len"]), data.images_per_row=auto to the most images a row holds (planner/vision.py),
     and the plan made for the batches the rows really make - their longest row when shorter than seq_len
     (planner/seqlen.py), an eval batch of the eval split's rows when it holds fewer than
@@ -219,7 +221,7 @@ def settle_for_data(cfg: TrainConfig, first_plan: dict, data_stats: dict, gpus: 
     longest = data_length(settled, data_stats.get("max_tokens"))
     eval_rows = evalbatch.rows_for_data(settled, int((data_stats.get("rows") or {}).get("eval") or 0))
     if longest is None and eval_rows is None and images is None:
-        return settled, (first_plan if settled is cfg else plan(settled, gpus))
+        return settled, (first_plan if settled is cfg else plan(settled, gpus, host_ram))
     planned, notes = settled, [images] if images else []
     if longest is not None:
         planned = with_seq_len(planned, longest)
@@ -227,7 +229,7 @@ def settle_for_data(cfg: TrainConfig, first_plan: dict, data_stats: dict, gpus: 
     if eval_rows is not None:
         planned = evalbatch.with_eval_batch(planned, eval_rows)
         notes.append(evalbatch.data_note(eval_rows, int(settled.trainer.eval_batch_size)))
-    result = plan(planned, gpus)
+    result = plan(planned, gpus, host_ram)
     result.setdefault("notes", []).extend(notes)
     if longest is not None:
         result["data_longest_row"] = longest

@@ -127,7 +127,8 @@ def _train(cfg: TrainConfig, run_dir: Path, choices: dict | None, tracker: PeakT
         train_ds, eval_ds, data_stats = data.load_splits(
             cfg.data, tokenizer, seq_len, cfg.seed, cfg.objective, positions
         )
-    cfg, plan = planner.settle_for_data(cfg, plan, data_stats)  # planned for the batches the rows make
+    # planned for the batches the rows make, within the same host RAM budget as the first plan
+    cfg, plan = planner.settle_for_data(cfg, plan, data_stats, host_ram=devices.host_budget(cfg))
     prefetch_fingerprints(cfg)  # what each checkpoint records, hashed while the model loads, not in train_s
     # grpo: its rewards imported and checked against the rows' columns before anything is written or loaded
     reward_funcs = rewards.reward_functions(cfg, tuple(train_ds.column_names)) if cfg.objective.name == "grpo" else None
@@ -232,8 +233,7 @@ def _check_and_plan(cfg: TrainConfig, run_dir: Path, choices: dict | None, gpu: 
     vision.refuse_untried(cfg)  # a vision-language model: what it does not train with yet
     resume_from = resume_checkpoint(cfg, run_dir)  # checks the saved config first
     # one rank's share (WORLD_SIZE ranks): FSDP/ZeRO-3 on GPUs, every strategy on CPU ranks (gloo)
-    declared = devices.declared_host_ram(cfg)  # hardware.host_ram_gib: a budget below this machine's RAM
-    plan = planner.plan(cfg, host_ram=min(declared, devices.host_ram()) if declared else None)
+    plan = planner.plan(cfg, host_ram=devices.host_budget(cfg))
     if not (plan["fits"] or cfg.force or (cfg.overwrite and held_run(run_dir))):  # a refused overwrite keeps all
         _write_run_files(cfg, run_dir, choices, plan, on_write)
     planner.refuse_unless_fits(plan, force=cfg.force)

@@ -95,3 +95,14 @@ def test_a_number_past_the_model_positions_is_refused_by_the_plan():
     with pytest.raises(UserError, match=r"trainer.seq_len=257 is past .*'s 256 positions \(max_position_embeddings\)"):
         planner.plan(compose_cfg("trainer=smoke", "trainer.seq_len=257"))
     assert planner.plan(compose_cfg("trainer=smoke", "trainer.seq_len=256"))["stack"]["seq_len"] == 256
+
+
+def test_the_plan_settled_on_the_data_keeps_the_first_plans_host_ram():
+    """A recipe's hardware.host_ram_gib below this machine's RAM bounds the run's plan; the plan made
+    again for the rows' real length (or seq_len=auto's) is made within the same budget."""
+    budget = int(0.8 * GiB)
+    cfg = compose_cfg("trainer=smoke", "trainer.seq_len=256")
+    first = planner.plan(cfg, host_ram=budget)
+    _, plan = planner.settle_for_data(cfg, first, {"seq_len": 256, "max_tokens": {"train": 100}}, host_ram=budget)
+    assert plan["data_longest_row"] < 256  # made again for the rows
+    assert plan["devices"][0]["budget"] == first["devices"][0]["budget"] == budget  # a CPU run: the RAM is its device

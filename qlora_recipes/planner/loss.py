@@ -130,14 +130,20 @@ def _cpu_tile_bytes(k: _Head, width: int, backward: bool) -> int:
     result of torch.mm into a tile narrower than the buffer (a strided `out`: mm computes into a
     contiguous temporary and copies), the fold's fp32 temporaries (FOLD_BYTES per element) and the
     compute-dtype copy of the weight chunk (when the dtypes differ), alive through the backward's
-    fold but only through the forward's matmul. tests/unit/test_planner_loss_is_trls_fused_head.py measures these."""
+    fold but only through the forward's matmul. After the backward's fold, the fp32 accumulation of
+    the hidden states' gradient (_addmm_fp32: `acc.addmm_(a.float(), b.float())` off CUDA) takes fp32
+    copies of the tile and of the weight chunk when the compute dtype is 16-bit: that weight copy
+    does not shrink with the tokens, so over few positions it outgrows the fold. (On CUDA, torch >= 2.8
+    - requirements.txt pins 2.13 - accumulates in fp32 without copies.)
+    tests/unit/test_planner_loss_is_trls_fused_head.py measures these."""
     touched = k.n * k.cols * k.c
     strided = k.n * width * k.c if width < VOCAB_TILE else 0
     weight_chunk = width * k.h * k.c if k.r != k.c else 0
     per = FOLD_BYTES["backward"] + FOLD_BYTES["softcap"] * k.softcap if backward else FOLD_BYTES["forward"]
     fold = per * k.n * width
     if backward:
-        return touched + weight_chunk + max(strided, fold)
+        upcast = 4 * width * (k.n + k.h) if k.c != 4 else 0
+        return touched + weight_chunk + max(strided, fold, upcast)
     return touched + max(weight_chunk + strided, fold)
 
 

@@ -194,14 +194,40 @@ def infer_device_map(
     while the loader passes this map as a dict and the modules it offloads stay unquantized in the
     load dtype (4x an NF4 linear in bf16): a cpu budget filled at 4-bit sizes would hold 4x its bytes.
     So the blocks a map offloads are re-sized unquantized and the map inferred again, until no more
-    blocks move off the GPU (sizes only grow, so this ends; a few rounds)."""
+    blocks move off the GPU (sizes only grow, so this ends; a few rounds).
+
+    The OOM ladder asks for the same map many times (its candidates and offload probes re-plan
+    stacks that differ only in what the map does not read), so maps are kept by their inputs."""
     trivial = _whole_model_fits_one_device(st, max_memory, blocks_bytes) if shortcut else None
     if trivial is not None:
         return OrderedDict([("", trivial)])
+    linears = _quantized_linear_names(st, blocks_bytes)
+    # everything the inference reads: the meta model (figures, dtype), the strategy, the quantizer's
+    # element size and the weights it converts, the budgets in their order
+    key = (st.fig, st.dtype, st.device_map, st.quant, tuple(max_memory.items()), _linears_key(linears))
+    dmap = _INFERRED.pop(key, None)
+    if dmap is None:
+        dmap = _inferred_map(st, max_memory, linears)
+    if MAP_CACHE_SIZE > 0:
+        _INFERRED[key] = dmap  # most recent last
+        while len(_INFERRED) > MAP_CACHE_SIZE:
+            _INFERRED.pop(next(iter(_INFERRED)))
+    return OrderedDict(dmap)
+
+
+MAP_CACHE_SIZE = 64  # inferred maps kept (a ladder walk asks for a few dozen); 0 infers every time
+_INFERRED: dict[tuple, OrderedDict[str, Any]] = {}
+
+
+def _linears_key(linears: dict[str, list[str]]) -> tuple:
+    return tuple((blk, tuple(ws)) for blk, ws in linears.items())
+
+
+def _inferred_map(st: StackSpec, max_memory: dict, linears: dict[str, list[str]]) -> OrderedDict[str, Any]:
+    """transformers' map for the stack, re-inferred until the blocks it offloads are sized unquantized."""
     from transformers.integrations.accelerate import _get_device_map
 
     model = meta_model(st.fig, st.dtype)
-    linears = _quantized_linear_names(st, blocks_bytes)
     unquantized: frozenset[str] = frozenset()
     for _ in range(MAX_PLACEMENT_ROUNDS):
         hf_quantizer = None

@@ -38,8 +38,9 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def with_config_defaults(arch: str, cj: Mapping[str, Any]) -> dict[str, Any]:
-    """config.json's keys with its config class's defaults (CONFIG_DEFAULTS) where it leaves one out or null."""
-    return {**CONFIG_DEFAULTS.get(arch, {}), **{k: v for k, v in cj.items() if v is not None}}
+    """config.json's keys with its config class's defaults (CONFIG_DEFAULTS) where it leaves one of those out
+    or null; every other key as it is (a null final_logit_softcapping means no cap)."""
+    return {**cj, **{k: v for k, v in CONFIG_DEFAULTS.get(arch, {}).items() if cj.get(k) is None}}
 
 
 def _rope_value(cj: Mapping[str, Any], key: str, default: Any) -> Any:

@@ -86,7 +86,9 @@ def train(cfg: TrainConfig, run_dir: Path, choices: dict | None = None, on_write
     if not gpu:
         pin_malloc_thresholds()  # CPU: RSS follows the live tensors, as the plan counts them (peak.py)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed, imported by the trainer, warns when it guesses
-    # CPU: the plan's process baseline is this process's own footprint, its libraries imported
+    # CPU: the plan's process baseline is this process's own footprint, its libraries imported (the
+    # objective's TRL trainer too: imported on demand, after this it would be a footprint the plan misses)
+    lifecycle.guarded(cfg.objective.name)
     footprint = nullcontext() if gpu else planner.measured_start(rss_bytes())
     tracker = PeakTracker(gpu).start()
     stops = (signal.SIGINT, signal.SIGTERM, cluster.preemption_signal())  # at any phase: raised, then one line

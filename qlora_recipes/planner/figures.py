@@ -356,11 +356,11 @@ def inventory(fig: Figures) -> tuple[Block, ...]:
 
 def text_prefix(fig: Figures) -> str:
     """Where the language model's modules sit, as the loader names them: "model" in a causal LM, a laid-out
-    VLM's where its text blocks' input embeddings sit (model.language_model in Gemma 3 and Qwen2.5-VL),
+    VLM's as its layout names it (model.language_model; model.text_model in Idefics3 / SmolVLM),
     else the meta model's decoder (get_decoder, as model/vision.py finds it)."""
     known = layout(fig)
     if known is not None:
-        return next(b.name for b in known.text if b.embeddings).rpartition(".")[0]
+        return known.text_prefix
     if fig.traits.known:
         return "model"
     from ..model.vision import language_model

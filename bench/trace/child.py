@@ -192,14 +192,21 @@ def _module_peaks(tracker) -> dict:
     return out
 
 
-def main(argv: list[str]) -> None:
-    spec_path, out_path = argv[0], argv[1]
-    spec = json.loads(open(spec_path).read())
+def prepare(spec: dict) -> None:
+    """What the traced process does before it traces: for device "cuda" the fake CUDA device,
+    registered before torch is imported; warnings and library logs quieted. A process that runs
+    this once can fork a child per spec of the same device, each tracing as this process would."""
     if spec.get("device", "cuda") == "cuda":
         from bench.trace import fakecuda
 
         fakecuda.preload(spec.get("library"))
     _quiet()
+
+
+def main(argv: list[str]) -> None:
+    spec_path, out_path = argv[0], argv[1]
+    spec = json.loads(open(spec_path).read())
+    prepare(spec)
     result = trace(spec)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)

@@ -1,8 +1,9 @@
 """The tracer (bench/trace): a real training step on fake tensors, counted by torch's MemTracker.
 
-Fast: the pieces that need no traced process, and one trace of the tiny model on the fake CUDA
-device (a child process, ~30 s on 2 cores). Slow (`make test-all`): layer slices scaled to a full
-trace, a small model's trace against its plan, and fake tensors against real ones on the CPU.
+Fast: the pieces that need no traced process, and traces of tiny models on the fake CUDA device,
+each in a child forked from one server process (tests/helpers_forkserver.py). Slow (`make
+test-all`): layer slices scaled to a full trace, a small model's trace against its plan, and fake
+tensors against real ones on the CPU.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import inspect
 import shutil
 
 import pytest
+from helpers_forkserver import tracer
 
 from qlora_recipes.units import GiB
 
@@ -147,10 +149,16 @@ TINY = ["trainer.micro_batch_size=4", "trainer.seq_len=32", "precision=bf16"]
 
 
 @pytest.fixture(scope="module")
-def tiny_trace():
-    from bench.trace.run import run_child
+def traced():
+    """traced(spec): run_child(spec) for a spec on the fake CUDA device, in a child forked from one
+    server that imported the tracer's libraries once (a fresh Python spent most of a trace on them)."""
+    with tracer() as trace:
+        yield trace
 
-    return run_child({"overrides": TINY, "device": "cuda"})
+
+@pytest.fixture(scope="module")
+def tiny_trace(traced):
+    return traced({"overrides": TINY, "device": "cuda"})
 
 
 @needs_fake_cuda
@@ -266,13 +274,13 @@ TINY_MOE = [
 
 
 @needs_fake_cuda
-def test_a_moe_traces_with_its_experts_stored_4bit_and_routed_on_the_fake_cuda_device():
+def test_a_moe_traces_with_its_experts_stored_4bit_and_routed_on_the_fake_cuda_device(traced):
     """The loader's own expert quantization (model/moe_experts.py) on the skeleton and again on fake
     tensors: the 4-bit row holds the experts as the plan does, and the routed experts' forward and
     backward run (tokens per expert counted on the fake device)."""
-    from bench.trace.run import compare, plan_for, run_child
+    from bench.trace.run import compare, plan_for
 
-    r = run_child({"overrides": TINY_MOE, "device": "cuda"})
+    r = traced({"overrides": TINY_MOE, "device": "cuda"})
     dev = "cuda:0"
     plan = plan_for(TINY_MOE, [24 * GiB])
     assert r["experts_4bit_layers"] == 2
@@ -305,16 +313,16 @@ def test_the_committed_traces_hold_the_moe_recipes_within_ten_percent():
 
 
 @needs_fake_cuda
-def test_a_moe_layers_backward_holds_the_top_k_weights_product_as_planned():
+def test_a_moe_layers_backward_holds_the_top_k_weights_product_as_planned(traced):
     """Many routed rows a token (4 of 8 experts, narrow experts, 2,048 tokens): the layer backward's peak
     is where the top-k weights' product runs backward, three routed-row gradients of the hidden width
     beside the hidden-state ones (planner/components.py backward_working_bytes); its traced
     phase peak is the plan's within 10 %."""
-    from bench.trace.run import compare, plan_for, run_child
+    from bench.trace.run import compare, plan_for
 
     overrides = [*TINY_MOE, "model.figures.num_experts_per_tok=4", "model.figures.moe_intermediate_size=32"]
     overrides += ["trainer.micro_batch_size=1", "trainer.seq_len=2048"]
-    r = run_child({"overrides": overrides, "device": "cuda"})
+    r = traced({"overrides": overrides, "device": "cuda"})
     row = compare(r, plan_for(overrides, [24 * GiB]), "cuda:0")["phases"]["train: layer backward"]
     assert 0.9 <= row["traced_gib"] / row["planned_gib"] <= 1.1, row
 

@@ -8,6 +8,7 @@ plan."""
 import shutil
 
 import pytest
+from helpers_forkserver import tracer
 
 from qlora_recipes.units import GiB
 
@@ -20,6 +21,14 @@ def _can_build() -> bool:
     return bool(shutil.which("c++") or shutil.which("g++")) and bool(shutil.which("ninja"))
 
 
+@pytest.fixture(scope="module")
+def traced():
+    """traced(spec): run_child(spec) for a spec on the fake CUDA device, in a child forked from one
+    server that imported the tracer's libraries once (a fresh Python spent most of a trace on them)."""
+    with tracer() as trace:
+        yield trace
+
+
 DPO = [
     "objective=dpo",
     "trainer.micro_batch_size=2",
@@ -29,10 +38,10 @@ DPO = [
 
 
 @pytest.mark.skipif(not _can_build(), reason="the fake CUDA device is built once with a C++ compiler and ninja")
-def test_the_dpo_step_is_traced_with_its_reference_forward():
-    from bench.trace.run import compare, plan_for, run_child
+def test_the_dpo_step_is_traced_with_its_reference_forward(traced):
+    from bench.trace.run import compare, plan_for
 
-    r = run_child({"overrides": DPO, "device": "cuda"})
+    r = traced({"overrides": DPO, "device": "cuda"})
     phases = {k.split("|")[1]: v["total"] for k, v in r["phases"].items()}
     assert {"forward", "loss", "reference", "backward", "optimizer"} <= set(phases)
     assert r["tokens"] == 2 * 2 * 32  # two answers per pair: 4 sequences of a 2-pair micro-batch
@@ -56,10 +65,10 @@ GRPO = [
 
 
 @pytest.mark.skipif(not _can_build(), reason="the fake CUDA device is built once with a C++ compiler and ninja")
-def test_the_kto_step_is_traced_with_its_kl_batch_and_reference_forwards():
-    from bench.trace.run import compare, plan_for, run_child
+def test_the_kto_step_is_traced_with_its_kl_batch_and_reference_forwards(traced):
+    from bench.trace.run import compare, plan_for
 
-    r = run_child({"overrides": KTO, "device": "cuda"})
+    r = traced({"overrides": KTO, "device": "cuda"})
     phases = {k.split("|")[1] for k in r["phases"]}
     assert {"kl", "forward", "loss", "reference", "backward", "optimizer"} <= phases
     cmp = compare(r, plan_for(KTO, [24 * GiB]), "cuda:0")
@@ -68,10 +77,10 @@ def test_the_kto_step_is_traced_with_its_kl_batch_and_reference_forwards():
 
 
 @pytest.mark.skipif(not _can_build(), reason="the fake CUDA device is built once with a C++ compiler and ninja")
-def test_the_grpo_step_samples_its_completions_then_trains_on_them():
-    from bench.trace.run import compare, plan_for, run_child
+def test_the_grpo_step_samples_its_completions_then_trains_on_them(traced):
+    from bench.trace.run import compare, plan_for
 
-    r = run_child({"overrides": GRPO, "device": "cuda"})
+    r = traced({"overrides": GRPO, "device": "cuda"})
     phases = {k.split("|")[1] for k in r["phases"]}
     assert {"prefill", "decode", "forward", "loss", "reference", "backward"} <= phases
     assert r["tokens"] == 2 * (32 + 16)  # a micro-batch trains on prompt + completion rows

@@ -6,18 +6,13 @@ allocation tracking: the profiler's memory events); the allocated peak next to t
 
 import gc
 import inspect
-import json
-import os
-import select
-import subprocess
-import sys
-import traceback
 from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO, compose_cfg
+from helpers_forkserver import ForkServer
 from torch.profiler import ProfilerActivity, profile
 
 from qlora_recipes import planner
@@ -57,70 +52,22 @@ def rss_peak(fn) -> int:
     return memory.rss_high_water_mark() - before
 
 
-class _HeadPeaks:
-    """fused_head_peak_here, each call in a fresh process: a high-water mark of RSS depends on what
-    the process did before (the other tests a pytest-xdist worker ran there), the plan's figure on
-    the head alone. One server process imports torch, transformers and TRL once and forks a child
-    per call, so each child starts from what a just-started process holds, without paying for the
-    imports again (they were most of a call's time)."""
-
-    def __init__(self):
-        here = Path(__file__).resolve().parent
-        code = (
-            f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
-            f"import {Path(__file__).stem} as t; t._serve()"
-        )
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
-        )
-
-    def __call__(self, *args) -> int:
-        self.proc.stdin.write(json.dumps(args) + "\n")
-        self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], 900)
-        assert ready, f"fused_head_peak_here{args} ran past 900 s"
-        reply = json.loads(self.proc.stdout.readline() or '{"error": "the server process ended"}')
-        if "skip" in reply:
-            pytest.skip(reply["skip"])
-        assert "peak" in reply, reply["error"][-3000:]
-        return reply["peak"]
-
-    def close(self):
-        self.proc.kill()  # idle between calls: nothing of its own to finish (its shutdown took seconds)
-        self.proc.wait(timeout=60)
-
-
-def _serve():
-    """The server's loop: one JSON line of arguments in, a forked child measures, one JSON line out."""
-    from transformers import LlamaForCausalLM  # noqa: F401  (imported once, before any fork)
+def head_imports() -> None:
+    """What fused_head_peak_here imports: its fork server's, once, before it forks."""
+    from transformers import LlamaForCausalLM  # noqa: F401
     from trl.trainer.utils import add_fused_lm_head  # noqa: F401
-
-    for line in sys.stdin:
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read)
-            try:
-                reply = {"peak": fused_head_peak_here(*json.loads(line))}
-            except pytest.skip.Exception as e:
-                reply = {"skip": str(e)}
-            except BaseException:
-                reply = {"error": traceback.format_exc()}
-            os.write(write, json.dumps(reply).encode())
-            os._exit(0)
-        os.close(write)
-        with os.fdopen(read) as f:
-            reply = f.read()
-        _, status = os.waitpid(pid, 0)
-        print(reply or json.dumps({"error": f"the measuring child ended with wait status {status}"}), flush=True)
 
 
 @pytest.fixture(scope="module")
 def fused_head_peak():
-    """fused_head_peak(b, s, h, vocab, bf16, train, softcap=False): fused_head_peak_here in a fresh process."""
-    peaks = _HeadPeaks()
-    yield lambda b, s, h, vocab, bf16, train, softcap=False: peaks(b, s, h, vocab, bf16, train, softcap)
-    peaks.close()
+    """fused_head_peak(b, s, h, vocab, bf16, train, softcap=False): fused_head_peak_here, each call in
+    a process of its own: a high-water mark of RSS depends on what the process did before (the other
+    tests a pytest-xdist worker ran there), the plan's figure on the head alone. Each runs in a child
+    forked from one server that imported torch, transformers and TRL once (tests/helpers_forkserver.py):
+    a fresh Python spent most of a call's time on those imports."""
+    here = Path(__file__).stem
+    with ForkServer(f"{here}:fused_head_peak_here", f"{here}:head_imports") as peaks:
+        yield lambda b, s, h, vocab, bf16, train, softcap=False: peaks(b, s, h, vocab, bf16, train, softcap)
 
 
 def fused_head_peak_here(b: int, s: int, h: int, vocab: int, bf16: bool, train: bool, softcap: bool = False) -> int:

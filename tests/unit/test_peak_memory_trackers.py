@@ -109,3 +109,17 @@ def test_expandable_segments_are_set_unless_the_environment_sets_the_allocator(m
     line = memory.configure_cuda_allocator(True)
     assert "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128" in line and "from the environment" in line
     assert len(set_to) == 2  # the user's setting is kept
+
+
+def test_a_high_water_mark_that_does_not_reset_falls_back_to_sampling(monkeypatch):
+    """A mark still holding an earlier peak after the reset would be reported as this run's own: the
+    tracker samples the RSS instead, and its peak is the RSS it saw, not the stale mark."""
+    if torch.cuda.is_available() or not memory.reset_rss_high_water_mark():
+        pytest.skip("Linux CPU: /proc/self/clear_refs")
+    stale = memory.rss_bytes() + 4 * GiB
+    monkeypatch.setattr(memory, "rss_high_water_mark", lambda: stale)
+    assert not memory.reset_rss_high_water_mark()
+    with memory.PeakTracker(gpu=False, interval_s=0.01) as tracker:
+        assert not tracker.exact and tracker._thread is not None
+        peak = tracker.peak_gib()
+    assert peak < stale / GiB - 3, peak

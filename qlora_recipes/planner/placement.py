@@ -1,6 +1,7 @@
 """Where the loader puts each block: the execution device of a one-device plan, or the device map
-from_pretrained infers under `offload.max_memory` (transformers' own inference, run on a meta
-model, skipped when the whole model provably fits one device), and that budget map in the form the
+from_pretrained infers under `offload.max_memory` (transformers' own inference: ported to the block
+list in device_map.py for the text families the planner inventories, run on a meta model for the
+others, skipped when the whole model provably fits one device), and that budget map in the form the
 loader takes.
 """
 
@@ -10,11 +11,13 @@ import logging
 import os
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..config import devices as _dev
 from ..errors import UserError
+from ..units import dtype_bytes
+from . import device_map
 from .blocks import OUTPUT_HEAD
 from .components import BlockBytes, should_convert, skip_patterns
 from .constants import BNB_MAX_MEMORY_FACTOR
@@ -188,8 +191,11 @@ def infer_device_map(
 
     transformers 5 computes an "auto" map with its port of accelerate's infer_auto_device_map
     (transformers.integrations.accelerate._get_device_map: get_balanced_memory, the quantizer's 10 %
-    max_memory cut, infer_auto_device_map with quantized element sizes); we call that very function
-    on a meta-device model from AutoModelForCausalLM.from_config under accelerate.init_empty_weights.
+    max_memory cut, infer_auto_device_map with quantized element sizes). For a text model of a family
+    the planner inventories from its figures, device_map.py computes that very map from the block
+    list (no torch, no meta model); for the others (vision-language models, a checkpoint's own code,
+    families planned from the meta model) we call transformers' function on a meta-device model from
+    AutoModelForCausalLM.from_config under accelerate.init_empty_weights (_ported says which).
     But transformers quantizes before it infers an "auto" map, so it sizes every linear at 4/8 bits,
     while the loader passes this map as a dict and the modules it offloads stay unquantized in the
     load dtype (4x an NF4 linear in bf16): a cpu budget filled at 4-bit sizes would hold 4x its bytes.
@@ -225,21 +231,53 @@ def _linears_key(linears: dict[str, list[str]]) -> tuple:
 
 def _inferred_map(st: StackSpec, max_memory: dict, linears: dict[str, list[str]]) -> OrderedDict[str, Any]:
     """transformers' map for the stack, re-inferred until the blocks it offloads are sized unquantized."""
-    from transformers.integrations.accelerate import _get_device_map
-
-    model = meta_model(st.fig, st.dtype)
+    infer = _map_inference(st, max_memory)
     unquantized: frozenset[str] = frozenset()
     for _ in range(MAX_PLACEMENT_ROUNDS):
-        hf_quantizer = None
-        if st.quantized:
-            names = frozenset(w for blk, ws in linears.items() if blk not in unquantized for w in ws)
-            hf_quantizer = _PlannedQuantizer(0.5 if st.quant in ("nf4", "fp4") else 1.0, names)
-        dmap = _quiet_device_map(_get_device_map, model, st.device_map, dict(max_memory), hf_quantizer)
+        dmap = infer(frozenset(w for blk, ws in linears.items() if blk not in unquantized for w in ws))
         moved = unquantized_blocks(st, dmap, linears)
         if moved <= unquantized:
             break
         unquantized |= moved
     return OrderedDict(dmap)
+
+
+def _map_inference(st: StackSpec, max_memory: dict) -> Callable[[frozenset[str]], dict]:
+    """The map for the weights the quantizer converts: device_map.py's port where it covers the stack,
+    else transformers' _get_device_map on the meta model."""
+    element_size = 0.5 if st.quant in ("nf4", "fp4") else 1.0
+    blocks = inventory(st.fig)
+    tree = device_map.module_tree(blocks) if _ported(st, max_memory) else None
+    if tree is not None:
+        tied, load = device_map.tied_groups(blocks), dtype_bytes(st.dtype)
+
+        def ported(names: frozenset[str]) -> dict:
+            sizes = device_map.block_sizes(blocks, load, names, element_size)
+            return device_map.infer(tree, sizes, max_memory, tied, st.quantized, BNB_MAX_MEMORY_FACTOR)
+
+        return ported
+    from transformers.integrations.accelerate import _get_device_map
+
+    model = meta_model(st.fig, st.dtype)
+
+    def transformers_own(names: frozenset[str]) -> dict:
+        quantizer = _PlannedQuantizer(element_size, names) if st.quantized else None
+        return _quiet_device_map(_get_device_map, model, st.device_map, dict(max_memory), quantizer)
+
+    return transformers_own
+
+
+def _ported(st: StackSpec, max_memory: Mapping) -> bool:
+    """Whether device_map.py gives transformers' map for this stack: an "auto" map of a text model of a
+    family inventoried from its figures (not a vision-language model, not a checkpoint's own code),
+    over GPUs, the CPU and disk. The others (VLMs, trust_remote_code, families planned from the meta
+    model) get transformers' own function on the meta model."""
+    fig = st.fig
+    if st.device_map != "auto" or not fig.traits.known or fig.trust_remote_code:
+        return False
+    if vision_language(fig) or layout(fig) is not None:
+        return False
+    return all(isinstance(k, int) or k in ("cpu", "disk") for k in max_memory)
 
 
 def _quantized_linear_names(st: StackSpec, blocks_bytes: list[tuple[Block, BlockBytes]]) -> dict[str, list[str]]:

@@ -195,6 +195,8 @@ def main(argv=None) -> dict:
         "train_s": train_s,
         "wall_s": time.time() - _STARTED,
         "step_end_s": clock.ends,
+        # TRL's cumulative num_tokens by step (logged every step in the suites), as ours' TensorBoard has it
+        "step_tokens": {int(e["step"]): float(e["num_tokens"]) for e in log if "num_tokens" in e and "step" in e},
     }
     if args.metrics_json:
         with open(args.metrics_json, "w") as f:

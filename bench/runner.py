@@ -8,7 +8,8 @@ records; `baseline_argv` is the baseline's command for the same job as a compose
 Definitions, the same for ours and the baseline: wall_s = the child process from start to exit;
 train_s = trainer construction + `train()`; tokens_per_s = TRL's `num_tokens` / train_s;
 s_per_step = the mean time per optimizer step after the warm-up steps (from step-end times);
-tokens_per_s_steady = (num_tokens / steps) / s_per_step; peak memory: on a GPU
+tokens_per_s_steady = the tokens those timed steps trained / their seconds (TRL's num_tokens at
+each end; without per-step counts, (num_tokens / steps) / s_per_step); peak memory: on a GPU
 `max_memory_allocated` (and `max_memory_reserved`), on a CPU the child's peak RSS.
 """
 
@@ -25,7 +26,7 @@ from typing import Any
 
 from bench import REPO
 from bench.machine import busy_cpu_seconds, load_average
-from bench.stats import median, ratio, steady_step_s
+from bench.stats import median, ratio, steady_step_s, steady_tokens_per_s
 from qlora_recipes.config.attention import VARLEN
 from qlora_recipes.units import PRECISION_DTYPE, GiB
 
@@ -164,14 +165,21 @@ def _trained(m: Mapping[str, Any]) -> dict:
     }
 
 
-def _finish(rec: dict, warmup: int, step_ends: Mapping[int, float], gpu: bool) -> dict:
+def _finish(
+    rec: dict, warmup: int, step_ends: Mapping[int, float], gpu: bool, step_tokens: Mapping[int, float] | None = None
+) -> dict:
     steps = rec.get("steps") or 0
+    # each step's end and the tokens trained by then: a step that stands out (a longer row than any
+    # before it, the allocator growing) shows, where the means hide it
+    rec["step_end_s"] = {str(k): v for k, v in sorted(step_ends.items())}
+    if step_tokens:
+        rec["step_tokens"] = {str(k): v for k, v in sorted(step_tokens.items())}
     rec["s_per_step"] = steady_step_s(step_ends, warmup)
     if rec["s_per_step"] is None and steps and rec.get("train_s"):
         rec["s_per_step"] = rec["train_s"] / steps
         rec["s_per_step_note"] = "train_s / steps (too few steps after warm-up)"
     tokens = rec.get("tokens")
-    rec["tokens_per_s_steady"] = (
+    rec["tokens_per_s_steady"] = steady_tokens_per_s(step_ends, step_tokens or {}, warmup) or (
         (tokens / steps / rec["s_per_step"]) if tokens and steps and rec["s_per_step"] else None
     )
     rec["peak_gib"] = rec.get("peak_allocated_gib") if gpu else rec.get("peak_rss_gib")
@@ -206,7 +214,23 @@ def read_ours(run_dir: Path, child: dict, warmup: int, gpu: bool) -> dict:
     if (run_dir / "oom.json").exists():  # lifecycle.OomRecord: an out-of-memory retry changed the stack
         rec["note"] = "out of memory during the run; the OOM ladder changed the stack (oom.json)"
         rec["oom"] = True
-    return _finish(rec, warmup, by_step, gpu)
+    return _finish(rec, warmup, by_step, gpu, logged_tokens(run_dir / "tb"))
+
+
+def logged_tokens(tb_dir: Path) -> dict[int, float]:
+    """TRL's cumulative num_tokens by step, from the run's TensorBoard events ({} without them)."""
+    events = sorted(tb_dir.rglob("events.out.tfevents.*")) if tb_dir.is_dir() else []
+    if not events:
+        return {}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[int, float] = {}
+    for path in events:
+        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        acc.Reload()
+        if "train/num_tokens" in acc.Tags().get("scalars", []):
+            out.update({e.step: e.value for e in acc.Scalars("train/num_tokens")})
+    return out
 
 
 def read_baseline(metrics_path: Path, child: dict, warmup: int, gpu: bool) -> dict:
@@ -220,7 +244,8 @@ def read_baseline(metrics_path: Path, child: dict, warmup: int, gpu: bool) -> di
         rec["peak_allocated_gib"] = m.get("peak_mem_gib")
         rec["peak_reserved_gib"] = m.get("peak_reserved_gib")
     ends = m.get("step_end_s") or []
-    return _finish(rec, warmup, {i + 1: t for i, t in enumerate(ends)}, gpu)
+    tokens = {int(k): v for k, v in (m.get("step_tokens") or {}).items()}
+    return _finish(rec, warmup, {i + 1: t for i, t in enumerate(ends)}, gpu, tokens)
 
 
 SUMMARY_KEYS = (

@@ -74,11 +74,29 @@ def steady_step_s(step_end_s: Mapping[int, float], warmup: int) -> float | None:
     `warmup`) / the steps between. `step_end_s` maps step numbers (1-based) to cumulative times; it
     needs only some steps (train.py logs every trainer.memory_log_steps): the first logged step at or
     after `warmup` starts the interval. None with fewer than 2 usable points."""
-    steps = sorted(k for k in step_end_s if k >= max(1, warmup))
-    if len(steps) < 2:
+    window = steady_window(step_end_s, warmup)
+    if window is None:
         return None
-    first, last = steps[0], steps[-1]
+    first, last = window
     return (step_end_s[last] - step_end_s[first]) / (last - first)
+
+
+def steady_window(step_end_s: Mapping[int, float], warmup: int) -> tuple[int, int] | None:
+    """The logged steps that bound the timed interval of steady_step_s: (first, last), or None."""
+    steps = sorted(k for k in step_end_s if k >= max(1, warmup))
+    return (steps[0], steps[-1]) if len(steps) >= 2 else None
+
+
+def steady_tokens_per_s(step_end_s: Mapping[int, float], step_tokens: Mapping[int, float], warmup: int) -> float | None:
+    """Tokens/s over the timed interval, from the tokens those very steps trained (cumulative counts by
+    step): rows of mixed lengths make the run's mean tokens per step another figure than the timed
+    steps'. None when either end of the interval has no count."""
+    window = steady_window(step_end_s, warmup)
+    if window is None or any(k not in step_tokens for k in window):
+        return None
+    first, last = window
+    seconds = step_end_s[last] - step_end_s[first]
+    return (step_tokens[last] - step_tokens[first]) / seconds if seconds > 0 else None
 
 
 def search_longest(lo: int, hi: int, gran: int, fits: Callable[[int], bool], max_probes: int) -> int | None:

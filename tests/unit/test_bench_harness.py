@@ -330,3 +330,32 @@ def test_readme_keeps_one_latest_section_per_device(tmp_path):
     text = readme.read_text()
     assert text.count("BEGIN cpu-test-cpu-2-cores:cpu") == 1 and "second table" in text and "first" not in text
     assert text.endswith("more text\n")
+
+
+def test_steady_tokens_per_s_counts_the_timed_steps_own_tokens():
+    """Rows of mixed lengths: the timed steps (4 and 5 here) trained 900 tokens, while the run's mean
+    per step (2,000 / 5) would credit them with 800."""
+    ends = {1: 5.0, 2: 6.0, 3: 7.0, 4: 8.0, 5: 9.0}
+    tokens = {1: 500.0, 2: 900.0, 3: 1100.0, 4: 1400.0, 5: 2000.0}
+    assert stats.steady_tokens_per_s(ends, tokens, warmup=3) == pytest.approx(900 / 2)
+    assert stats.steady_tokens_per_s(ends, {1: 500.0, 5: 2000.0}, warmup=3) is None  # step 3 not counted
+
+
+def test_a_run_record_keeps_each_steps_end_and_tokens_from_its_tensorboard(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = tmp_path / "run"
+    (run / "tb").mkdir(parents=True)
+    (run / "metrics.json").write_text(json.dumps({"status": "ok", "steps": 4, "train_s": 10.0, "tokens_per_s": 200.0}))
+    ends = {1: 4.0, 2: 5.0, 3: 7.0, 4: 8.0}
+    (run / "memory.jsonl").write_text("".join(json.dumps({"step": k, "t_s": t}) + "\n" for k, t in ends.items()))
+    writer = SummaryWriter(str(run / "tb"))
+    for step, tokens in {1: 100, 2: 900, 3: 1200, 4: 2000}.items():
+        writer.add_scalar("train/num_tokens", tokens, step)
+    writer.close()
+    child = {"rc": 0, "wall_s": 12.0, "peak_rss_gib": 1.0, "log": str(tmp_path / "log")}
+    rec = runner.read_ours(run, child, warmup=2, gpu=False)
+    assert rec["step_end_s"] == {"1": 4.0, "2": 5.0, "3": 7.0, "4": 8.0}
+    assert rec["step_tokens"] == {"1": 100.0, "2": 900.0, "3": 1200.0, "4": 2000.0}
+    assert rec["s_per_step"] == pytest.approx(1.5)  # steps 3 and 4, from the end of step 2
+    assert rec["tokens_per_s_steady"] == pytest.approx((2000 - 900) / 3.0)

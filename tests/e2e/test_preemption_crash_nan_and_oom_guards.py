@@ -36,10 +36,18 @@ def step_losses(run_dir, step):
     return {e["step"]: e["loss"] for e in state["log_history"] if "loss" in e}
 
 
-def test_preempted_then_resumed_run_matches_an_uninterrupted_one(tmp_path, monkeypatch):
-    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    train(compose_cfg(*BASE), straight)
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """BASE trained whole (checkpoints 3 and 6), its memory sampled every 2 steps (not part of the stack):
+    the run a resumed one must match, the one whose memory timeline is read, and the finished run a
+    resume checks its stack against. Tests only read it."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    train(compose_cfg(*BASE, "trainer.memory_log_steps=2"), run_dir)
+    return run_dir
 
+
+def test_preempted_then_resumed_run_matches_an_uninterrupted_one(finished_run, tmp_path, monkeypatch):
+    straight, interrupted = finished_run, tmp_path / "interrupted"
     monkeypatch.setenv("QLORA_RECIPES_FAULTS", "sigterm_at_step=4")  # SIGTERM lands during step 4
     with pytest.raises(Preempted) as stop:
         train(compose_cfg(*BASE), interrupted)
@@ -99,15 +107,15 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_with_the_space_needed(tmp_path,
     assert checkpoint_problem(previous, deep=True) is None
 
 
-def test_resume_refuses_a_different_stack(tmp_path):
-    train(compose_cfg(*BASE, "trainer.max_steps=3"), tmp_path)
+def test_resume_refuses_a_different_stack(finished_run):
+    more = [*BASE, "resume=auto", "trainer.max_steps=12"]  # more steps than the finished run's 6
     with pytest.raises(UserError, match=r"differs .* in peft\.r, quant\.method.*allow_changes"):
-        resume_checkpoint(compose_cfg(*BASE, "resume=auto", "peft.r=8", "quant=fp4"), tmp_path)
+        resume_checkpoint(compose_cfg(*more, "peft.r=8", "quant=fp4"), finished_run)
     # The effective batch kept (4 x 1 == 2 x 2) and more steps: the same stack.
-    same = compose_cfg(*BASE, "resume=auto", "trainer.micro_batch_size=2", "trainer.grad_accum=2")
-    assert resume_checkpoint(same, tmp_path).endswith("checkpoint-3")
-    allowed = compose_cfg(*BASE, "resume=auto", "peft.r=8", "resume.allow_changes=true")
-    assert resume_checkpoint(allowed, tmp_path).endswith("checkpoint-3")
+    same = compose_cfg(*more, "trainer.micro_batch_size=2", "trainer.grad_accum=2")
+    assert resume_checkpoint(same, finished_run).endswith("checkpoint-6")
+    allowed = compose_cfg(*more, "peft.r=8", "resume.allow_changes=true")
+    assert resume_checkpoint(allowed, finished_run).endswith("checkpoint-6")
 
 
 def test_resume_rejects_an_incomplete_checkpoint(tmp_path):
@@ -192,11 +200,10 @@ def test_oom_turns_on_checkpointing_then_stops_with_overrides(tmp_path, monkeypa
     ]
 
 
-def test_memory_timeline_is_written(tmp_path):
-    train(compose_cfg(*BASE, "trainer.memory_log_steps=2"), tmp_path)
-    rows = [json.loads(line) for line in (tmp_path / "memory.jsonl").read_text().splitlines()]
+def test_memory_timeline_is_written(finished_run):
+    rows = [json.loads(line) for line in (finished_run / "memory.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [2, 4, 6, 6] and all(r["peak_gib"] > 0 for r in rows)
-    assert (tmp_path / "memory.png").stat().st_size > 1000
+    assert (finished_run / "memory.png").stat().st_size > 1000
 
 
 def test_sigterm_from_outside_prints_how_to_resume(tmp_path):

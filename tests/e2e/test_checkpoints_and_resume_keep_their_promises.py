@@ -8,13 +8,16 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
-from conftest import REPO, SMOKE, compose_cfg
+from conftest import REPO, SMOKE, compose_cfg, sample_subset
 from safetensors.torch import load_file
 from transformers import Trainer
 
@@ -50,6 +53,60 @@ def preempt(run_dir, monkeypatch, at: int, *overrides: str) -> None:
     monkeypatch.delenv("QLORA_RECIPES_FAULTS")
 
 
+def copied(run_dir: Path, tmp_path: Path) -> Path:
+    """A test's own copy of a module's run (mtimes kept), for a test that resumes or changes it."""
+    return Path(shutil.copytree(run_dir, tmp_path / "run"))
+
+
+# ---------------------------------------------------------------- runs several tests read
+@pytest.fixture(scope="module")
+def module_data(tmp_path_factory) -> list[str]:
+    """`small_data` for the module's shared runs (tests that change the data keep their own)."""
+    return sample_subset(tmp_path_factory.mktemp("data"), "", 64, 8)
+
+
+FINISHED = ["trainer.max_steps=4", "trainer.save_steps=2", "optim.scheduler=constant_with_warmup"]
+
+
+class Finished(NamedTuple):
+    run_dir: Path
+    fs_events: list[tuple]  # ("fsync", path) and ("rename", src, dst), in the order the run made them
+
+
+@pytest.fixture(scope="module")
+def finished(module_data, tmp_path_factory) -> Finished:
+    """FINISHED trained whole (checkpoints 2 and 4), every fsync and rename it made recorded."""
+    events: list[tuple] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst, *args, **kwargs):
+        events.append(("rename", str(src), str(dst)))
+        return real_replace(src, dst, *args, **kwargs)
+
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "fsync", fsync)
+        patch.setattr(os, "replace", replace)
+        train(compose_cfg(*BASE, *module_data, *FINISHED), run_dir)
+    return Finished(run_dir, events)
+
+
+STOPPED = ["trainer.max_steps=6", "trainer.save_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def stopped_at_4(module_data, tmp_path_factory) -> Path:
+    """STOPPED preempted by SIGTERM during step 4: checkpoints 2 and 4, no adapter yet."""
+    run_dir = tmp_path_factory.mktemp("stopped") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        preempt(run_dir, patch, 4, *module_data, *STOPPED)
+    return run_dir
+
+
 # ---------------------------------------------------------------- 1. quant.skip_modules
 def test_skip_modules_keep_the_output_head_unquantized(small_data, tmp_path):
     import bitsandbytes as bnb
@@ -73,40 +130,38 @@ def test_skip_modules_keep_the_output_head_unquantized(small_data, tmp_path):
 
 # ---------------------------------------------------------------- 2. LR schedule across a resume
 def test_a_resume_with_a_longer_total_continues_the_lr_schedule_without_going_back_up(
-    small_data, tmp_path, monkeypatch
+    stopped_at_4, module_data, tmp_path, monkeypatch
 ):
     from transformers.optimization import get_scheduler
 
-    run_dir = tmp_path / "run"
-    preempt(run_dir, monkeypatch, 2, *small_data, "trainer.max_steps=4", "trainer.save_steps=2")  # step 2 of 4
-    m = train(compose_cfg(*BASE, *small_data, "trainer.max_steps=8", "trainer.save_steps=2", "resume=auto"), run_dir)
-    assert m["steps"] == 8 and m["resumed_from"].endswith("checkpoint-2")
+    run_dir = copied(stopped_at_4, tmp_path)  # stopped at step 4 of 6
+    m = train(compose_cfg(*BASE, *module_data, "trainer.max_steps=8", "trainer.save_steps=2", "resume=auto"), run_dir)
+    assert m["steps"] == 8 and m["resumed_from"].endswith("checkpoint-4")
 
     final = run_dir / "checkpoints" / "checkpoint-8"
     logged = {e["step"]: e["learning_rate"] for e in state(final)["log_history"] if "learning_rate" in e}
     assert sorted(logged) == list(range(1, 9))
-    # The documented policy (schedule.continue_schedule): the original schedule (cosine over 4 steps,
+    # The documented policy (schedule.continue_schedule): the original schedule (cosine over 6 steps,
     # 1 warmup step) up to the resume step, then its rest stretched over the new remaining steps.
-    lr = compose_cfg(*BASE, *small_data).optim.lr
+    lr = compose_cfg(*BASE, *module_data).optim.lr
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    original = get_scheduler("cosine", probe, num_warmup_steps=1, num_training_steps=4).lr_lambdas[0]
+    original = get_scheduler("cosine", probe, num_warmup_steps=1, num_training_steps=6).lr_lambdas[0]
     for step in range(1, 9):  # step N runs at the LR the scheduler gives after N - 1 steps
         t = step - 1
-        at = t if t <= 2 else 2 + (t - 2) * (4 - 2) / (8 - 2)
+        at = t if t <= 4 else 4 + (t - 4) * (6 - 4) / (8 - 4)
         assert math.isclose(logged[step], lr * original(at), rel_tol=1e-6, abs_tol=1e-12), (step, logged)
     assert logged[1] == 0.0 and logged[2] == lr  # the warmup step, then the peak
     assert all(logged[s] > logged[s + 1] > 0 for s in range(2, 8)), logged  # past warmup: down, never up
-    assert json.loads((final / RECORD).read_text())["schedule"]["warps"] == [[2, 4, 8]]
+    assert json.loads((final / RECORD).read_text())["schedule"]["warps"] == [[4, 6, 8]]
 
     # The finished run resumed without more steps: already complete. More steps after a cosine
     # schedule has ended run at LR 0, and the run says so.
     with pytest.raises(AlreadyComplete):
-        resume_checkpoint(compose_cfg(*BASE, *small_data, "trainer.max_steps=8", "resume=auto"), run_dir)
+        resume_checkpoint(compose_cfg(*BASE, *module_data, "trainer.max_steps=8", "resume=auto"), run_dir)
     caught = []
     monkeypatch.setattr(resume.log, "warning", lambda msg, *a: caught.append(msg % a))
-    assert resume_checkpoint(compose_cfg(*BASE, *small_data, "trainer.max_steps=10", "resume=auto"), run_dir).endswith(
-        "-8"
-    )
+    more = compose_cfg(*BASE, *module_data, "trainer.max_steps=10", "resume=auto")
+    assert resume_checkpoint(more, run_dir).endswith("-8")
     assert any("learning rate is 0" in line for line in caught), caught
 
 
@@ -175,23 +230,21 @@ def test_an_oom_restart_before_any_checkpoint_resets_every_trainable_tensor(smal
 
 
 # ---------------------------------------------------------------- 5. resume that never lies
-def test_resuming_a_finished_run_is_already_complete_and_changes_nothing(small_data, tmp_path, monkeypatch):
-    run_dir = tmp_path / "run"
-    keys = ["trainer.max_steps=4", "trainer.save_steps=2", "optim.scheduler=constant_with_warmup"]
-    train(compose_cfg(*BASE, *small_data, *keys), run_dir)
+def test_resuming_a_finished_run_is_already_complete_and_changes_nothing(finished, module_data, tmp_path):
+    run_dir = copied(finished.run_dir, tmp_path)
     first = json.loads((run_dir / "metrics.json").read_text())
     watched = [run_dir / "metrics.json", *sorted((run_dir / "adapter").iterdir())]
     before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in watched}
     listing = checkpoints(run_dir)
 
-    again = train(compose_cfg(*BASE, *small_data, *keys, "resume=auto"), run_dir)
+    again = train(compose_cfg(*BASE, *module_data, *FINISHED, "resume=auto"), run_dir)
     assert again == first  # the finished run's metrics, not a new run's
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in watched} == before
     assert checkpoints(run_dir) == listing  # no extra step, no new checkpoint
 
     # The command line: exit 0 and one line saying so.
     proc = subprocess.run(
-        [sys.executable, "train.py", *BASE, *small_data, *keys, "resume=auto", f"hydra.run.dir={run_dir}"],
+        [sys.executable, "train.py", *BASE, *module_data, *FINISHED, "resume=auto", f"hydra.run.dir={run_dir}"],
         cwd=REPO,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         capture_output=True,
@@ -203,7 +256,7 @@ def test_resuming_a_finished_run_is_already_complete_and_changes_nothing(small_d
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in watched} == before
 
     # More steps: it goes on from the last checkpoint (constant schedule: at the final LR).
-    more = compose_cfg(*BASE, *small_data, *keys, "trainer.max_steps=6", "resume=auto")
+    more = compose_cfg(*BASE, *module_data, *FINISHED, "trainer.max_steps=6", "resume=auto")
     assert resume_checkpoint(more, run_dir).endswith("checkpoint-4")
 
 
@@ -236,10 +289,8 @@ def test_resume_refuses_changed_data_under_the_same_path(small_data, tmp_path, m
     assert resume_checkpoint(accepted, run_dir).endswith("checkpoint-1")
 
 
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(small_data, tmp_path, monkeypatch, caplog):
-    run_dir = tmp_path / "run"
-    keys = ["trainer.max_steps=6", "trainer.save_steps=2"]
-    preempt(run_dir, monkeypatch, 4, *small_data, *keys)
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(stopped_at_4, module_data, tmp_path, caplog):
+    run_dir = copied(stopped_at_4, tmp_path)
     assert checkpoints(run_dir) == ["checkpoint-2", "checkpoint-4"]
     weights = run_dir / "checkpoints" / "checkpoint-4" / "adapter_model.safetensors"
     blob = bytearray(weights.read_bytes())
@@ -248,7 +299,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(small_data, 
     assert "sha256" in checkpoint_problem(weights.parent, deep=True)
 
     with caplog.at_level(logging.WARNING, logger="qlora_recipes.run.resume"):
-        m = train(compose_cfg(*BASE, *small_data, *keys, "resume=auto"), run_dir)
+        m = train(compose_cfg(*BASE, *module_data, *STOPPED, "resume=auto"), run_dir)
     assert m["resumed_from"].endswith("checkpoint-2") and m["steps"] == 6
     # resume's own lines: other lines name the data, whose path (this test's tmp dir) says "corrupt" too
     lines = [
@@ -262,30 +313,18 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(small_data, 
     assert find_checkpoint(run_dir / "checkpoints").endswith("checkpoint-4")
 
 
-def test_checkpoint_files_are_fsynced_before_the_rename(small_data, tmp_path, monkeypatch):
-    events = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd):
-        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-        return real_fsync(fd)
-
-    def replace(src, dst, *args, **kwargs):
-        events.append(("rename", str(src), str(dst)))
-        return real_replace(src, dst, *args, **kwargs)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
-    train(compose_cfg(*BASE, *small_data, "trainer.max_steps=2", "trainer.save_steps=2"), tmp_path)
-    final = tmp_path / "checkpoints" / "checkpoint-2"
-    at = next(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(final))
-    staged = events[at][1]
-    synced = {e[1] for e in events[:at] if e[0] == "fsync"}
-    files = sorted(p.relative_to(final) for p in final.rglob("*") if p.is_file())
-    assert RECORD in {str(f) for f in files}
-    missing = [str(f) for f in files if os.path.join(staged, str(f)) not in synced]
-    assert not missing, missing
-    assert ("fsync", str(tmp_path / "checkpoints")) in events[at:]  # the rename itself made durable
+def test_checkpoint_files_are_fsynced_before_the_rename(finished):
+    root, events = finished.run_dir / "checkpoints", finished.fs_events
+    finals = [root / "checkpoint-2", root / "checkpoint-4"]
+    renames = [next(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(f)) for f in finals]
+    for final, at, until in zip(finals, renames, [*renames[1:], len(events)], strict=True):
+        staged = events[at][1]
+        synced = {e[1] for e in events[:at] if e[0] == "fsync"}
+        files = sorted(p.relative_to(final) for p in final.rglob("*") if p.is_file())
+        assert RECORD in {str(f) for f in files}
+        missing = [str(f) for f in files if os.path.join(staged, str(f)) not in synced]
+        assert not missing, (final.name, missing)
+        assert ("fsync", str(root)) in events[at:until], final.name  # the rename itself made durable
 
 
 # ---------------------------------------------------------------- 6. run-dir lock

@@ -1,8 +1,9 @@
 """Tiny vision-language models beyond LLaVA, built offline from transformers' own config and processor
-classes: Qwen2.5-VL, Qwen3-VL, Gemma 3, Llama-3.2-Vision (mllama), Idefics3 and SmolVLM. Each has a
-2-layer language model in the shared tiny figures, a 2-layer vision tower, the shipped character tokenizer
-with the family's image tokens added, and a chat template that renders image parts as the family's image
-token and marks the assistant's turn with {% generation %}. The colour rows of helpers_vision train them."""
+classes: Qwen2.5-VL, Qwen3-VL (and Qwen3-VL-MoE), Gemma 3, LLaVA-NeXT, Llama-3.2-Vision (mllama), Idefics3
+and SmolVLM. Each has a 2-layer language model in the shared tiny figures, a 2-layer vision tower, the
+shipped character tokenizer with the family's image tokens added, and a chat template that renders image
+parts as the family's image token and marks the assistant's turn with {% generation %}. The colour rows of
+helpers_vision train them; FAMILIES names those the loading and training tests take in turn."""
 
 from pathlib import Path
 
@@ -100,6 +101,25 @@ def build_qwen3_vl(out: Path) -> Path:
     config = Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
     processor = {"processor_class": "Qwen3VLProcessor"}
     return _save_parts(Qwen3VLForConditionalGeneration, config, tokenizer, _qwen_image_processor(16), processor, out)
+
+
+def build_qwen3_vl_moe(out: Path) -> Path:
+    """Qwen3-VL-MoE: Qwen3-VL's tower and processor (4 image tokens an image, one deepstack layer) around a
+    2-layer MoE text model: 4 experts fused into 3-D weights, top 2."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    tokenizer, ids = _qwen_tokenizer()
+    text = {**COMMON, "vocab_size": len(tokenizer), "num_experts": 4, "num_experts_per_tok": 2}
+    text.update(moe_intermediate_size=64, tie_word_embeddings=False)
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+    vision = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=COMMON["hidden_size"],
+        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+        deepstack_visual_indexes=[0],
+    )  # fmt: skip
+    config = Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids)
+    processor = {"processor_class": "Qwen3VLProcessor"}
+    return _save_parts(Qwen3VLMoeForConditionalGeneration, config, tokenizer, _qwen_image_processor(16), processor, out)
 
 
 def _named_tokenizer(**named: str):
@@ -227,6 +247,42 @@ def build_smolvlm(out: Path) -> Path:
     )
     processor = {"processor_class": "SmolVLMProcessor", "image_seq_len": 1}
     return _save_parts(SmolVLMForConditionalGeneration, config, tokenizer, image_processor, processor, out)
+
+
+LLAVA_NEXT_PINPOINTS = [[28, 56], [56, 28], [56, 56]]  # a 28-px base view and 2 or 4 crops of 28 px
+
+
+def build_llava_next(out: Path) -> Path:
+    """LLaVA-NeXT: a CLIP tower at 28 px (2x2 patches and CLS), anyres tiling over LLAVA_NEXT_PINPOINTS (the
+    base view and up to 2x2 crops, unpadded to the image's aspect, a newline token a row of features), the
+    default strategy dropping CLS: up to 4 + 16 + 4 = 24 image tokens an image."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessorPil,
+        LlavaNextProcessor,
+    )
+
+    tokenizer = _tokenizer("<image>")
+    (image,) = _ids(tokenizer, "<image>")
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    text = LlamaConfig(**{**COMMON, "vocab_size": len(tokenizer)})
+    config = LlavaNextConfig(
+        vision_config=vision, text_config=text, image_token_index=image, vision_feature_layer=-1,
+        image_grid_pinpoints=LLAVA_NEXT_PINPOINTS,
+    )  # fmt: skip
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}, image_grid_pinpoints=LLAVA_NEXT_PINPOINTS
+    )
+    processor = LlavaNextProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1, chat_template=chat_template("<image>"),
+    )  # fmt: skip
+    return _save(LlavaNextForConditionalGeneration, config, processor, out)
 
 
 def add_wide_rows(rows: Path) -> int:

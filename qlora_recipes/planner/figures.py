@@ -458,9 +458,15 @@ def _meta_inventory(fig: Figures) -> tuple[Block, ...]:
     def visit(name: str, module) -> None:
         if name in vision:
             return
-        children = list(module.named_children())
-        if module.__class__.__name__ in no_split or not children or list(module.named_parameters(recurse=False)):
-            blocks.append(_block_from_module(name, module, tied, module.__class__.__name__ in no_split, torch))
+        children, layer = list(module.named_children()), module.__class__.__name__ in no_split
+        own = list(module.named_parameters(recurse=False))
+        if own and not layer and any(m.__class__.__name__ in no_split for m in module.modules()):
+            # a parameter beside the layers (LLaVA-NeXT's image_newline): a block of its own, as accelerate
+            # places it, not the whole model in one block
+            blocks.extend(Block(f"{name}.{n}", params=((f"{name}.{n}", p.numel()),)) for n, p in own)
+            own = []
+        if layer or not children or own:
+            blocks.append(_block_from_module(name, module, tied, layer, torch))
             return
         for child, sub in children:
             visit(f"{name}.{child}" if name else child, sub)

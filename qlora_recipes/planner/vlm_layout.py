@@ -10,8 +10,10 @@ model (no torch, no transformers), as transformers 5.23 builds them:
 - a local dir's (or a hub id's) LLaVA: a CLIP or SigLIP tower under model.vision_tower, the two-linear
   projector under model.multi_modal_projector, its text_config's family (one layers.py knows) under
   model.language_model;
+- a local dir's LLaVA-NeXT: LLaVA's parts and its image_newline parameter, a block of its own;
 - a local dir's Qwen3-VL: its qwen3_vl_text language model (Qwen3's layers) under model.language_model,
-  the tower, its merger and its deepstack mergers under model.visual;
+  the tower, its merger and its deepstack mergers under model.visual; Qwen3-VL-MoE's the same around
+  Qwen3-MoE's layers (3-D fused experts, 4-bit under quant.experts=4bit as a text MoE's);
 - Llama-3.2-Vision (mllama), a conf/model entry's or a local dir's: Llama's layers but at the text_config's
   cross_attention_layers (MllamaTextConfig's default list where it leaves them out) a cross-attention
   layer, 8 more embedding rows, an untied lm_head; the tiled vision model under model.vision_model and
@@ -41,6 +43,7 @@ from .vlm_towers import (
     LLAVA_DEFAULT_TOWER,
     MLLAMA_SIZES,
     MLLAMA_VISION,
+    QWEN2_5_VL_VISION,
     QWEN3_VL_SIZES,
     QWEN3_VL_VISION,
     SIGLIP_VISION,
@@ -50,29 +53,13 @@ from .vlm_towers import (
     idefics3_tower,
     linears_of,
     mllama_tower,
+    qwen2_5_vl_tower,
     qwen3_vl_tower,
     siglip_tower,
     sized,
 )
 
 GEMMA3 = {"model_type": "gemma3", "mm_tokens_per_image": 256}  # Gemma3Config's keys the planner reads
-# Qwen2_5_VLVisionConfig's defaults (transformers 5.23)
-QWEN2_5_VL_VISION = {
-    "model_type": "qwen2_5_vl",
-    "depth": 32,
-    "hidden_size": 3584,
-    "hidden_act": "silu",
-    "intermediate_size": 3420,
-    "num_heads": 16,
-    "in_channels": 3,
-    "patch_size": 14,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-    "tokens_per_second": 4,
-    "window_size": 112,
-    "out_hidden_size": 3584,
-    "fullatt_block_indexes": [7, 15, 23, 31],
-}
 
 TEXT = "model.language_model"
 TOWER = "model.vision_tower"
@@ -81,6 +68,18 @@ PROJECTOR = "model.multi_modal_projector"  # Gemma 3's and LLaVA's
 IDEFICS3_TEXT = "model.text_model"  # Idefics3's and SmolVLM's language model, tower and connector
 IDEFICS3_TOWER = "model.vision_model"
 CONNECTOR = "model.connector"
+NEWLINE = "model.image_newline"  # LLaVA-NeXT's parameter on the model itself
+# LlavaNextConfig's default image_grid_pinpoints: the (height, width) an image's anyres crops may cover
+LLAVA_NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+# Qwen3VLMoeTextConfig's defaults (transformers 5.23) for the keys its layout reads
+QWEN3_VL_MOE_TEXT = {
+    "num_local_experts": 60,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 1408,
+    "attention_bias": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
 
 
 @dataclass(frozen=True)
@@ -122,8 +121,8 @@ def layout(fig: Any) -> VlmLayout | None:
     build = _DIR_FAMILIES.get(str(cj.get("model_type")))
     if build is None or cj.get("auto_map") or not isinstance(cj.get("text_config"), dict):
         return None
-    if fig.architecture == "qwen3_vl_text":  # Qwen3's layers, as its text_config sizes them
-        return _qwen3_vl(fig, cj) if cj.get("model_type") == "qwen3_vl" else None
+    if fig.architecture in _QWEN3_VL_TEXT:  # Qwen3's layers (Qwen3-MoE's), as its text_config sizes them
+        return build(fig, cj) if cj.get("model_type") == _QWEN3_VL_TEXT[fig.architecture] else None
     # the text model is its text_config's family: laid out when layers.py knows it (else the meta model)
     return build(fig, cj) if fig.traits.known else None
 
@@ -211,26 +210,10 @@ def _qwen2_5_vl(fig: Any) -> VlmLayout | None:
     sizes = ("depth", "hidden_size", "intermediate_size", "in_channels", "patch_size", "temporal_patch_size")
     if not sized(vc, (*sizes, "spatial_merge_size", "out_hidden_size")):
         return None
-    h, inter, wide = vc["hidden_size"], vc["intermediate_size"], vc["hidden_size"] * vc["spatial_merge_size"] ** 2
-    patch = vc["in_channels"] * vc["temporal_patch_size"] * vc["patch_size"] ** 2
-    blocks = [Block(f"{VISUAL}.patch_embed.proj", params=((f"{VISUAL}.patch_embed.proj.weight", h * patch),))]
-    blocks += [_qwen_vision_block(f"{VISUAL}.blocks.{i}", h, inter) for i in range(vc["depth"])]
-    m = f"{VISUAL}.merger"
-    merger = (Linear(f"{m}.mlp.0", wide, wide, True), Linear(f"{m}.mlp.2", wide, vc["out_hidden_size"], True))
-    params = ((f"{m}.ln_q.weight", h),) + tuple((f"{lin.name}.bias", lin.out_features) for lin in merger)
-    blocks.append(Block(m, merger, params))
-    linears = tuple((lin.in_features, lin.out_features) for b in blocks for lin in b.linears)
+    blocks, linears = qwen2_5_vl_tower(vc, VISUAL)
     text = tuple(_under_text(b) for b in analytic_inventory(fig))
     config = {"model_type": "qwen2_5_vl", "vision_config": vc}
     return VlmLayout(text, tuple(blocks), (VISUAL,), linears, json.dumps(config, sort_keys=True))
-
-
-def _qwen_vision_block(p: str, h: int, inter: int) -> Block:
-    linears = (Linear(f"{p}.attn.qkv", h, 3 * h, True), Linear(f"{p}.attn.proj", h, h, True))
-    linears += tuple(Linear(f"{p}.mlp.{n}", h, inter, True) for n in ("gate_proj", "up_proj"))
-    linears += (Linear(f"{p}.mlp.down_proj", inter, h, True),)
-    params = ((f"{p}.norm1.weight", h), (f"{p}.norm2.weight", h))
-    return Block(p, linears, params + tuple((f"{lin.name}.bias", lin.out_features) for lin in linears), is_layer=True)
 
 
 def _text(fig: Any, tie: bool, prefix: str) -> tuple[Block, ...]:
@@ -244,10 +227,11 @@ def _top(cj: dict[str, Any], **defaults: Any) -> dict[str, Any]:
     return {**defaults, **{k: v for k, v in cj.items() if k not in ("text_config", "vision_config")}}
 
 
-def _llava(fig: Any, cj: dict[str, Any]) -> VlmLayout | None:
+def _llava(fig: Any, cj: dict[str, Any], **defaults: Any) -> VlmLayout | None:
     """LLaVA (LlavaForConditionalGeneration): its tower is AutoModel's of the vision_config (CLIP by default,
     CLIP-L/14 at 336 px without one), the projector two linears from the tower's hidden size (times the
-    feature layers it concatenates) to the text's; tied where the top level or the text_config ties."""
+    feature layers it concatenates) to the text's; tied where the top level or the text_config ties.
+    `defaults`: the config class's own top-level keys beside LlavaConfig's (LLaVA-NeXT's)."""
     given = cj.get("vision_config")
     if given is None:
         vc = dict(LLAVA_DEFAULT_TOWER)
@@ -259,7 +243,7 @@ def _llava(fig: Any, cj: dict[str, Any]) -> VlmLayout | None:
         vc = {**defaults[kind], **given}
     if not sized(vc, SIZES):
         return None
-    top = _top(cj, vision_feature_layer=-2, multimodal_projector_bias=True, tie_word_embeddings=False)
+    top = _top(cj, vision_feature_layer=-2, multimodal_projector_bias=True, tie_word_embeddings=False, **defaults)
     build = clip_tower if vc["model_type"] == "clip_vision_model" else siglip_tower
     tower, own = build(vc, TOWER)
     layers = top["vision_feature_layer"]
@@ -271,6 +255,18 @@ def _llava(fig: Any, cj: dict[str, Any]) -> VlmLayout | None:
     text = _text(fig, bool(top["tie_word_embeddings"]) or fig.tie_embeddings, TEXT)
     config = json.dumps({**top, "vision_config": vc}, sort_keys=True)
     return VlmLayout(text, (*tower, projector), (TOWER, PROJECTOR), linears, config)
+
+
+def _llava_next(fig: Any, cj: dict[str, Any]) -> VlmLayout | None:
+    """LLaVA-NeXT (LlavaNextForConditionalGeneration): LLaVA's tower, projector and language model, and
+    image_newline (a text-wide parameter of the model itself, the row end of each image's anyres features)
+    a block of its own before the language model's; its config carries the grid pinpoints the anyres
+    tiling reads (planner/vision_forward.py)."""
+    known = _llava(fig, cj, image_grid_pinpoints=LLAVA_NEXT_PINPOINTS, vision_feature_select_strategy="default")
+    if known is None:
+        return None
+    newline = Block(NEWLINE, params=((NEWLINE, fig.hidden_size),))
+    return replace(known, text=(newline, *known.text))
 
 
 def _idefics3(fig: Any, cj: dict[str, Any]) -> VlmLayout | None:
@@ -298,20 +294,45 @@ def _qwen3_vl(fig: Any, cj: dict[str, Any]) -> VlmLayout | None:
     """Qwen3-VL: its text model is Qwen3's layers (q/k norms; attention_bias on all four projections, a
     bias-free MLP; Qwen3VLTextConfig's head_dim of 128 where the text_config leaves it out), its tower
     planner/vlm_towers.qwen3_vl_tower's, tied only where the top level says so."""
-    given = cj.get("vision_config") or {}
-    if not isinstance(given, dict):
-        return None
-    vc = {**QWEN3_VL_VISION, **given, "model_type": "qwen3_vl_vision"}
-    deepstack = vc["deepstack_visual_indexes"]
-    if not sized(vc, QWEN3_VL_SIZES) or not isinstance(deepstack, list | tuple):
-        return None
     tc = cj["text_config"]
     bias = bool(tc.get("attention_bias", False))
     own = replace(fig, architecture="qwen3", qkv_bias=bias, o_bias=bias, mlp_bias=False)
-    own = replace(own, head_dim=int(tc.get("head_dim") or 128))
+    return _qwen3_vl_shaped(replace(own, head_dim=int(tc.get("head_dim") or 128)), cj)
+
+
+def _qwen3_vl_moe(fig: Any, cj: dict[str, Any]) -> VlmLayout | None:
+    """Qwen3-VL-MoE: Qwen3-VL's tower around Qwen3-MoE's layers (a router weight, the experts fused into
+    3-D gate_up_proj and down_proj, no shared expert), Qwen3VLMoeTextConfig's defaults where its
+    text_config leaves a figure out (its head_dim hidden / heads, as the figures read it). A text model
+    with dense layers among the MoE ones (mlp_only_layers, decoder_sparse_step) keeps the meta model."""
+    given = {k: v for k, v in cj["text_config"].items() if v is not None}
+    if "num_experts" in given:  # the name its config class maps to num_local_experts
+        given.setdefault("num_local_experts", given["num_experts"])
+    tc = {**QWEN3_VL_MOE_TEXT, **given}
+    if tc["mlp_only_layers"] or tc["decoder_sparse_step"] != 1:
+        return None
+    if not sized(tc, ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size")):
+        return None
+    experts = tc["num_local_experts"]
+    bias = bool(tc["attention_bias"])
+    own = replace(fig, architecture="qwen3_moe", qkv_bias=bias, o_bias=bias, mlp_bias=False, num_experts=experts)
+    own = replace(own, experts_per_token=tc["num_experts_per_tok"], expert_intermediate=tc["moe_intermediate_size"])
+    return _qwen3_vl_shaped(replace(own, shared_expert_intermediate=0), cj)
+
+
+def _qwen3_vl_shaped(text_fig: Any, cj: dict[str, Any]) -> VlmLayout | None:
+    """A Qwen3-VL checkpoint's layout: the tower under model.visual, the language model `text_fig`'s
+    family's layers under model.language_model."""
+    given = cj.get("vision_config") or {}
+    if not isinstance(given, dict):
+        return None
+    vc = {**QWEN3_VL_VISION, **given, "model_type": f"{cj['model_type']}_vision"}
+    deepstack = vc["deepstack_visual_indexes"]
+    if not sized(vc, QWEN3_VL_SIZES) or not isinstance(deepstack, list | tuple):
+        return None
     top = _top(cj, tie_word_embeddings=False)
     tower, linears = qwen3_vl_tower(vc, VISUAL)
-    text = _text(own, bool(top["tie_word_embeddings"]), TEXT)
+    text = _text(text_fig, bool(top["tie_word_embeddings"]), TEXT)
     config = json.dumps({**top, "vision_config": vc}, sort_keys=True)
     return VlmLayout(text, tuple(tower), (VISUAL,), linears, config)
 
@@ -370,4 +391,7 @@ def _cross_layer(layer: Block, head_dim: int) -> Block:
     return replace(layer, linears=linears, params=layer.params + params)
 
 
-_DIR_FAMILIES = {"llava": _llava, "idefics3": _idefics3, "smolvlm": _idefics3, "qwen3_vl": _qwen3_vl}
+_DIR_FAMILIES = {"llava": _llava, "llava_next": _llava_next, "idefics3": _idefics3, "smolvlm": _idefics3}
+_DIR_FAMILIES.update(qwen3_vl=_qwen3_vl, qwen3_vl_moe=_qwen3_vl_moe)
+# the text model_types whose layout is their checkpoint's (the figures' family unknown to layers.py)
+_QWEN3_VL_TEXT = {"qwen3_vl_text": "qwen3_vl", "qwen3_vl_moe_text": "qwen3_vl_moe"}

@@ -161,6 +161,46 @@ def _siglip_head(p: str, h: int, inter: int) -> Block:
     return Block(p, tuple(linears), params, is_layer=True)
 
 
+# Qwen2_5_VLVisionConfig's defaults (transformers 5.23)
+QWEN2_5_VL_VISION = {
+    "model_type": "qwen2_5_vl",
+    "depth": 32,
+    "hidden_size": 3584,
+    "hidden_act": "silu",
+    "intermediate_size": 3420,
+    "num_heads": 16,
+    "in_channels": 3,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "tokens_per_second": 4,
+    "window_size": 112,
+    "out_hidden_size": 3584,
+    "fullatt_block_indexes": [7, 15, 23, 31],
+}
+
+
+def qwen2_5_vl_tower(vc: dict[str, Any], p: str) -> Tower:
+    """Qwen2.5-VL's tower: a bias-free Conv3d patch embedding, blocks of RMSNorms, a fused qkv and a gated
+    MLP (all with biases), and its merger (an RMSNorm, two linears over merge^2 patches)."""
+    h, inter, wide = vc["hidden_size"], vc["intermediate_size"], vc["hidden_size"] * vc["spatial_merge_size"] ** 2
+    patch = vc["in_channels"] * vc["temporal_patch_size"] * vc["patch_size"] ** 2
+    blocks = [Block(f"{p}.patch_embed.proj", params=((f"{p}.patch_embed.proj.weight", h * patch),))]
+    blocks += [_qwen2_5_vl_block(f"{p}.blocks.{i}", h, inter) for i in range(vc["depth"])]
+    m = f"{p}.merger"
+    merger = (Linear(f"{m}.mlp.0", wide, wide, True), Linear(f"{m}.mlp.2", wide, vc["out_hidden_size"], True))
+    blocks.append(Block(m, merger, ((f"{m}.ln_q.weight", h),) + biases(merger)))
+    return blocks, linears_of(blocks)
+
+
+def _qwen2_5_vl_block(p: str, h: int, inter: int) -> Block:
+    linears = (Linear(f"{p}.attn.qkv", h, 3 * h, True), Linear(f"{p}.attn.proj", h, h, True))
+    linears += tuple(Linear(f"{p}.mlp.{n}", h, inter, True) for n in ("gate_proj", "up_proj"))
+    linears += (Linear(f"{p}.mlp.down_proj", inter, h, True),)
+    params = ((f"{p}.norm1.weight", h), (f"{p}.norm2.weight", h))
+    return Block(p, linears, params + biases(linears), is_layer=True)
+
+
 # Qwen3VLVisionConfig's defaults (transformers 5.23)
 QWEN3_VL_VISION = {
     "model_type": "qwen3_vl_vision",

@@ -92,6 +92,39 @@ def _qwen3_vl(tmp_path, deepstack: list[int], **text) -> figures.Figures:
     return _saved(tmp_path, Qwen3VLConfig(text_config=tiny, vision_config=vision))
 
 
+def _llava_next(tmp_path, tower: str | None, text: str, **top) -> figures.Figures:
+    from transformers import AutoConfig, LlavaNextConfig
+
+    vision = {"vision_config": AutoConfig.for_model(tower, **TINY_TOWER)} if tower else {}
+    config = LlavaNextConfig(**vision, text_config=AutoConfig.for_model(text, **TINY_TEXT), **top)
+    return _saved(tmp_path, config)
+
+
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+def _qwen3_vl_moe(tmp_path, deepstack: list[int], **text) -> figures.Figures:
+    from transformers import Qwen3VLMoeConfig
+
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=16,
+                  num_position_embeddings=16, deepstack_visual_indexes=deepstack)  # fmt: skip
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3]}
+    tiny = {**TINY_TEXT, **TINY_MOE, "rope_parameters": rope, "tie_word_embeddings": False, **text}
+    return _saved(tmp_path, Qwen3VLMoeConfig(text_config=tiny, vision_config=vision))
+
+
+def _text_config_edited(fig: figures.Figures, **keys) -> figures.Figures:
+    """The dir's config.json with its text_config's `keys` set (None: left out), its figures read again."""
+    path = Path(str(fig.config_dir)) / "config.json"
+    cj = json.loads(path.read_text())
+    for key, value in keys.items():
+        cj["text_config"].pop(key, None)
+        if value is not None:
+            cj["text_config"][key] = value
+    path.write_text(json.dumps(cj))
+    return figures.model_figures(compose_cfg(f"model.name_or_path={fig.config_dir}").model)
+
+
 def _without_head_dim(fig: figures.Figures) -> figures.Figures:
     """The dir's config.json with its text_config's head_dim left out, its figures read again."""
     path = Path(str(fig.config_dir)) / "config.json"
@@ -146,6 +179,24 @@ CASES = {
     "mllama-dir": lambda tmp: _mllama(tmp, cross_attention_layers=[1], num_hidden_layers=3),
     # a text_config without cross_attention_layers: MllamaTextConfig's list, the layers it reaches
     "mllama-default-cross": lambda tmp: _mllama(tmp, num_hidden_layers=9),
+    # LLaVA-NeXT: LLaVA's CLIP tower and projector, image_newline a block of its own beside the text model
+    "llava-next-clip-llama": lambda tmp: _llava_next(tmp, "clip_vision_model", "llama",
+                                                     image_grid_pinpoints=[[28, 56], [56, 56]]),
+    # a SigLIP tower, two feature layers into a bias-free projector, a tied qwen2
+    "llava-next-siglip-qwen2": lambda tmp: _llava_next(tmp, "siglip_vision_model", "qwen2",
+                                                       vision_feature_layer=[-2, -1], tie_word_embeddings=True,
+                                                       multimodal_projector_bias=False),
+    # no vision_config: LlavaNextConfig's CLIP-L/14 at 336 px and its default pinpoints
+    "llava-next-default-tower": lambda tmp: _llava_next(tmp, None, "mistral"),
+    # Qwen3-VL-MoE: Qwen3-MoE's layers (router, 3-D experts) under model.language_model, two deepstack mergers
+    "qwen3-vl-moe": lambda tmp: _qwen3_vl_moe(tmp, [0, 1]),
+    # biased q/k/v/o, tied at the top level, no deepstack layer
+    "qwen3-vl-moe-biased-tied": lambda tmp: _qwen3_vl_moe(tmp, [], attention_bias=True, tie_word_embeddings=True),
+    # the experts' count under its older name; top-k, the experts' width, head_dim and the text's tie left
+    # out: the class's 4, 1408, hidden / heads and (untied at the top level) an lm_head of its own
+    "qwen3-vl-moe-defaults": lambda tmp: _text_config_edited(
+        _qwen3_vl_moe(tmp, [1]), num_local_experts=None, num_experts=3, num_experts_per_tok=None,
+        moe_intermediate_size=None, head_dim=None, tie_word_embeddings=None),
 }  # fmt: skip
 
 
@@ -210,6 +261,14 @@ def test_a_dir_with_its_own_code_or_another_tower_keeps_the_meta_model(tmp_path)
     assert vlm_layout.layout(dataclasses.replace(llava, architecture="mllama")) is None
 
 
+def test_a_qwen3_vl_moe_with_dense_layers_among_its_experts_keeps_the_meta_model(tmp_path):
+    fig = _qwen3_vl_moe(tmp_path, [0])
+    assert vlm_layout.layout(fig) is not None
+    for dense in ({"mlp_only_layers": [1]}, {"mlp_only_layers": None, "decoder_sparse_step": 2}):
+        vlm_layout.layout.cache_clear()
+        assert vlm_layout.layout(_text_config_edited(fig, **dense)) is None, dense
+
+
 # plans each argument's overrides (space-separated) in a fresh process: which modules planning imports,
 # its peaks, its seconds
 PLAN_SCRIPT = """
@@ -258,6 +317,9 @@ def test_planning_saved_tiny_vlms_of_every_laid_out_family_builds_no_meta_model_
 
     builds = {"llava": build_llava, "idefics3": fam.build_idefics3, "smolvlm": fam.build_smolvlm}
     builds.update(qwen3_vl=fam.build_qwen3_vl, mllama=fam.build_mllama)
+    builds.update(llava_next=fam.build_llava_next, qwen3_vl_moe=fam.build_qwen3_vl_moe)
     on_a_gpu = "hardware.gpus=1 hardware.gpu_memory_gib=24"
     plans = [f"model.name_or_path={build(tmp_path / name)} {on_a_gpu}" for name, build in builds.items()]
+    # the MoE's fused experts in 4 bits (quant.experts=4bit, nf4's default) and in the compute dtype
+    plans.append(f"{plans[-1]} quant.experts=16bit")
     _plans_alike_without_the_meta_model(plans, monkeypatch)

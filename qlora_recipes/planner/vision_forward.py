@@ -4,8 +4,9 @@ By shape, not by family: a vision_config's layers / hidden / intermediate / head
 (CLIP, SigLIP, Idefics3's tower: a fixed resolution) or its spatial merge without an image size
 (Qwen2-VL, Qwen2.5-VL: images resized to a pixel budget). The processor's settings (processor_config.json's
 image_processor, or preprocessor_config.json) give the image size it renders, Qwen's min/max pixels and
-Idefics' splitting into tiles; without them the vision_config's image size, or for a pixel-budget tower the
-sequence length (no row holds more image tokens than that).
+Idefics' splitting into tiles, LLaVA-NeXT's anyres grid pinpoints (the base view and the crops its best
+pinpoint cuts, planned at the pinpoint that makes the most tokens); without them the vision_config's image
+size, or for a pixel-budget tower the sequence length (no row holds more image tokens than that).
 
 Qwen2.5-VL's layers attend within windows of window_size pixels a side, all but fullatt_block_indexes:
 their attention is sized at the window, the others' at the whole image.
@@ -40,6 +41,9 @@ class VisionShape:
     tiles: int = 0  # tiles an image when the tower always takes that many (mllama's max_num_tiles)
     window: int = 0  # patches a window of the windowed layers (Qwen2.5-VL's window_size); 0: none
     full_layers: tuple[int, ...] = ()  # with a window, the layers that attend the whole image
+    # LLaVA-NeXT's anyres tiling: the (height, width) in pixels an image's crops may cover (its config's
+    # image_grid_pinpoints; the processor's own, where it has them, decide)
+    pinpoints: tuple[tuple[int, int], ...] = ()
 
     @property
     def windowed(self) -> int:
@@ -74,8 +78,18 @@ def vision_shape(cj: dict[str, Any], text_hidden: int) -> VisionShape | None:
         out_hidden=_first(vc, "out_hidden_size") or text_hidden,
         pooled=_first(cj, "mm_tokens_per_image"),
         tiles=_first(vc, "max_num_tiles"),
+        pinpoints=_pinpoints(cj.get("image_grid_pinpoints")),
         **_windows(vc),
     )
+
+
+def _pinpoints(given: Any) -> tuple[tuple[int, int], ...]:
+    """image_grid_pinpoints as (height, width) pairs of positive integers; () where it is none such."""
+    if not isinstance(given, list | tuple) or not all(isinstance(p, list | tuple) and len(p) == 2 for p in given):
+        return ()
+    pairs = tuple((p[0], p[1]) for p in given)
+    positive = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for p in pairs for v in p)
+    return pairs if positive else ()
 
 
 def _windows(vc: dict[str, Any]) -> dict[str, Any]:
@@ -119,10 +133,29 @@ def image_tokens(shape: VisionShape, settings: dict[str, Any], seq_len: int) -> 
     drop = 1 if add and settings.get("vision_feature_select_strategy") == "default" else 0
     edge, source = _fixed_edge(shape, ip)
     grid = (edge // shape.patch) ** 2
+    pinpoints = _pinpoints(ip.get("image_grid_pinpoints")) or shape.pinpoints
+    if pinpoints and not shape.tiles:
+        return _anyres(pinpoints, edge, edge // shape.patch, add, drop, source)
     tiles = shape.tiles or _tiles(ip)
     # a cross-attending model (fixed tiles) puts no image tokens in the row: sized by the tower's sequence
     tokens = tiles * (shape.pooled or (grid // shape.merge**2 + add - drop))
     return ImageTokens(tokens, tiles, grid + add, source + (f", {tiles} tiles" if tiles > 1 else ""), add)
+
+
+def _anyres(
+    pinpoints: tuple[tuple[int, int], ...], edge: int, side: int, add: int, drop: int, source: str
+) -> ImageTokens:
+    """LLaVA-NeXT's anyres tiling (its processor's _get_number_of_features): the base view at `edge` px
+    (`side` patches a side), then the image resized into its best pinpoint and cut into crops of `edge`
+    px, each crop's features laid out as one grid with a newline token a row, the padding back to the
+    image's aspect dropped. The most tokens: an image of its pinpoint's own aspect (nothing unpadded) at
+    the pinpoint that makes the most; the tower sees the base view and every crop (the most crops any
+    pinpoint cuts)."""
+    rows_cols = [(side * (h // edge), side * (w // edge)) for h, w in pinpoints]
+    tokens = side * side + add - drop + max(rows * cols + rows for rows, cols in rows_cols)
+    crops = max(-(-h // edge) * -(-w // edge) for h, w in pinpoints)
+    where = f"{source}, anyres over {len(pinpoints)} pinpoints: the base view and up to {crops} crops"
+    return ImageTokens(tokens, 1 + crops, side * side + add, where, add)
 
 
 def _fixed_edge(shape: VisionShape, ip: dict) -> tuple[int, str]:

@@ -213,7 +213,9 @@ def settle_for_data(
     (data_stats["seq_len"]), data.images_per_row=auto to the most images a row holds (planner/vision.py),
     and the plan made for the batches the rows really make - their longest row when shorter than seq_len
     (planner/seqlen.py), an eval batch of the eval split's rows when it holds fewer than
-    trainer.eval_batch_size (planner/evalbatch.py) - else as planned before the data."""
+    trainer.eval_batch_size (planner/evalbatch.py) - else as planned before the data: `first_plan` itself
+    where no input differs (seq_len=auto resolved to the cap it was planned at), a plan made again where
+    one does."""
     settled = with_seq_len(cfg, data_stats["seq_len"]) if is_auto(cfg) else cfg
     settled, images = settle_images(settled, data_stats)  # data.images_per_row=auto: the rows' most
     if images:
@@ -221,7 +223,7 @@ def settle_for_data(
     longest = data_length(settled, data_stats.get("max_tokens"))
     eval_rows = evalbatch.rows_for_data(settled, int((data_stats.get("rows") or {}).get("eval") or 0))
     if longest is None and eval_rows is None and images is None:
-        return settled, (first_plan if settled is cfg else plan(settled, gpus, host_ram))
+        return settled, (first_plan if _planned_alike(cfg, settled, first_plan) else plan(settled, gpus, host_ram))
     planned, notes = settled, [images] if images else []
     if longest is not None:
         planned = with_seq_len(planned, longest)
@@ -236,3 +238,12 @@ def settle_for_data(
     if eval_rows is not None:
         result["data_eval_rows"] = eval_rows
     return settled, result
+
+
+def _planned_alike(cfg: TrainConfig, settled: TrainConfig, first_plan: dict) -> bool:
+    """Whether `first_plan` is already the plan of `settled`: nothing settled, or only trainer.seq_len=auto,
+    to exactly the cap the first plan was planned at."""
+    if settled is cfg:
+        return True
+    cap = (first_plan.get("seq_len_auto") or {}).get("cap")
+    return is_auto(cfg) and cap is not None and int(settled.trainer.seq_len) == int(cap)

@@ -55,7 +55,7 @@ def build_bpe_llama(out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """The run trained on the BPE Llama, exported as f16 (merged first) and as q8_0 (the merge reused)."""
+    """The run trained on the BPE Llama, exported as f16 (merged first), then as q8_0 and bf16 (the merge reused)."""
     from qlora_recipes.export.converter import fetch_converter
 
     fetch_converter(progress=lambda _: None)
@@ -63,7 +63,7 @@ def exported(tmp_path_factory):
     base = build_bpe_llama(root / "bpe-llama")
     _, run_dir = train_smoke(root / "run", f"model.name_or_path={base}")
     outputs = {}
-    for quant, out in (("f16", None), ("q8_0", root / "q8")):
+    for quant, out in (("f16", None), ("q8_0", root / "q8"), ("bf16", root / "bf16")):
         argv = ["export", str(run_dir), "--to", "gguf", "--quant", quant, *(["--out", str(out)] if out else [])]
         with pytest.raises(SystemExit) as exit_:
             qlora(argv)
@@ -73,19 +73,37 @@ def exported(tmp_path_factory):
 
 
 def _merged(run_dir: Path) -> dict:
-    from safetensors.numpy import load_file
+    """The merged tensors as fp32 arrays, read with safetensors' torch API: numpy has no bfloat16, the
+    dtype a merge of a bf16 run (a GPU's, or a CPU with native bf16) is saved in."""
+    from safetensors import safe_open
 
     found = {}
     for shard in (run_dir / "merged").glob("*.safetensors"):
-        found.update({k: v.astype(np.float32) for k, v in load_file(str(shard)).items()})
+        with safe_open(str(shard), framework="pt") as f:
+            found.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
     return found
 
 
-@pytest.mark.parametrize("quant, step", [("f16", 2.0**-10), ("q8_0", 1 / 127)])
+def test_the_merge_is_saved_in_the_runs_precision(exported):
+    """Whatever precision=auto picked here (bf16 where the CPU has it natively, else fp32), the merged
+    tensors are saved in it: the GGUF tests below then read a bf16 or an fp32 source."""
+    import yaml
+
+    from qlora_recipes.units import PRECISION_DTYPE
+
+    run_dir, _ = exported
+    precision = yaml.safe_load((run_dir / "config.yaml").read_text())["precision"]["name"]
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in _merged(run_dir).values()}
+    assert dtypes == {PRECISION_DTYPE[precision]}, (precision, dtypes)
+
+
+# one rounding step of each GGUF type, relative to a tensor's largest value (q8_0: its block scale)
+@pytest.mark.parametrize("quant, step", [("f16", 2.0**-10), ("q8_0", 1 / 127), ("bf16", 2.0**-7)])
 def test_every_merged_tensor_is_in_the_gguf_within_its_rounding(exported, quant, step):
     """Read back here with gguf's reader, independently of the export's own check: each merged tensor
     has a GGUF tensor of its size whose values, sorted (the converter reorders q/k rows), are the
-    merged values within one rounding step of the tensor's largest value."""
+    merged values within one rounding step of the tensor's largest value. A bf16 merge (numpy has no
+    bfloat16: read with torch) loses nothing to bf16 and only f16's subnormals to f16."""
     import gguf
     from gguf.quants import dequantize
 
@@ -93,7 +111,7 @@ def test_every_merged_tensor_is_in_the_gguf_within_its_rounding(exported, quant,
     reader = gguf.GGUFReader(str(outputs[quant] / f"model-{quant}.gguf"))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
     tensors = {t.name: t for t in reader.tensors}
-    merged = _merged(run_dir)
+    merged = {k: v.float().numpy() for k, v in _merged(run_dir).items()}
     assert len(tensors) == len(merged)
     for hf_name, ref in merged.items():
         t = tensors[names.get_name(hf_name, try_suffixes=(".weight",))]

@@ -111,6 +111,19 @@ class Guarded:
         losses = [e["loss"] for e in self.state.log_history if "loss" in e]
         return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else 0.0, {})
 
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._keep_adapter_dtypes()
+
+    def _keep_adapter_dtypes(self) -> None:
+        """peft's load_adapter, which transformers' resume calls, upcasts bf16 adapters to fp32: a resumed run
+        would go on computing in another dtype than the run it continues. Cast back to the dtype the run
+        trains in; bf16 -> fp32 -> bf16 is exact, so the checkpoint's values are kept bit for bit."""
+        for name, param in self.model.named_parameters():
+            dtype = self._adapter_dtypes.get(name)
+            if dtype is not None and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+
     def set_initial_training_values(self, args, dataloader):
         values = super().set_initial_training_values(args, dataloader)
         self._steps_per_epoch = values[1]  # optimizer steps per epoch: turns trainer.epochs into steps

@@ -3,12 +3,14 @@
 at plan time that vLLM will not load it, and refused by `--to vllm` in one line."""
 
 import json
+import math
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import REPO, SMOKE, train_smoke
 
 from qlora_recipes.cli import main as qlora
@@ -37,6 +39,25 @@ def write_task(folder: Path, rows: int = 12) -> Path:
     return folder
 
 
+def _log_ppl_bound(run_dir: Path, tasks: Path) -> float:
+    """How far ln(perplexity) of the merged model may be from the tuned stack's. fp32: 0.05 (measured
+    well inside). bf16 (precision=auto on a CPU with native bf16): both evaluate in bf16, where a logit
+    is known to half an ulp, 2^-8 of the largest (the merge report's logit absmax), and so is each
+    completion token's log-probability; ln(perplexity) sums those over a row's completion tokens
+    (measured: 0.0625 with 4.7 tokens and logits up to 15, a bound of 0.28; the adapter moves it 2.6)."""
+    from transformers import AutoTokenizer
+
+    precision = yaml.safe_load((run_dir / "config.yaml").read_text())["precision"]["name"]
+    if precision == "fp32":
+        return 0.05
+    tokenizer = AutoTokenizer.from_pretrained(str(run_dir / "adapter"))
+    rows = [json.loads(line) for line in (tasks / "rows.jsonl").read_text().splitlines()]
+    tokens = sum(len(tokenizer(r["completion"], add_special_tokens=False).input_ids) for r in rows) / len(rows)
+    report = json.loads((run_dir / "merged" / "merge_report.json").read_text())
+    absmax = report["compare"]["vs_base_plus_adapter"]["ref_logit_absmax"]
+    return tokens * 2.0**-8 * absmax
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A smoke run of the default, merged (so eval has three columns)."""
@@ -63,7 +84,8 @@ def test_eval_prints_base_tuned_and_merged_and_writes_eval_json_and_the_card(tra
     ppl = report["tasks"]["order_local"]["perplexity"]
     assert set(ppl) == {"base", "tuned", "merged"}
     assert ppl["base"] != ppl["tuned"]  # the adapter was really off for the base column
-    assert ppl["merged"] == pytest.approx(ppl["tuned"], rel=0.05)  # the merge keeps what the adapter learned
+    # the merge keeps what the adapter learned, within the rounding of the dtype the run used
+    assert abs(math.log(ppl["merged"] / ppl["tuned"])) <= _log_ppl_bound(trained, tasks), ppl
     row = re.search(r"(?m)^order_local\s+perplexity\s+(\S+)\s+(\S+)\s+(\S+)$", out)
     assert row and float(row.group(2)) == pytest.approx(ppl["tuned"], rel=1e-3), out
     metrics = json.loads((trained / "metrics.json").read_text())

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from ..units import dtype_bytes
+from ..units import dtype_bytes, fmt_bytes
 from .components import act_dtypes, eager, quantized_linear_bytes
 from .cross_attention import add_cross_attention, eval_bytes
 from .figures import hf_config, vision_language
@@ -343,4 +343,4 @@ def add_vision_upcast(st: StackSpec, comp: dict, params: int, device: str, notes
     if not (params and st.quantized and st.upcast_frozen and extra > 0):
         return
     comp["load_transient"][device] += params * extra
-    notes.append(f"vision: k-bit prep holds the tower in fp32 while loading (+{params * extra / 2**20:,.0f} MiB)")
+    notes.append(f"vision: k-bit prep holds the tower in fp32 while loading (+{fmt_bytes(params * extra)})")

@@ -76,12 +76,16 @@ def test_lora_targets_outside_the_language_model_are_one_line(llava):
     assert picked.target_modules == r"model\.language_model\..*\.(q_proj)"
 
 
-def test_the_plan_counts_the_vision_tower_and_projector_at_the_compute_dtype(llava):
+@pytest.mark.parametrize("precision, dtype", [("fp32", "float32"), ("bf16", "bfloat16")])
+def test_the_plan_counts_the_vision_tower_and_projector_at_the_compute_dtype(llava, precision, dtype):
     from transformers import AutoModelForImageTextToText
 
     from qlora_recipes import planner
+    from qlora_recipes.units import fmt_bytes
 
-    cfg = compose_cfg(f"model.name_or_path={llava}", "quant=nf4", "optim=paged8bit", "trainer=smoke")
+    cfg = compose_cfg(
+        f"model.name_or_path={llava}", "quant=nf4", "optim=paged8bit", "trainer=smoke", f"precision={precision}"
+    )
     plan = planner.plan(cfg)
     model = AutoModelForImageTextToText.from_pretrained(str(llava))
     vision = sum(
@@ -89,10 +93,13 @@ def test_the_plan_counts_the_vision_tower_and_projector_at_the_compute_dtype(lla
     )
     assert plan["counts"]["params_total"] == sum(p.numel() for p in model.parameters())
     notes = [n for n in plan["notes"] if n.startswith("vision:")]
-    assert len(notes) == 1 and notes[0].startswith(
-        f"vision: the vision tower and projector ({vision:,} params) stay unquantized in float32; the sequence "
+    assert notes[0].startswith(
+        f"vision: the vision tower and projector ({vision:,} params) stay unquantized in {dtype}; the sequence "
         "counts each image's tokens; the tower's forward (2 layers of 5 patches an image, 5 image tokens each"
     )
+    # k-bit prep casts a 16-bit tower to fp32 while loading: 2 bytes more a parameter, in the note's size
+    upcast = [f"vision: k-bit prep holds the tower in fp32 while loading (+{fmt_bytes(2 * vision)})"]
+    assert notes[1:] == (upcast if dtype == "bfloat16" else [])
     text = planner.plan(compose_cfg("quant=nf4", "optim=paged8bit", "trainer=smoke"))
     assert not [n for n in text["notes"] if n.startswith("vision:")]
 

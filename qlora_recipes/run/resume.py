@@ -132,12 +132,15 @@ def resume_checkpoint(cfg: TrainConfig, run_dir: Path) -> str | None:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"resume: {saved} is not a config this version of train.py can read ({first})") from None
     changed = stack_changes(saved_cfg, cfg, dropped)
+    record = read_record(checkpoint)
     if changed and not r.allow_changes:
+        # another rank count first: it alone can change what auto resolves to (peft.adapter_dtype is bf16 in
+        # one process only), and its line says how to relaunch; a relaunch as trained then names what else differs
+        _check_world_size(cfg, checkpoint, record)
         raise UserError(
             f"resume: this stack differs from the one that wrote {checkpoint or owner} in {', '.join(changed)}; "
             "relaunch with the original values, or set resume.allow_changes=true"
         )
-    record = read_record(checkpoint)
     if not r.checkpoint:
         _unless_complete(cfg, run_dir, checkpoint, record, saved_cfg)
     _check_world_size(cfg, checkpoint, record)

@@ -9,6 +9,7 @@ import pytest
 from conftest import compose_cfg
 
 from qlora_recipes.config import checks
+from qlora_recipes.config.adapters import settled
 from qlora_recipes.config.fields import keys, option, range_ok, resume_safe_prefixes
 from qlora_recipes.config.loader import load, read_saved, to_yaml, with_overrides
 from qlora_recipes.config.schema import OPTIMIZERS, QUANT_METHODS, TrainConfig
@@ -134,7 +135,9 @@ def test_the_oom_ladder_rung_is_the_typed_config_with_its_overrides():
 
 
 def test_a_saved_config_yaml_reads_back_equal(tmp_path):
-    cfg = compose_cfg(*SMOKE, "peft.r=8", "offload=cpu", "logger=[tensorboard,wandb]")
+    # as a run saves it: peft.adapter_dtype=auto settled for this CPU's precision (a saved auto is a config
+    # from before the key, which trained float32)
+    cfg = settled(compose_cfg(*SMOKE, "peft.r=8", "offload=cpu", "logger=[tensorboard,wandb]"))
     path = tmp_path / "config.yaml"
     path.write_text(to_yaml(cfg))
     again = read_saved(path)
@@ -151,7 +154,7 @@ def test_config_yaml_is_what_the_composed_config_resolves_to():
 
 
 def test_a_saved_key_the_schema_no_longer_reads_counts_as_changed(tmp_path):
-    cfg = compose_cfg(*SMOKE)
+    cfg = settled(compose_cfg(*SMOKE))  # as a run saves it: peft.adapter_dtype=auto settled
     path = tmp_path / "config.yaml"
     path.write_text(to_yaml(cfg).replace("peft:\n", "peft:\n  old_knob: 1\n", 1))
     with pytest.raises(Exception, match="old_knob"):

@@ -7,6 +7,7 @@ import pytest
 from conftest import compose_cfg
 
 from qlora_recipes import planner
+from qlora_recipes.config.adapters import settled
 from qlora_recipes.config.loader import to_yaml
 from qlora_recipes.errors import UserError
 from qlora_recipes.planner.seqlen import resolve_auto
@@ -81,7 +82,7 @@ def test_a_run_plans_and_saves_what_auto_resolved_to():
 
 
 def test_resuming_with_auto_is_not_a_stack_change():
-    saved = compose_cfg("trainer=smoke", "trainer.seq_len=128")
+    saved = settled(compose_cfg("trainer=smoke", "trainer.seq_len=128"))  # as config.yaml records it
     assert stack_changes(saved, compose_cfg("trainer=smoke")) == []
     assert stack_changes(saved, compose_cfg("trainer=smoke", "trainer.seq_len=64")) == ["trainer.seq_len"]
 

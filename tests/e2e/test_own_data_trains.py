@@ -2,6 +2,7 @@
 within its bounds."""
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -80,15 +81,19 @@ def test_eval_file_with_100k_character_rows_runs_within_bounds(tmp_path, run_dir
         assert positions <= 64 and new == 6 and out_positions <= 64 + 6
 
 
-def test_alpaca_rows_longer_than_64_tokens_train_on_the_default_without_a_seq_len(tmp_path):
-    """`python train.py data.path=my.jsonl trainer=smoke`, ordinary Alpaca rows (instruction, input, output):
-    with the Alpaca template every row is over 64 tokens of the tiny model's character tokenizer, which
-    used to stop the run at "raise trainer.seq_len". trainer.seq_len=auto takes the longest row, rounded
-    up to a multiple of 64 within the model's 256 positions, says why, and the run trains, saves and
-    plans at that length."""
+def test_alpaca_rows_longer_than_64_tokens_train_on_the_default_without_a_seq_len(tmp_path, caplog):
+    """`python train.py data.path=my.jsonl trainer=smoke` (the stack it composes, trained in this process:
+    the command line with only data.path is the first test's), ordinary Alpaca rows (instruction, input,
+    output): with the Alpaca template every row is over 64 tokens of the tiny model's character tokenizer,
+    which used to stop the run at "raise trainer.seq_len". trainer.seq_len=auto takes the longest row,
+    rounded up to a multiple of 64 within the model's 256 positions, says why, and the run trains, saves
+    and plans at that length."""
+    from qlora_recipes.run.training import train
+
     path = write_jsonl(tmp_path / "my.jsonl", own_rows("alpaca", 24))
     run_dir = tmp_path / "run"
-    proc = _smoke_on(path, run_dir)
+    with caplog.at_level(logging.INFO, logger="qlora_recipes.planner"):
+        train(compose_cfg(f"data.path={path}", "trainer=smoke"), run_dir)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     chosen = metrics["data"]["seq_len"]
     longest = metrics["data"]["max_tokens"]["train"]
@@ -98,7 +103,7 @@ def test_alpaca_rows_longer_than_64_tokens_train_on_the_default_without_a_seq_le
         f"trainer.seq_len=auto -> {chosen} (the longest tokenized train row of {path}, {longest} tokens, "
         "rounded up to a multiple of 64)"
     )
-    assert line in proc.stdout.splitlines()
+    assert line in [r.getMessage() for r in caplog.records]
     assert metrics["status"] == "ok" and metrics["steps"] == 3
     assert f"seq_len: {chosen}\n" in (run_dir / "config.yaml").read_text()
     plan = json.loads((run_dir / "plan.json").read_text())  # planned for the rows: their longest, not all chosen long

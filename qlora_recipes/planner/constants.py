@@ -22,12 +22,24 @@ CUDA_CONTEXT_BYTES = 1 * GiB
 # on a 2-core CPU box, torch 2.13: the 1 M-parameter cases of bench/results/planner-cpu.json peak at
 # 0.74-0.76 GiB, of which the plan's model, adapters and step are 0.12-0.13 GiB.
 CPU_PROCESS_BASELINE_BYTES = int(0.62 * GiB)
-# What a run adds after train()'s start, when it plans with its own start RSS (planner/process.py):
-# the tokenizer, the tokenized data, the trainer's late imports, thread pools (0.62 - 0.51 GiB).
-CPU_PROCESS_AFTER_START_BYTES = CPU_PROCESS_BASELINE_BYTES - int(0.51 * GiB)
+# What a run adds after train()'s start, when it plans with its own start RSS (planner/process.py).
+# That start now holds the objective's TRL trainer and what it imports (accelerate's backends
+# included), so what follows is the tokenized data (+0.015), the model's files paged in (+0.01), the
+# trainer's set-up (+0.01) and the steps' kernels' code, thread pools and workspaces (+0.02), the
+# sizes on the tiny default (RSS at each phase, sampled). Measured 2026-11-29 on
+# an Intel Xeon with AMX (2 cores, torch 2.13) as peak RSS - start RSS - the plan's modelled bytes
+# of `python train.py trainer=smoke data.metric=null objective=O precision=fp32`: sft 0.054, dpo
+# 0.056, grpo 0.055, kto 0.071 GiB (its KL rows, built as the trainer starts). The AMD EPYC box
+# (no native bf16) measured as little: its checkpointing=auto bench of 2026-11-28 (bench/results/,
+# fp32, the trainers already imported at the start) peaked 0.047 GiB under a plan made with 0.11.
+CPU_PROCESS_AFTER_START_BYTES = int(0.06 * GiB)
 # ... and on a CPU that computes bf16 natively (AVX512-BF16 / AMX), a bf16 run's oneDNN kernels and
-# their scratch space: the tiny default's smoke run measured 0.726 GiB in bf16 and 0.668 in fp32 after
-# the same start on an AMX Xeon (2 cores, torch 2.13), with plans 0.001 GiB apart.
+# their scratch space (anonymous memory, mostly, from the first bf16 step): the same runs in bf16
+# measured 0.054-0.072 GiB over their fp32 twins on the same start (sft 0.057, dpo 0.055, grpo 0.054,
+# kto 0.072; plans 0.001 GiB apart), as the tiny default's smoke run did on 2026-11-26 (0.058). An
+# upper figure: about half is oneDNN's primitive cache (the smoke run's growth in training fell from
+# 0.048 to 0.026 GiB with ONEDNN_PRIMITIVE_CACHE_CAPACITY=0), which depends on the GEMMs' shapes:
+# 64 rows a micro-batch (trainer.micro_batch_size=64) measured 0.022 over fp32, not 0.057.
 CPU_NATIVE_BF16_KERNELS_BYTES = int(0.06 * GiB)
 # torch's CUDA caching allocator: long-lived tensors waste little (512-byte rounding, 2 MiB / 20 MiB
 # segments); the per-step tensors of varying size fragment segments. Rules of thumb: 1 % of static

@@ -86,6 +86,14 @@ def build_qwen2_5_vl(out: Path) -> Path:
     return _save_parts(Qwen2_5_VLForConditionalGeneration, config, tokenizer, _qwen_image_processor(14), processor, out)
 
 
+# Qwen3-VL's tower (the MoE model's too): 16-px patches merged 2x2, one deepstack layer
+QWEN3_VL_TOWER = dict(
+    depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=COMMON["hidden_size"],
+    patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+    deepstack_visual_indexes=[0],
+)  # fmt: skip
+
+
 def build_qwen3_vl(out: Path) -> Path:
     """Qwen3-VL: 16-px patches merged 2x2, 64x64 pixels (4 image tokens), one deepstack layer."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
@@ -93,11 +101,7 @@ def build_qwen3_vl(out: Path) -> Path:
     tokenizer, ids = _qwen_tokenizer()
     text = {**COMMON, "vocab_size": len(tokenizer)}
     text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}
-    vision = dict(
-        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=COMMON["hidden_size"],
-        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
-        deepstack_visual_indexes=[0],
-    )  # fmt: skip
+    vision = QWEN3_VL_TOWER
     config = Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
     processor = {"processor_class": "Qwen3VLProcessor"}
     return _save_parts(Qwen3VLForConditionalGeneration, config, tokenizer, _qwen_image_processor(16), processor, out)
@@ -112,11 +116,7 @@ def build_qwen3_vl_moe(out: Path) -> Path:
     text = {**COMMON, "vocab_size": len(tokenizer), "num_experts": 4, "num_experts_per_tok": 2}
     text.update(moe_intermediate_size=64, tie_word_embeddings=False)
     text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}
-    vision = dict(
-        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=COMMON["hidden_size"],
-        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
-        deepstack_visual_indexes=[0],
-    )  # fmt: skip
+    vision = QWEN3_VL_TOWER
     config = Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids)
     processor = {"processor_class": "Qwen3VLProcessor"}
     return _save_parts(Qwen3VLMoeForConditionalGeneration, config, tokenizer, _qwen_image_processor(16), processor, out)

@@ -71,6 +71,20 @@ DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 # optim.name -> how the optimizer keeps state: the byte figures of components.py and single.py are
 # keyed by the kind. The names are config/schema.py's OPTIMIZERS, the one list of accepted names
 # (tests/unit/test_optimizer_figures.py keeps the two equal).
+# bitsandbytes' optimizer step on a CPU (its torch fallback, one tensor at a time) makes fp32 copies and
+# temporaries of the tensor it updates; its CUDA kernels update in place. Bytes per element of the tensor
+# stepped, by (optimizer kind, bytes per trained element): measured as the RSS rise over opt.step() of a
+# 12.8M-element tensor beside a small one (torch 2.13, bitsandbytes 0.50.2, 2-core AMX Xeon, 2026-11-29:
+# 19.97-20.00 / 23.99 for 8-bit AdamW and paged AdamW, fp32 / bf16; 11.98 / 16.00 for paged AdamW 32-bit).
+# A LoRA tensor makes it a few MiB; a trainable lm_head copy (peft.modules_to_save) hundreds.
+BNB_CPU_STEP_BYTES = {
+    ("adam8_bnb", 4): 20,
+    ("adam8_bnb", 2): 24,
+    ("adam8_bnb_paged", 4): 20,
+    ("adam8_bnb_paged", 2): 24,
+    ("adam32_bnb_paged", 4): 12,
+    ("adam32_bnb_paged", 2): 16,
+}
 OPTIMIZERS = {
     "adamw_torch": "adam32_torch",
     "adamw_torch_fused": "adam32_torch_fused",

@@ -36,6 +36,7 @@ _LABELS = {
     "offload_staging": "offload staging",
     "cuda_context": "CUDA context",
     "process_baseline": "process baseline",
+    "cpu_kernels": "bf16 CPU kernels (after loading)",
     "allocator_overhead": "allocator overhead",
 }
 

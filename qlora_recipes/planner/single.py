@@ -36,6 +36,7 @@ from .components import (
 from .constants import (
     ALLOCATOR_DYNAMIC_FRACTION,
     ALLOCATOR_STATIC_FRACTION,
+    BNB_CPU_STEP_BYTES,
     CUDA_CONTEXT_BYTES,
     HEADROOM_TARGET,
     OPTIMIZERS,
@@ -51,7 +52,7 @@ from .placement import (
     rewrites_offloaded,
     unquantized_blocks,
 )
-from .process import baseline_source, cpu_process_baseline
+from .process import baseline_source, cpu_process_baseline, kernel_bytes
 from .spec import StackSpec, data_note
 from .vision import add_vision_eval, add_vision_rows, add_vision_upcast
 
@@ -120,6 +121,7 @@ def plan_single(st: StackSpec, hw: _dev.Hardware) -> dict:
             comp["cuda_context"][d] += CUDA_CONTEXT_BYTES
         elif d == "cpu":
             comp["process_baseline"][d] += cpu_process_baseline(st.dtype)
+            comp["cpu_kernels"][d] += kernel_bytes(st.dtype)
     devices = [_device(st, hw, comp, d, disk_bytes, max_memory) for d in dev_names]
     _notes(st, hw, t.placed, paged_total, t.disk_read, notes)
     return _plan_dict(st, hw, t, devices, dmap, max_memory, paged_total, notes)
@@ -211,16 +213,20 @@ def _tally_unquantized(st: StackSpec, t: _Tally, bb: BlockBytes, where: str, off
 
 def _optimizer_rows(st: StackSpec, t: _Tally) -> int:
     """Optimizer state, with its parameters; the optimizer step's scratch (foreach torch AdamW's
-    sqrt(exp_avg_sq) temporary, 4 bytes per trainable element). Returns the paged bytes on GPUs."""
+    sqrt(exp_avg_sq) temporary, 4 bytes per trainable element; bitsandbytes' step on a CPU, tensor by
+    tensor: BNB_CPU_STEP_BYTES per element of the largest). Returns the paged bytes on GPUs."""
     paged_total = 0
     for holder, shapes in t.trainable_shapes.items():
         state, paged = optimizer_bytes(st.optim, shapes)
         t.comp["optimizer_state"][holder] += state + optimizer_shared_bytes(st.optim)
         paged_total += paged if holder.startswith("cuda") else 0
+        largest = max((math.prod(s) for s in shapes), default=0)
         if OPTIMIZERS[st.optim] == "adam32_torch":
             t.comp["optimizer_scratch"][holder] += 4 * sum(math.prod(s) for s in shapes)
         elif OPTIMIZERS[st.optim] == "adafactor":
-            t.comp["optimizer_scratch"][holder] += 8 * max((math.prod(s) for s in shapes), default=0)
+            t.comp["optimizer_scratch"][holder] += 8 * largest
+        elif holder == "cpu" and (per := BNB_CPU_STEP_BYTES.get((OPTIMIZERS[st.optim], st.adapter_bytes))):
+            t.comp["optimizer_scratch"][holder] += per * largest
     return paged_total
 
 

@@ -20,7 +20,10 @@ CUDA_CONTEXT_BYTES = 1 * GiB
 # train()'s start), the tokenizer and the tokenized data (+0.02-0.04), what the trainer imports when
 # it starts (+0.04: accelerate's optional backends), thread pools and kernel workspaces. Measured
 # on a 2-core CPU box, torch 2.13: the 1 M-parameter cases of bench/results/planner-cpu.json peak at
-# 0.74-0.76 GiB, of which the plan's model, adapters and step are 0.12-0.13 GiB.
+# 0.74-0.76 GiB, of which the plan's model, adapters and step are 0.12-0.13 GiB. `qlora plan` uses it,
+# having no run to measure; a run plans with its own start RSS instead (planner/process.py), which now
+# holds the objective's trainer and accelerate's backends: 0.58 GiB on a 2-core AMX Xeon (2026-11-29),
+# 0.52-0.61 across fresh venvs (the shared libraries' file pages come and go with the page cache).
 CPU_PROCESS_BASELINE_BYTES = int(0.62 * GiB)
 # What a run adds after train()'s start, when it plans with its own start RSS (planner/process.py).
 # That start now holds the objective's TRL trainer and what it imports (accelerate's backends

@@ -17,11 +17,13 @@ STACK = (*SMOKE, "trainer.seq_len=256", "trainer.micro_batch_size=128", "trainer
 
 
 def _run_start_rss() -> int:
-    """A fresh process's RSS with a run's libraries imported: what train.py plans its CPU baseline from
-    (a test worker's own footprint, or the stated constant, can sit 100+ MiB away from it)."""
+    """A fresh process's RSS with a run's libraries imported, as run/training.py reads it before planning
+    (malloc thresholds pinned, the objective's TRL trainer imported): what train.py plans its CPU baseline
+    from (a test worker's own footprint, or the stated constant, can sit 100+ MiB away from it)."""
     code = (
-        "import peft, transformers, trl; from qlora_recipes.run import training; "
-        "from qlora_recipes.run.memory import rss_bytes; print(rss_bytes())"
+        "import peft, transformers, trl; from qlora_recipes.run import lifecycle, training; "
+        "from qlora_recipes.run.memory import pin_malloc_thresholds, rss_bytes; "
+        "pin_malloc_thresholds(); lifecycle.guarded('sft'); print(rss_bytes())"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])

@@ -31,12 +31,6 @@ def measured_start(rss: int) -> Iterator[None]:
         _start_rss = previous
 
 
-def after_start_bytes(dtype: str) -> int:
-    """What a run adds to its footprint after its start: libraries, data, thread pools (the bf16
-    kernels apart: kernel_bytes)."""
-    return CPU_PROCESS_AFTER_START_BYTES
-
-
 def kernel_bytes(dtype: str) -> int:
     """The bf16 kernels' workspace of a run that measured its start, where this CPU computes bf16
     natively: made by the first bf16 op, after loading (peaks.py leaves it out of the load phase)."""
@@ -44,11 +38,11 @@ def kernel_bytes(dtype: str) -> int:
     return CPU_NATIVE_BF16_KERNELS_BYTES if native_bf16 and _start_rss is not None else 0
 
 
-def cpu_process_baseline(dtype: str) -> int:
-    """Bytes of a CPU training process computing in `dtype` apart from what the plan models."""
+def cpu_process_baseline() -> int:
+    """Bytes of a CPU training process apart from what the plan models (its bf16 kernels: kernel_bytes)."""
     if _start_rss is None:
         return CPU_PROCESS_BASELINE_BYTES
-    return _start_rss + after_start_bytes(dtype)
+    return _start_rss + CPU_PROCESS_AFTER_START_BYTES
 
 
 def baseline_source(dtype: str) -> dict:
@@ -58,6 +52,6 @@ def baseline_source(dtype: str) -> dict:
     return {
         "kind": "measured at the run's start",
         "start_rss": _start_rss,
-        "after_start": after_start_bytes(dtype),
+        "after_start": CPU_PROCESS_AFTER_START_BYTES,
         "bf16_kernels": kernel_bytes(dtype),
     }

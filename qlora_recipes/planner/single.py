@@ -120,7 +120,7 @@ def plan_single(st: StackSpec, hw: _dev.Hardware) -> dict:
         if d.startswith("cuda"):
             comp["cuda_context"][d] += CUDA_CONTEXT_BYTES
         elif d == "cpu":
-            comp["process_baseline"][d] += cpu_process_baseline(st.dtype)
+            comp["process_baseline"][d] += cpu_process_baseline()
             comp["cpu_kernels"][d] += kernel_bytes(st.dtype)
     devices = [_device(st, hw, comp, d, disk_bytes, max_memory) for d in dev_names]
     _notes(st, hw, t.placed, paged_total, t.disk_read, notes)
@@ -494,7 +494,7 @@ def _plan_dict(
         "notes": notes,
         "constants": {
             "cuda_context_bytes": CUDA_CONTEXT_BYTES,
-            "cpu_process_baseline_bytes": cpu_process_baseline(st.dtype),
+            "cpu_process_baseline_bytes": cpu_process_baseline(),
             "cpu_process_baseline": baseline_source(st.dtype),
             "allocator_static_fraction": ALLOCATOR_STATIC_FRACTION,
             "allocator_dynamic_fraction": ALLOCATOR_DYNAMIC_FRACTION,
